@@ -43,24 +43,38 @@ def exact_route(logits: torch.Tensor, spec: RouterSpec) -> tuple[torch.Tensor, t
 
 @dataclass
 class RoutingStats:
-    """Expert ids used per layer per step, filled by the MoE blocks when recording is on.
+    """Expert ids used per layer per step, filled by the MoE blocks when `record` is on.
 
-    steps[i][layer] = ids [T, K] (CPU int64) of step i. A step is one model forward.
+    steps[i] = {layer: ids [T, K]} of forward i, kept on the model's device (no host sync on the
+    hot path); decode[i] says whether that forward was a decode step.
     """
 
     record: bool = False
     steps: list[dict[int, torch.Tensor]] = field(default_factory=list)
+    decode: list[bool] = field(default_factory=list)
 
-    def begin_step(self) -> None:
+    def begin_step(self, is_decode: bool) -> None:
         if self.record:
             self.steps.append({})
+            self.decode.append(is_decode)
 
     def add(self, layer: int, ids: torch.Tensor) -> None:
         if self.record and self.steps:
-            self.steps[-1][layer] = ids.detach().to("cpu")
+            self.steps[-1][layer] = ids.detach()
 
     def clear(self) -> None:
         self.steps.clear()
+        self.decode.clear()
+
+    def unique_per_layer(self, decode_only: bool = True) -> float:
+        """Mean number of distinct experts per MoE layer per step (decode steps by default)."""
+        counts = [
+            int(ids.unique().numel())
+            for step, dec in zip(self.steps, self.decode)
+            if dec or not decode_only
+            for ids in step.values()
+        ]
+        return sum(counts) / len(counts) if counts else 0.0
 
 
 class ExactRouter:

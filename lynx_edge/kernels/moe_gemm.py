@@ -1,13 +1,33 @@
-"""Grouped expert GEMM for MoE decode: torch reference (the CPU path).
+"""Grouped expert GEMM for MoE decode: torch reference (the CPU path) and Triton kernels.
 
 Experts are stacked as gate_up [E, 2I, D] (rows [:I] gate, [I:] up, as transformers fuses them)
 and down [E, D, I]. Each active expert's weights are read once per call however many tokens
-share it. Glossary: T tokens, D hidden, E experts, K top-k, I expert intermediate.
+share it. Glossary: T tokens, D hidden, E experts, K top-k, I expert intermediate, A active
+experts, G INT4 group size.
+
+Triton path (fused_moe / fused_moe_int4): torch ops on device sort the T·K (token, expert) slots
+expert-major (no host sync); kernel 1 computes silu(gate)·up per active expert and I-tile,
+kernel 2 the down projection times the routing weight into a per-slot buffer [S, T·K, D]
+(S = split-K), and one torch sum over (S, K) finalises deterministically (no atomics).
+Grids are sized for A = min(T·K, E); programs past the active count exit at once. INT4 weights
+(lynx_edge.quant.int4 layout) are dequantised in registers. Set LYNX_TRITON_INTERPRET=1 (or
+TRITON_INTERPRET=1) before importing this module to run the kernels on CPU tensors.
 """
 from __future__ import annotations
 
+import os
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
+
+if os.environ.get("LYNX_TRITON_INTERPRET") == "1":
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede @triton.jit below
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the torch reference is the only path
+    triton = None
 
 
 def expert_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
@@ -45,3 +65,183 @@ def moe_ref(
         out.index_add_(0, t_e, y.float() * w[start : start + n, None])
         start += n
     return out.to(x.dtype)
+
+
+def moe_ref_lazy(
+    x: torch.Tensor,  # [T, D]
+    ids: torch.Tensor,  # [T, K] int64
+    weights: torch.Tensor,  # [T, K] fp32
+    num_experts: int,
+    fetch: Callable[[int], tuple[torch.Tensor, torch.Tensor]],  # e → (gate_up [2I, D], down [D, I])
+) -> torch.Tensor:
+    """moe_ref with expert weights made on demand (e.g. dequantised): only experts in ids are
+    fetched, once each, in ascending id order; same fp32 accumulation order as moe_ref."""
+    T, K = ids.shape
+    out = torch.zeros(T, x.shape[-1], dtype=torch.float32, device=x.device)
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    tok = order // K
+    w = weights.reshape(-1)[order]
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        t_e = tok[start : start + n]
+        gate_up, down = fetch(e)
+        y = expert_mlp(x[t_e], gate_up, down)
+        out.index_add_(0, t_e, y.float() * w[start : start + n, None])
+        start += n
+    return out.to(x.dtype)
+
+
+# ----------------------------------------------------------------------------- Triton path
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """Triton on CUDA tensors, or on CPU tensors under the interpreter; torch otherwise."""
+    return triton is not None and (x.is_cuda or _interpreting())
+
+
+def expert_table(ids: torch.Tensor, num_experts: int) -> dict[str, torch.Tensor]:
+    """Expert-major token table from ids [T, K], built with device ops only (no host sync).
+
+    rows: the T·K slots sorted by expert (stable). tok [T·K] token of each row, slot [T·K] its
+    flat index t·K + k; act_e [A] expert of each active slot (A = min(T·K, E), valid below
+    num_act [1]); act_start [A + 1] row ranges, act_start[i] = T·K for i ≥ num_act.
+    """
+    TK, K = ids.numel(), ids.shape[1]
+    A = min(TK, num_experts)
+    sorted_e, order = torch.sort(ids.reshape(-1), stable=True)
+    first = torch.ones(1, dtype=torch.bool, device=ids.device)
+    is_start = torch.cat([first, sorted_e[1:] != sorted_e[:-1]])  # [T·K] a new expert's first row
+    rank = torch.cumsum(is_start, 0) - 1  # active index of each row's expert
+    row = torch.arange(TK, device=ids.device)
+    # scatter every run's first row to its rank; other rows to distinct scratch slots (≥ A + 1)
+    dst = torch.where(is_start, rank, A + 1 + row)
+    i32 = torch.int32
+    act_e = torch.zeros(A + 1 + TK, dtype=i32, device=ids.device).scatter_(0, dst, sorted_e.to(i32))
+    act_start = torch.full((A + 1 + TK,), TK, dtype=i32, device=ids.device).scatter_(0, dst, row.to(i32))
+    return {
+        "tok": (order // K).to(i32), "slot": order.to(i32), "act_e": act_e[:A],
+        "act_start": act_start[: A + 1], "num_act": (rank[-1:] + 1).to(i32),
+    }
+
+
+if triton is not None:
+
+    @triton.jit
+    def _tile_matmul(
+        acc, x_ptr, x_rows, x_mask, stride_x,  # acc [BN, BM] fp32; x rows [BM] of a row-major matrix
+        w_base, s_base, z_base, offs_n, n_mask, k_lo, k_hi, stride_wn, stride_sg,
+        BLOCK_K: tl.constexpr, GROUP: tl.constexpr, INT4: tl.constexpr, SYM: tl.constexpr,
+        USE_DOT: tl.constexpr, PREC: tl.constexpr,
+    ):
+        """acc += W[offs_n, k_lo:k_hi] @ X[x_rows, k_lo:k_hi]ᵀ. Tokens sit on the small (column)
+        side; dense W rows are [.., Kin] elements, INT4 rows [.., Kin/2] bytes (low nibble = even k)
+        with one scale (and zero) row per K step: BLOCK_K divides GROUP."""
+        xcol = x_ptr + x_rows[None, :] * stride_x  # [1, BM]
+        if INT4:
+            HALF: tl.constexpr = BLOCK_K // 2
+            for k0 in range(k_lo, k_hi, BLOCK_K):
+                offs_b = k0 // 2 + tl.arange(0, HALF)  # byte columns of this step
+                b = tl.load(w_base + offs_n[:, None] * stride_wn + offs_b[None, :],
+                            mask=n_mask[:, None], other=0)  # [BN, HALF] uint8
+                g = k0 // GROUP
+                s = tl.load(s_base + g * stride_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+                if SYM:
+                    z = 8.0
+                else:
+                    z = tl.load(z_base + g * stride_sg + offs_n, mask=n_mask, other=0).to(tl.float32)[:, None]
+                lo = ((b & 0xF).to(tl.float32) - z) * s[:, None]  # even k  [BN, HALF]
+                hi = ((b >> 4).to(tl.float32) - z) * s[:, None]  # odd k
+                xe = tl.load(xcol + 2 * offs_b[:, None], mask=x_mask[None, :], other=0.0)  # [HALF, BM]
+                xo = tl.load(xcol + 2 * offs_b[:, None] + 1, mask=x_mask[None, :], other=0.0)
+                if USE_DOT:
+                    acc = tl.dot(lo.to(xe.dtype), xe, acc, input_precision=PREC)
+                    acc = tl.dot(hi.to(xo.dtype), xo, acc, input_precision=PREC)
+                else:
+                    acc += tl.sum(lo[:, :, None] * xe.to(tl.float32)[None, :, :], axis=1)
+                    acc += tl.sum(hi[:, :, None] * xo.to(tl.float32)[None, :, :], axis=1)
+        else:
+            for k0 in range(k_lo, k_hi, BLOCK_K):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                w = tl.load(w_base + offs_n[:, None] * stride_wn + offs_k[None, :],
+                            mask=n_mask[:, None], other=0.0)  # [BN, BK]
+                xt = tl.load(xcol + offs_k[:, None], mask=x_mask[None, :], other=0.0)  # [BK, BM]
+                if USE_DOT:
+                    acc = tl.dot(w, xt, acc, input_precision=PREC)
+                else:
+                    acc += tl.sum(w.to(tl.float32)[:, :, None] * xt.to(tl.float32)[None, :, :], axis=1)
+        return acc
+
+    @triton.jit
+    def _gate_up_kernel(
+        x_ptr, h_ptr, w_ptr, s_ptr, z_ptr, tok_ptr, act_e_ptr, act_start_ptr, num_act_ptr,
+        D, I, stride_x, stride_we, stride_wn, stride_se, stride_ze, stride_sg,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+        INT4: tl.constexpr, SYM: tl.constexpr, USE_DOT: tl.constexpr, PREC: tl.constexpr,
+    ):
+        """h[row, n] = silu(x[tok]·gateₙ)·(x[tok]·upₙ) for one (active expert, I-tile)."""
+        pid_a = tl.program_id(0)
+        if pid_a >= tl.load(num_act_ptr):
+            return  # grid is sized for the worst case; inactive experts' bytes are never read
+        e = tl.load(act_e_ptr + pid_a).to(tl.int64)
+        start = tl.load(act_start_ptr + pid_a)
+        end = tl.load(act_start_ptr + pid_a + 1)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < I
+        w_base = w_ptr + e * stride_we
+        s_base = s_ptr + e * stride_se
+        z_base = z_ptr + e * stride_ze
+        for m0 in range(start, end, BLOCK_M):  # one pass when BLOCK_M ≥ tokens of this expert
+            rows = m0 + tl.arange(0, BLOCK_M)
+            r_mask = rows < end
+            tok = tl.load(tok_ptr + rows, mask=r_mask, other=0)
+            zero = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            g = _tile_matmul(zero, x_ptr, tok, r_mask, stride_x, w_base, s_base, z_base, offs_n,
+                             n_mask, 0, D, stride_wn, stride_sg, BLOCK_K, GROUP, INT4, SYM, USE_DOT, PREC)
+            u = _tile_matmul(zero, x_ptr, tok, r_mask, stride_x, w_base, s_base, z_base, offs_n + I,
+                             n_mask, 0, D, stride_wn, stride_sg, BLOCK_K, GROUP, INT4, SYM, USE_DOT, PREC)
+            h = g / (1.0 + tl.exp(-g)) * u  # [BN, BM]
+            tl.store(h_ptr + rows[None, :] * I + offs_n[:, None], h.to(h_ptr.dtype.element_ty),
+                     mask=n_mask[:, None] & r_mask[None, :])
+
+    @triton.jit
+    def _down_kernel(
+        h_ptr, out_ptr, w_ptr, s_ptr, z_ptr, slot_ptr, rw_ptr, act_e_ptr, act_start_ptr, num_act_ptr,
+        D, I, TK, SPLIT_LEN, stride_we, stride_wn, stride_se, stride_ze, stride_sg,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+        INT4: tl.constexpr, SYM: tl.constexpr, USE_DOT: tl.constexpr, PREC: tl.constexpr,
+    ):
+        """out[split, slot, n] = rw[row]·(h[row, k-range]·downₙ) for one (active expert, D-tile,
+        split); each (split, slot, n) is written by exactly one program."""
+        pid_a = tl.program_id(0)
+        if pid_a >= tl.load(num_act_ptr):
+            return
+        e = tl.load(act_e_ptr + pid_a).to(tl.int64)
+        start = tl.load(act_start_ptr + pid_a)
+        end = tl.load(act_start_ptr + pid_a + 1)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < D
+        pid_k = tl.program_id(2)
+        k_lo = pid_k * SPLIT_LEN
+        k_hi = tl.minimum(k_lo + SPLIT_LEN, I)
+        w_base = w_ptr + e * stride_we
+        s_base = s_ptr + e * stride_se
+        z_base = z_ptr + e * stride_ze
+        out_base = out_ptr + pid_k.to(tl.int64) * TK * D
+        for m0 in range(start, end, BLOCK_M):
+            rows = m0 + tl.arange(0, BLOCK_M)
+            r_mask = rows < end
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            acc = _tile_matmul(acc, h_ptr, rows, r_mask, I, w_base, s_base, z_base, offs_n, n_mask,
+                               k_lo, k_hi, stride_wn, stride_sg, BLOCK_K, GROUP, INT4, SYM, USE_DOT, PREC)
+            slot = tl.load(slot_ptr + rows, mask=r_mask, other=0)
+            rw = tl.load(rw_ptr + rows, mask=r_mask, other=0.0)
+            tl.store(out_base + slot[None, :] * D + offs_n[:, None], acc * rw[None, :],
+                     mask=n_mask[:, None] & r_mask[None, :])

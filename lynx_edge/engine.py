@@ -1,0 +1,289 @@
+"""Engine: owns all runtime state — model, tokenizer, KV cache, routing — and the one streaming call.
+
+    engine = Engine.from_pretrained("demo")
+    for chunk in engine.stream("def fib(n):", max_new_tokens=32):
+        print(chunk.text, end="")
+
+`stream` (one sequence) and `stream_batch` (B sequences decoded together, one batch per step)
+share `_generate`; chat, bench, eval and the Python API all sit on them.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from .config import ConfigError, ModelConfig
+from .hub import resolve_model
+from .kv_cache import KVCache
+from .loader import ProgressFn, load_weights
+from .models import FAMILIES, MoEForCausalLM
+from .routing import ExactRouter
+from .sampling import SamplingParams, select_tokens
+from .step import decode_step, prefill
+from .tokenizer import Detokenizer, Tokenizer
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+class ContextError(ValueError):
+    """A prompt that does not fit the context."""
+
+
+@dataclass
+class EngineConfig:
+    dtype: str | None = None  # None: bf16 on CUDA, fp32 on CPU
+    device: str | None = None  # None: cuda when present, else cpu
+    ctx_size: int | None = None  # None: min(max_position_embeddings, 4096)
+    lynx: str = "off"  # off | lynx | budget:m | … (see lynx.py)
+    record_routing: bool = False  # keep expert ids per layer per step (routing stats)
+    allow_pickle: bool = False  # load .bin checkpoints (unpickling: only for trusted files)
+
+
+@dataclass
+class Chunk:
+    """One streamed piece of a sequence."""
+
+    text: str  # new text (may be "" while a UTF-8 character or a stop string is incomplete)
+    token_ids: list[int]  # new token ids
+    index: int = 0  # which sequence of the batch
+    finish_reason: str | None = None  # stop | length | None while running
+    stats: dict | None = None  # the generation's summary, on the generation's last chunk
+
+
+@dataclass
+class _Seq:
+    ids: list[int]  # prompt token ids
+    detok: Detokenizer
+    out: list[int] = field(default_factory=list)
+    text: str = ""  # emitted so far
+    pending: str = ""  # held back: may be the start of a stop string
+    finish: str | None = None
+
+
+class Engine:
+    def __init__(self, model: MoEForCausalLM, tokenizer: Tokenizer, config: EngineConfig, model_dir: Path):
+        self.model, self.tokenizer, self.config, self.model_dir = model, tokenizer, config, model_dir
+        self.cfg: ModelConfig = model.cfg
+        self.ctx = min(config.ctx_size or min(self.cfg.max_position_embeddings, 4096), self.cfg.max_position_embeddings)
+        self.kv: KVCache | None = None
+        self._session: list[int] = []  # tokens held in cache row 0 (reused across chat turns)
+        self.model.routing.stats.record = config.record_routing
+        self.last_stats: dict = {}
+        self.set_lynx(config.lynx)
+
+    # construction -------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, path_or_repo: str | Path | None = "demo", dtype: str | None = None,
+                        device: str | None = None, progress: ProgressFn | None = None, **options) -> "Engine":
+        config = EngineConfig(dtype=dtype, device=device, **options)
+        model_dir = resolve_model(path_or_repo)
+        cfg = ModelConfig.from_file(model_dir / "config.json")
+        tokenizer = Tokenizer(model_dir)
+        dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if dtype is not None and dtype not in _DTYPES:
+            raise ConfigError(f"dtype {dtype!r} not supported; use one of float32, bfloat16, float16")
+        dt = _DTYPES[dtype] if dtype else (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+        model = MoEForCausalLM(cfg, dt, dev)
+        load_weights(model, model_dir, FAMILIES[cfg.model_type], progress, config.allow_pickle)
+        return cls(model, tokenizer, config, model_dir)
+
+    def set_lynx(self, mode) -> None:
+        """Switch routing: "off" (exact), "lynx", "budget:m", … or a LynxConfig."""
+        spec = self.model.routing.spec
+        if mode in (None, "off"):
+            self.model.routing.route = ExactRouter(spec)
+            self.lynx = None
+            return
+        from .lynx import LynxConfig, LynxRouter
+
+        cfg = mode if isinstance(mode, LynxConfig) else LynxConfig.parse(mode)
+        self.lynx = LynxRouter(spec, cfg) if cfg.mode != "off" else None
+        self.model.routing.route = self.lynx or ExactRouter(spec)
+
+    # public API ---------------------------------------------------------------------------
+    def encode_prompt(self, prompt_or_messages) -> list[int]:
+        if isinstance(prompt_or_messages, str):
+            return self.tokenizer.encode(prompt_or_messages)
+        if isinstance(prompt_or_messages, list) and all(isinstance(m, dict) for m in prompt_or_messages):
+            return self.tokenizer.encode_chat(prompt_or_messages)
+        if isinstance(prompt_or_messages, list) and all(isinstance(t, int) for t in prompt_or_messages):
+            return list(prompt_or_messages)
+        raise TypeError("prompt must be a string, a list of chat messages, or a list of token ids")
+
+    def stream(self, prompt_or_messages, truncate: bool = False, **sampling) -> Iterator[Chunk]:
+        """Generate for one prompt (text, chat messages or token ids), yielding Chunks as tokens come.
+
+        The KV cache of the previous call is reused for the longest common token prefix, so a chat
+        session never recomputes its history."""
+        sp = SamplingParams.from_kwargs(**sampling)
+        yield from self._generate([self._fit(self.encode_prompt(prompt_or_messages), sp, truncate)], sp, reuse=True)
+
+    def generate(self, prompt_or_messages, **sampling) -> str:
+        return "".join(c.text for c in self.stream(prompt_or_messages, **sampling))
+
+    def stream_batch(self, prompts: list, truncate: bool = False, **sampling) -> Iterator[Chunk]:
+        """Decode many sequences together, one batch per step; chunks carry their sequence's index."""
+        sp = SamplingParams.from_kwargs(**sampling)
+        ids = [self._fit(self.encode_prompt(p), sp, truncate) for p in prompts]
+        yield from self._generate(ids, sp, reuse=False)
+
+    def generate_batch(self, prompts: list, **sampling) -> list[str]:
+        texts = [""] * len(prompts)
+        for c in self.stream_batch(prompts, **sampling):
+            texts[c.index] += c.text
+        return texts
+
+    def reset(self) -> None:
+        """Forget the cached conversation (the next stream() prefills from scratch)."""
+        self._session = []
+
+    # internals ----------------------------------------------------------------------------
+    def _fit(self, ids: list[int], sp: SamplingParams, truncate: bool) -> list[int]:
+        if not ids:
+            raise ContextError("empty prompt")
+        if len(ids) >= self.ctx:
+            if not truncate:
+                raise ContextError(f"prompt of {len(ids)} tokens does not fit the context of {self.ctx} "
+                                   "(raise ctx_size / --ctx-size, or pass truncate=True to keep its end)")
+            keep = max(1, self.ctx - max(1, min(sp.max_new_tokens, self.ctx // 2)))
+            ids = ids[-keep:]
+        return ids
+
+    def _cache(self, batch: int) -> KVCache:
+        if self.kv is None or self.kv.batch < batch:
+            self.kv = None  # free the old one first
+            self.kv = KVCache(self.cfg, batch, self.ctx, self.model.dtype, self.model.device)
+            self.ctx = self.kv.ctx  # may have fallen back to a shorter context
+            self._session = []
+        return self.kv
+
+    def _stop_ids(self, sp: SamplingParams) -> set[int]:
+        ids = set(sp.stop_token_ids)
+        if not sp.ignore_eos:
+            ids |= set(self.cfg.eos_token_ids)
+            if self.tokenizer.eos_token_id is not None:
+                ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    def _prefill_all(self, prompts: list[list[int]], reuse: bool) -> torch.Tensor:
+        kv = self._cache(len(prompts))
+        logits = []
+        for row, ids in enumerate(prompts):
+            start = 0
+            if reuse and row == 0:  # longest common prefix with the cached session (≥ 1 token left to run)
+                while start < min(len(ids) - 1, len(self._session)) and ids[start] == self._session[start]:
+                    start += 1
+            logits.append(prefill(self.model, kv, row, ids[start:], start))
+        self._session = list(prompts[0]) if reuse else []
+        return torch.cat(logits)  # [B, V]
+
+    def _generate(self, prompts: list[list[int]], sp: SamplingParams, reuse: bool) -> Iterator[Chunk]:
+        dev = self.model.device
+        stops = self._stop_ids(sp)
+        gen = torch.Generator(device=dev)
+        gen.manual_seed(sp.seed if sp.seed is not None else int(time.time_ns() % (2**63)))
+        seqs = [_Seq(ids=p, detok=Detokenizer(self.tokenizer)) for p in prompts]
+        seen = None
+        if sp.repetition_penalty != 1.0:
+            seen = torch.zeros(len(prompts), self.cfg.vocab_size, dtype=torch.bool, device=dev)
+            for b, p in enumerate(prompts):
+                seen[b, torch.tensor(p, device=dev)] = True
+        self.model.routing.stats.clear()
+        if self.lynx is not None:
+            self.lynx.telemetry.reset()
+        t0 = time.perf_counter()
+        logits = self._prefill_all(prompts, reuse)
+        live = list(range(len(prompts)))
+        t_prefill, n_decode, t_first = 0.0, 0, None
+        while live:
+            tokens = select_tokens(logits, sp, seen[live] if seen is not None else None, gen)  # [B]
+            chosen = tokens.tolist()  # the one host sync per step
+            if t_first is None:
+                t_first = time.perf_counter()
+                t_prefill = t_first - t0
+            still = []
+            for row, tok in zip(live, chosen):
+                chunk = self._advance(seqs[row], row, tok, stops, sp)
+                if seen is not None:
+                    seen[row, tok] = True
+                if chunk.finish_reason is None:
+                    still.append(row)
+                elif reuse and row == 0:
+                    self._session += seqs[0].out[:-1]  # the last sampled token never ran through the model
+                if chunk.finish_reason is not None and not still and row == live[-1]:
+                    chunk.stats = self._summary(seqs, t_prefill, time.perf_counter() - t_first, n_decode)
+                    self.last_stats = chunk.stats
+                yield chunk
+            keep = [i for i, r in enumerate(live) if r in still]
+            live = still
+            if live:
+                logits = decode_step(self.model, self.kv, live, tokens[keep])
+                n_decode += 1
+
+    def _advance(self, s: _Seq, row: int, tok: int, stops: set[int], sp: SamplingParams) -> Chunk:
+        """Account for one new token of a sequence; → the chunk to emit."""
+        s.out.append(tok)
+        if tok in stops:
+            s.finish = "stop"
+            text, s.pending = s.pending + s.detok.flush(), ""
+            return Chunk(text, [tok], row, "stop")
+        s.pending += s.detok.push(tok)
+        if sp.stop_strings:
+            full = s.text + s.pending
+            for stop in sp.stop_strings:
+                at = full.find(stop, max(0, len(s.text) - len(stop)))
+                if at >= 0:
+                    s.finish = "stop"
+                    text = full[len(s.text):at]
+                    s.text += text
+                    return Chunk(text, [tok], row, "stop")
+        if len(s.out) >= sp.max_new_tokens or self.kv.lengths[row] + 1 >= self.ctx:
+            s.finish = "length"
+        emit = s.pending if s.finish else _safe_emit(s.pending, sp.stop_strings)
+        s.pending = s.pending[len(emit):]
+        if s.finish:
+            emit += s.detok.flush()
+        s.text += emit
+        return Chunk(emit, [tok], row, s.finish)
+
+    def _summary(self, seqs: list[_Seq], t_prefill: float, t_decode: float, n_decode: int) -> dict:
+        n_prompt = sum(len(s.ids) for s in seqs)
+        n_out = sum(len(s.out) for s in seqs)
+        stats = {
+            "batch": len(seqs),
+            "prompt_tokens": n_prompt,
+            "completion_tokens": n_out,
+            "prefill_s": t_prefill,
+            "prefill_tok_s": n_prompt / t_prefill if t_prefill > 0 else 0.0,
+            "decode_steps": n_decode,
+            "decode_s": t_decode,
+            "decode_tok_s": (n_out - len(seqs)) / t_decode if t_decode > 0 else 0.0,
+            "tpot_ms": 1e3 * t_decode / n_decode if n_decode else 0.0,
+        }
+        rs = self.model.routing.stats
+        if rs.record:
+            stats["unique_experts_per_layer"] = rs.unique_per_layer(decode_only=True)
+        if self.lynx is not None:
+            stats["lynx"] = self.lynx.telemetry.summary()
+        return stats
+
+
+def _safe_emit(pending: str, stop_strings: list[str]) -> str:
+    """The part of `pending` that cannot be the start of a stop string."""
+    if not stop_strings:
+        return pending
+    hold = 0
+    for stop in stop_strings:
+        for n in range(min(len(stop) - 1, len(pending)), 0, -1):
+            if pending.endswith(stop[:n]):
+                hold = max(hold, n)
+                break
+    return pending[: len(pending) - hold]
+
+
+__all__ = ["Chunk", "ContextError", "Engine", "EngineConfig"]

@@ -1,0 +1,209 @@
+"""Building blocks shared by every family: RMSNorm, RoPE, grouped-query attention, MoE block.
+
+Parameters are allocated uninitialised (`torch.empty`) with the final dtype and device so the
+loader streams checkpoint tensors straight into them. Parameter names mirror the HF checkpoint
+names (after the loader's per-family renaming), e.g. `layers.3.mlp.experts.gate_up`.
+Glossary: B batch rows, T tokens per row, N = B·T, D hidden, H/Hkv heads, hd head dim,
+S cache length, E experts, K top-k, I expert intermediate.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from ..kernels.moe_gemm import expert_mlp, moe_ref
+from ..routing import ExactRouter, RouteFn, RouterSpec, RoutingStats
+
+
+def _param(*shape: int, dtype, device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class Linear(nn.Module):
+    def __init__(self, out_f: int, in_f: int, bias: bool, dtype, device):
+        super().__init__()
+        self.weight = _param(out_f, in_f, dtype=dtype, device=device)
+        self.bias = _param(out_f, dtype=dtype, device=device) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype, device):
+        super().__init__()
+        self.weight = _param(dim, dtype=dtype, device=device)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # fp32 statistics, as transformers does, then back to the activation dtype.
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class Rope(nn.Module):
+    """Rotary embeddings (rotate-half layout), default or linear position scaling."""
+
+    def __init__(self, cfg: ModelConfig, device):
+        super().__init__()
+        hd = cfg.head_dim
+        inv = 1.0 / (cfg.rope.theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float().to(device) / hd))
+        self.register_buffer("inv_freq", inv / cfg.rope.factor, persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions [B, T] → cos, sin [B, 1, T, hd]
+        freqs = positions[..., None].float() * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+@dataclass
+class AttnBatch:
+    """Where the tokens of one forward sit in the KV cache (fixed for all layers of the step)."""
+
+    positions: torch.Tensor  # [B, T] absolute position of each token in its sequence
+    rows: torch.Tensor | slice  # cache rows of the B sequences (a slice when contiguous: no gather)
+    kv_len: int  # keys to attend over: max(position) + 1
+    cos: torch.Tensor | None = None  # [B, 1, T, hd]
+    sin: torch.Tensor | None = None
+    masks: dict = field(default_factory=dict)  # window → bool mask [B, 1, T, kv_len]
+
+    def mask(self, window: int | None) -> torch.Tensor:
+        if window not in self.masks:
+            kv = torch.arange(self.kv_len, device=self.positions.device)
+            q = self.positions[:, None, :, None]  # [B, 1, T, 1]
+            m = kv <= q
+            if window:
+                m &= kv > q - window
+            self.masks[window] = m
+        return self.masks[window]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, dtype, device):
+        super().__init__()
+        D, H, Hkv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.H, self.Hkv, self.hd, self.layer = H, Hkv, hd, layer
+        self.window = cfg.sliding_windows[layer]
+        self.clip = cfg.clip_qkv
+        b = cfg.attention_bias
+        self.q_proj = Linear(H * hd, D, b, dtype, device)
+        self.k_proj = Linear(Hkv * hd, D, b, dtype, device)
+        self.v_proj = Linear(Hkv * hd, D, b, dtype, device)
+        self.o_proj = Linear(D, H * hd, False, dtype, device)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm == "head":  # Qwen3: RMSNorm over each head's hd
+            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype, device)
+            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype, device)
+        elif cfg.qk_norm == "full":  # OLMoE: RMSNorm over all heads at once
+            self.q_norm = RMSNorm(H * hd, cfg.rms_norm_eps, dtype, device)
+            self.k_norm = RMSNorm(Hkv * hd, cfg.rms_norm_eps, dtype, device)
+
+    def forward(self, x: torch.Tensor, ab: AttnBatch, kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.clip is not None:
+            q, k, v = (t.clamp(-self.clip, self.clip) for t in (q, k, v))
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(B, T, self.H, self.hd).transpose(1, 2)  # [B, H, T, hd]
+        k = k.view(B, T, self.Hkv, self.hd).transpose(1, 2)  # [B, Hkv, T, hd]
+        v = v.view(B, T, self.Hkv, self.hd).transpose(1, 2)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = _rotate(q, ab.cos, ab.sin), _rotate(k, ab.cos, ab.sin)
+        k_cache, v_cache = kv  # [Bmax, Hkv, S, hd]
+        _write_kv(k_cache, v_cache, k, v, ab)
+        keys = k_cache[ab.rows, :, : ab.kv_len]  # [B, Hkv, kv_len, hd]
+        vals = v_cache[ab.rows, :, : ab.kv_len]
+        out = F.scaled_dot_product_attention(
+            q, keys, vals, attn_mask=ab.mask(self.window), enable_gqa=self.H != self.Hkv
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.H * self.hd))
+
+
+def _write_kv(k_cache, v_cache, k, v, ab: AttnBatch) -> None:
+    B, _, T, _ = k.shape
+    if isinstance(ab.rows, slice):
+        rows = torch.arange(ab.rows.start, ab.rows.stop, device=k.device)
+    else:
+        rows = ab.rows
+    ri = rows[:, None].expand(B, T)  # [B, T]
+    k_cache[ri, :, ab.positions] = k.transpose(1, 2)  # [B, T, Hkv, hd]
+    v_cache[ri, :, ab.positions] = v.transpose(1, 2)
+
+
+class DenseMLP(nn.Module):
+    def __init__(self, D: int, inter: int, dtype, device):
+        super().__init__()
+        self.gate_proj = Linear(inter, D, False, dtype, device)
+        self.up_proj = Linear(inter, D, False, dtype, device)
+        self.down_proj = Linear(D, inter, False, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class StackedExperts(nn.Module):
+    """All E experts of a layer resident as two stacked tensors; the default expert backend.
+
+    Any object with the same `__call__(x [N, D], ids [N, K], weights [N, K]) -> [N, D]` can take
+    its place (offloaded or INT4 experts) without touching the model files.
+    """
+
+    def __init__(self, E: int, D: int, inter: int, dtype, device):
+        super().__init__()
+        self.gate_up = _param(E, 2 * inter, D, dtype=dtype, device=device)  # [E, 2I, D]
+        self.down = _param(E, D, inter, dtype=dtype, device=device)  # [E, D, I]
+
+    def forward(self, x, ids, weights):
+        return moe_ref(x, ids, weights, self.gate_up, self.down)
+
+
+class RoutingContext:
+    """Shared by every MoE block of a model: the routing function and the stats sink."""
+
+    def __init__(self, spec: RouterSpec):
+        self.spec = spec
+        self.route: RouteFn = ExactRouter(spec)
+        self.stats = RoutingStats()
+
+
+class MoEBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, ctx: RoutingContext, dtype, device):
+        super().__init__()
+        D, E = cfg.hidden_size, cfg.num_experts
+        self.layer, self.ctx = layer, ctx
+        self.gate = Linear(E, D, False, dtype, device)  # the router
+        self.experts = StackedExperts(E, D, cfg.moe_intermediate_size, dtype, device)
+        self.shared_expert = None
+        if cfg.shared_expert_intermediate_size:
+            self.shared_expert = DenseMLP(D, cfg.shared_expert_intermediate_size, dtype, device)
+            self.shared_expert_gate = Linear(1, D, False, dtype, device)
+
+    def forward(self, x: torch.Tensor, is_decode: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])  # [N, D]
+        logits = self.gate(x).float()  # [N, E]
+        ids, weights = self.ctx.route(logits, is_decode, self.layer)
+        self.ctx.stats.add(self.layer, ids)
+        y = self.experts(x, ids, weights)
+        if self.shared_expert is not None:
+            y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return y.view(shape)
+
+
+__all__ = [
+    "AttnBatch", "Attention", "DenseMLP", "Linear", "MoEBlock", "RMSNorm", "Rope",
+    "RoutingContext", "StackedExperts", "expert_mlp",
+]

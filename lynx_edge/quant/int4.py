@@ -1,0 +1,267 @@
+"""Group-wise INT4 expert weights: the executable spec of lynx-edge's format.
+
+A weight W [N, Kin] (out, in; as F.linear takes it) is cut along its input dim into groups of
+G ∈ {32, 64, 128} columns. Group g of output row n has an fp16 scale s[g, n] and an integer zero
+point z[g, n] ∈ [0, 15]; a code q ∈ [0, 15] dequantises as
+
+    w = s · (q − z)            symmetric: z = 8 for every group (not stored)
+
+Quantisation (RTN, as GPTQ's quantizer does it): per group xmin = min(w, 0), xmax = max(w, 0);
+symmetric s = 2·max(|xmin|, xmax)/15, asymmetric s = (xmax − xmin)/15 and z = round(−xmin/s);
+s is rounded to fp16 first, then q = clamp(round(w/s) + z, 0, 15) (round half to even).
+An all-zero group uses the range [−1, 1]. Hence |w − deq| ≤ s/2 (+ fp16 rounding of s).
+
+Tensors (the layout the kernels stream; scales/zeros are group-major like GPTQ's):
+    packed q [N, Kin/2] uint8   byte j of a row = q[2j] | q[2j+1] << 4   (low nibble first)
+    scales   [Kin/G, N] fp16
+    zeros    [Kin/G, N] uint8   asymmetric only
+
+Int4Experts holds all E experts of a layer in one uint8 buffer [E, nbytes]; row e is expert e,
+parts at fixed 128-byte-aligned offsets (see Int4Layout.parts), so an offload store moves one
+expert with one copy:
+    gu_q [2I, D/2]  gu_s [D/G, 2I]  (gu_z [D/G, 2I])  dn_q [D, I/2]  dn_s [I/G, D]  (dn_z [I/G, D])
+gate_up rows [:I] are gate, [I:] up (as moe_ref). Glossary: T tokens, D hidden, E experts,
+K top-k, I expert intermediate, G group size.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lynx_edge.kernels.moe_gemm import moe_ref_lazy
+
+GROUP_SIZES = (32, 64, 128)
+SYM_ZERO = 8  # the implicit zero point of symmetric groups
+ALIGN = 128  # byte alignment of every part inside an expert block
+
+
+def quantize_rtn(
+    w: torch.Tensor, group_size: int = 128, sym: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Round-to-nearest. w [..., N, Kin] → codes [..., N, Kin] uint8, scales [..., Kin/G, N] fp16,
+    zeros [..., Kin/G, N] uint8 (all 8 when sym)."""
+    s, z = group_params(w, group_size, sym)
+    return quantize_with(w, s, z, group_size), s, z
+
+
+def group_params(
+    w: torch.Tensor, group_size: int, sym: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scales [..., Kin/G, N] fp16 and zeros [..., Kin/G, N] uint8 of w [..., N, Kin]."""
+    _check_group(w.shape[-1], group_size)
+    g = w.float().unflatten(-1, (-1, group_size))  # [..., N, ng, G]
+    xmin = g.amin(-1).clamp(max=0)
+    xmax = g.amax(-1).clamp(min=0)
+    if sym:
+        xmax = torch.maximum(-xmin, xmax)
+        xmin = -xmax
+    empty = (xmin == 0) & (xmax == 0)
+    xmin = torch.where(empty, -1.0, xmin)
+    xmax = torch.where(empty, 1.0, xmax)
+    # fp16 scales (as GPTQ stores them); keep them ≥ the smallest normal so w/s stays finite
+    s = ((xmax - xmin) / 15).clamp(min=2.0**-14).half()
+    if sym:
+        z = torch.full_like(s, SYM_ZERO, dtype=torch.uint8)
+    else:
+        z = torch.round(-xmin / s.float()).clamp(0, 15).to(torch.uint8)
+    return s.transpose(-1, -2).contiguous(), z.transpose(-1, -2).contiguous()
+
+
+def quantize_with(
+    w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """Codes [..., N, Kin] uint8 of w [..., N, Kin] for given scales/zeros [..., Kin/G, N]."""
+    s = _expand(scales, group_size).float()
+    z = _expand(zeros, group_size).float()
+    return (torch.round(w.float() / s) + z).clamp(0, 15).to(torch.uint8)
+
+
+def pack(q: torch.Tensor) -> torch.Tensor:
+    """Codes [..., N, Kin] (0..15) → bytes [..., N, Kin/2] uint8, even column in the low nibble."""
+    q = q.to(torch.uint8)
+    return q[..., 0::2] | (q[..., 1::2] << 4)
+
+
+def unpack(p: torch.Tensor) -> torch.Tensor:
+    """Bytes [..., N, Kin/2] uint8 → codes [..., N, Kin] uint8 (inverse of pack)."""
+    return torch.stack((p & 0xF, p >> 4), dim=-1).flatten(-2)
+
+
+def dequant(
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    group_size: int,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """w = s·(q − z) in fp32, then cast. packed [..., N, Kin/2], scales/zeros [..., Kin/G, N]
+    (zeros None = symmetric, z = 8) → [..., N, Kin] dtype."""
+    q = unpack(packed).float()
+    s = _expand(scales, group_size).float()
+    z = SYM_ZERO if zeros is None else _expand(zeros, group_size).float()
+    return ((q - z) * s).to(dtype)
+
+
+def _expand(t: torch.Tensor, group_size: int) -> torch.Tensor:
+    """[..., Kin/G, N] → [..., N, Kin]: one value per weight."""
+    return t.transpose(-1, -2).repeat_interleave(group_size, dim=-1)
+
+
+def _check_group(k: int, group_size: int) -> None:
+    if group_size not in GROUP_SIZES:
+        raise ValueError(f"INT4 group size must be one of {GROUP_SIZES}, got {group_size}")
+    if k % group_size:
+        raise ValueError(f"input dim {k} is not a multiple of the group size {group_size}")
+
+
+@dataclass(frozen=True)
+class Int4Layout:
+    """Byte layout of one expert block for hidden D, intermediate I, group G."""
+
+    hidden: int  # D
+    inter: int  # I
+    group_size: int = 128
+    sym: bool = True
+
+    def parts(self) -> dict[str, tuple[int, tuple[int, ...], torch.dtype]]:
+        """name → (byte offset, shape, dtype), in block order."""
+        D, I, G = self.hidden, self.inter, self.group_size
+        spec = [
+            ("gu_q", (2 * I, D // 2), torch.uint8),
+            ("gu_s", (D // G, 2 * I), torch.float16),
+            ("gu_z", (D // G, 2 * I), torch.uint8),
+            ("dn_q", (D, I // 2), torch.uint8),
+            ("dn_s", (I // G, D), torch.float16),
+            ("dn_z", (I // G, D), torch.uint8),
+        ]
+        out, off = {}, 0
+        for name, shape, dt in spec:
+            if self.sym and name.endswith("_z"):
+                continue
+            out[name] = (off, shape, dt)
+            off += _align(shape[0] * shape[1] * dt.itemsize)
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes per expert (a multiple of ALIGN)."""
+        off, shape, dt = list(self.parts().values())[-1]
+        return off + _align(shape[0] * shape[1] * dt.itemsize)
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+class Int4Experts:
+    """All E experts of one MoE layer in one contiguous uint8 buffer data [E, nbytes].
+
+    Attributes gu_q, gu_s, gu_z, dn_q, dn_s, dn_z are views [E, ...] into data (gu_z/dn_z are None
+    when sym). data[e] is expert e's whole block: copy it to move the expert.
+    """
+
+    def __init__(self, data: torch.Tensor, layout: Int4Layout):
+        _check_group(layout.hidden, layout.group_size)
+        _check_group(layout.inter, layout.group_size)
+        if data.dtype != torch.uint8 or data.dim() != 2 or data.shape[1] != layout.nbytes:
+            raise ValueError(f"expected uint8 [E, {layout.nbytes}], got {data.dtype} {tuple(data.shape)}")
+        self.data, self.layout = data, layout
+        E = data.shape[0]
+        self.gu_z = self.dn_z = None
+        for name, (off, shape, dt) in layout.parts().items():
+            n = shape[0] * shape[1] * dt.itemsize
+            view = data[:, off : off + n].view(dt).view(E, *shape)
+            setattr(self, name, view)
+
+    group_size = property(lambda self: self.layout.group_size)
+    sym = property(lambda self: self.layout.sym)
+    hidden = property(lambda self: self.layout.hidden)
+    inter = property(lambda self: self.layout.inter)
+    num_experts = property(lambda self: self.data.shape[0])
+
+    @classmethod
+    def empty(cls, num_experts: int, layout: Int4Layout, device="cpu") -> "Int4Experts":
+        return cls(torch.zeros(num_experts, layout.nbytes, dtype=torch.uint8, device=device), layout)
+
+    @classmethod
+    def from_codes(
+        cls,
+        gu: tuple[torch.Tensor, torch.Tensor, torch.Tensor],  # codes [E,2I,D], s/z [E,D/G,2I]
+        dn: tuple[torch.Tensor, torch.Tensor, torch.Tensor],  # codes [E,D,I], s/z [E,I/G,D]
+        group_size: int,
+        sym: bool,
+    ) -> "Int4Experts":
+        """Assemble from unpacked codes + scales + zeros. sym requires every zero to be 8."""
+        (q_gu, s_gu, z_gu), (q_dn, s_dn, z_dn) = gu, dn
+        E, two_i, D = q_gu.shape
+        if sym and not (bool((z_gu == SYM_ZERO).all()) and bool((z_dn == SYM_ZERO).all())):
+            raise ValueError("sym=True needs every zero point to be 8")
+        out = cls.empty(E, Int4Layout(D, two_i // 2, group_size, sym), q_gu.device)
+        out.gu_q.copy_(pack(q_gu))
+        out.gu_s.copy_(s_gu)
+        out.dn_q.copy_(pack(q_dn))
+        out.dn_s.copy_(s_dn)
+        if not sym:
+            out.gu_z.copy_(z_gu)
+            out.dn_z.copy_(z_dn)
+        return out
+
+    def codes(self) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        """Inverse of from_codes: ((q_gu, s_gu, z_gu), (q_dn, s_dn, z_dn)), zeros filled for sym."""
+        def z(t, s):
+            return torch.full_like(s, SYM_ZERO, dtype=torch.uint8) if t is None else t.clone()
+
+        return (
+            (unpack(self.gu_q), self.gu_s.clone(), z(self.gu_z, self.gu_s)),
+            (unpack(self.dn_q), self.dn_s.clone(), z(self.dn_z, self.dn_s)),
+        )
+
+    def dequant_expert(self, e: int, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert e's (gate_up [2I, D], down [D, I]) in dtype."""
+        G = self.group_size
+        gz = None if self.gu_z is None else self.gu_z[e]
+        dz = None if self.dn_z is None else self.dn_z[e]
+        return (
+            dequant(self.gu_q[e], self.gu_s[e], gz, G, dtype),
+            dequant(self.dn_q[e], self.dn_s[e], dz, G, dtype),
+        )
+
+    def to(self, device) -> "Int4Experts":
+        return Int4Experts(self.data.to(device), self.layout)
+
+
+def quantize_experts(
+    gate_up: torch.Tensor, down: torch.Tensor, group_size: int = 128, sym: bool = True
+) -> Int4Experts:
+    """RTN-quantise stacked experts gate_up [E, 2I, D], down [E, D, I] into one Int4Experts."""
+    return Int4Experts.from_codes(
+        quantize_rtn(gate_up, group_size, sym), quantize_rtn(down, group_size, sym), group_size, sym
+    )
+
+
+def dequantize_experts(
+    packed: Int4Experts, dtype=torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """All experts back to (gate_up [E, 2I, D], down [E, D, I]) in dtype."""
+    G = packed.group_size
+    return (
+        dequant(packed.gu_q, packed.gu_s, packed.gu_z, G, dtype),
+        dequant(packed.dn_q, packed.dn_s, packed.dn_z, G, dtype),
+    )
+
+
+def int4_moe_ref(
+    x: torch.Tensor,  # [T, D]
+    ids: torch.Tensor,  # [T, K] int64
+    weights: torch.Tensor,  # [T, K] fp32
+    packed: Int4Experts,
+) -> torch.Tensor:
+    """moe_ref on dequantised weights (x's dtype), dequantising only the experts in ids → [T, D]."""
+    return moe_ref_lazy(x, ids, weights, packed.num_experts, lambda e: packed.dequant_expert(e, x.dtype))
+
+
+__all__ = [
+    "GROUP_SIZES", "Int4Experts", "Int4Layout", "dequant", "dequantize_experts", "group_params",
+    "int4_moe_ref", "pack", "quantize_experts", "quantize_rtn", "quantize_with", "unpack",
+]

@@ -1,0 +1,78 @@
+"""Shared fixtures: tiny random HF checkpoints written by transformers' save_pretrained, and a
+small byte-level BPE tokenizer with a ChatML template (trained here, no hub)."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+CHATML = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+VOCAB = 320
+TEXT = (
+    "def add(a, b):\n    return a + b\n\nclass Point:\n    def __init__(self, x, y):\n        self.x = x\n"
+    "The quick brown fox jumps over the lazy dog. Mixture of experts routes each token to k experts.\n"
+    "import os\nimport sys\nfor i in range(10):\n    print(i, 'héllo wörld — ünïcode ✓')\n"
+) * 20
+
+
+def write_tokenizer(path: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB - 8, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([TEXT], trainer)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None,
+        "chat_template": CHATML, "tokenizer_class": "PreTrainedTokenizerFast",
+    }))
+
+
+FAMILY_CONFIGS = {
+    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=48, sliding_window=None),
+    "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24, intermediate_size=48,
+                      shared_expert_intermediate_size=40, norm_topk_prob=False),
+    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24, norm_topk_prob=True),
+    "olmoe": dict(num_experts=8, num_experts_per_tok=2, intermediate_size=24, norm_topk_prob=False),
+}
+
+
+def make_tiny(path: Path, family: str, seed: int = 0, dtype=torch.float32, **overrides) -> Path:
+    """A random tiny checkpoint of `family` saved by transformers (legacy expert names on disk)."""
+    import transformers
+
+    cls = {"mixtral": "Mixtral", "qwen2_moe": "Qwen2Moe", "qwen3_moe": "Qwen3Moe", "olmoe": "Olmoe"}[family]
+    kw = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False,
+              eos_token_id=2, bos_token_id=None, pad_token_id=0)
+    kw.update(FAMILY_CONFIGS[family])
+    kw.update(overrides)
+    config = getattr(transformers, cls + "Config")(**kw)
+    torch.manual_seed(seed)
+    model = getattr(transformers, cls + "ForCausalLM")(config)
+    with torch.no_grad():  # sharper routers than the default init, so top-k choices are clear-cut
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0, 0.5)
+    model.to(dtype).save_pretrained(path)
+    write_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny")
+    return {f: make_tiny(root / f, f) for f in FAMILY_CONFIGS}
