@@ -172,13 +172,14 @@ class Engine:
 
     def _prefill_all(self, prompts: list[list[int]], reuse: bool) -> torch.Tensor:
         kv = self._cache(len(prompts))
-        logits = []
+        logits, self._reused = [], 0
         for row, ids in enumerate(prompts):
             start = 0
             if reuse and row == 0:  # longest common prefix with the cached session (≥ 1 token left to run)
                 while start < min(len(ids) - 1, len(self._session)) and ids[start] == self._session[start]:
                     start += 1
             logits.append(prefill(self.model, kv, row, ids[start:], start))
+            self._reused += start
         self._session = list(prompts[0]) if reuse else []
         return torch.cat(logits)  # [B, V]
 
@@ -195,7 +196,7 @@ class Engine:
                 seen[b, torch.tensor(p, device=dev)] = True
         self.model.routing.stats.clear()
         if self.lynx is not None:
-            self.lynx.telemetry.reset()
+            self.lynx.telemetry.clear()
         t0 = time.perf_counter()
         logits = self._prefill_all(prompts, reuse)
         live = list(range(len(prompts)))
@@ -257,6 +258,7 @@ class Engine:
         stats = {
             "batch": len(seqs),
             "prompt_tokens": n_prompt,
+            "cached_prompt_tokens": self._reused,  # reused from the previous turn's KV cache
             "completion_tokens": n_out,
             "prefill_s": t_prefill,
             "prefill_tok_s": n_prompt / t_prefill if t_prefill > 0 else 0.0,

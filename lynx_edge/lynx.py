@@ -25,10 +25,15 @@ _STATS = ("tokens", "decode_tokens", "decode_slots", "unique_before", "unique_af
 
 @dataclass
 class LynxConfig:
-    """LYNX knobs. mode: off | lynx (alias on) | budget:m | lynx-mass:τ (τ in [0, 1]).
+    """LYNX knobs. mode: off | lynx (alias on) | budget:m | lynx-mass:τ.
 
+    lynx: the paper's rule. budget:m: C = the m best-scoring experts (+ rank-0s), a baseline.
+    lynx-mass:τ (0 ≤ τ ≤ 1): lynx, but no token loses more than τ of its top-k prob mass: a token
+    gives up its lowest-affinity non-critical slots only while their summed prob stays ≤ τ·mass;
+    the slots it keeps join the allowed set (free targets for others). τ = 1 is lynx; τ = 0
+    only moves zero-probability slots.
     alpha=None derives α = β / ln(E/K) (bin span ln(E/K)); j = allowed bins below bin 0;
-    min_batch: fewer decode tokens than this → no batch remap (residency rule still applies).
+    min_batch: fewer decode tokens (or B < 2) → no batch remap (the residency rule still applies).
     """
 
     mode: str = "off"
@@ -43,7 +48,7 @@ class LynxConfig:
         kind, _, arg = self.mode.strip().lower().partition(":")
         kind = "lynx" if kind == "on" else kind
         if kind not in _MODES or (arg != "") != (kind in ("budget", "lynx-mass")):
-            raise ValueError(f"bad LYNX mode {self.mode!r}: use off, lynx, budget:M or lynx-mass:TAU")
+            raise ValueError(f"bad LYNX mode {self.mode!r}: use off, lynx, budget:M, lynx-mass:TAU")
         try:
             val = int(arg) if kind == "budget" else float(arg) if arg else None
         except ValueError:
@@ -77,7 +82,7 @@ class LynxConfig:
         return cls(mode=mode, **kw)
 
     def alpha_for(self, num_experts: int, top_k: int) -> float:
-        # Bin span β/α = ln(E/K): the log-probability gap of an expert ranked "uniformly" below top-1.
+        # Bin span β/α = ln(E/K): the log-prob gap of a "uniform" expert below the top-1.
         return self.alpha if self.alpha is not None else self.beta / math.log(num_experts / top_k)
 
 
@@ -97,7 +102,8 @@ def _knob(key: str, val: str):
 class LynxResult:
     """ids [T, K] int64, weights [T, K] fp32, vec [7] float64 stats (see _STATS; 0-dim views as
     properties, on the logits' device so no host sync), fetch: experts to bring over PCIe
-    (used \\ resident, sorted int64) when `resident` was given, else None."""
+    (used \\ resident, sorted int64) when `resident` was given, else None. displaced_mass sums,
+    over decode tokens, the original softmax prob of the experts remapped away."""
 
     ids: torch.Tensor
     weights: torch.Tensor
@@ -108,7 +114,7 @@ class LynxResult:
         return dict(zip(_STATS, self.vec.tolist()))  # one host sync
 
 
-for _i, _name in enumerate(_STATS):
+for _i, _name in enumerate(_STATS):  # LynxResult.unique_after etc.: views into vec
     setattr(LynxResult, _name, property(lambda self, i=_i: self.vec[i]))
 
 
@@ -129,7 +135,7 @@ def _scores(lv: torch.Tensor, ids: torch.Tensor, num_experts: int, base: int, be
     """S(e)·base^β = Σ base^(β − level): integer-valued, so sums, thresholds and ties are exact."""
     exact = base ** (beta + 1) < 2**62  # else float64: rounding only near ties
     dt = torch.int64 if exact else torch.float64
-    votes = torch.pow(torch.tensor(base, dtype=dt, device=lv.device), (beta - lv).to(dt))
+    votes = torch.pow(base if exact else float(base), (beta - lv).to(dt))  # no H2D copy
     s = torch.zeros(num_experts, dtype=dt, device=lv.device)
     return s.scatter_add_(0, ids.reshape(-1), votes.reshape(-1))
 
@@ -140,7 +146,7 @@ def _rank(score: torch.Tensor) -> torch.Tensor:
 
 
 def _critical(score, lv, ids_d, needed, base, cfg: LynxConfig, pooled: bool) -> torch.Tensor:
-    """bool [E]: the critical set C. lv/ids_d [B, K] of decode tokens; needed [E] = prefill experts."""
+    """bool [E]: critical set C. lv, ids_d [B, K] of decode tokens; needed [E]: prefill experts."""
     E = score.numel()
     if not pooled:  # lone votes: a choice is critical iff its bin ≥ −j (as one vote is, for any B)
         crit = _any_vote(ids_d, lv <= cfg.j, E)
@@ -203,7 +209,7 @@ def _result(E, ids0, ids, weights, isd, drop_mass, n_drop, resident) -> LynxResu
     u0 = _any_vote(ids0, torch.ones_like(ids0, dtype=torch.bool), E).sum()
     used = _any_vote(ids, torch.ones_like(ids, dtype=torch.bool), E)
     n_dec = isd.sum()
-    vec = torch.stack([torch.tensor(ids.shape[0], device=ids.device), n_dec,
+    vec = torch.stack([torch.full((), ids.shape[0], device=ids.device), n_dec,
                        n_dec * ids.shape[1], u0, used.sum(), n_drop, drop_mass]).double()
     fetch = None if resident is None else torch.nonzero(used & ~resident).squeeze(1)
     return LynxResult(ids, weights, vec, fetch)
@@ -212,27 +218,38 @@ def _result(E, ids0, ids, weights, isd, drop_mass, n_drop, resident) -> LynxResu
 def lynx_select(logits: torch.Tensor, is_decode: torch.Tensor, spec: RouterSpec,
                 cfg: Optional[LynxConfig] = None, layer: int = 0,
                 resident: Optional[torch.Tensor] = None) -> LynxResult:
-    """logits [T, E] fp32, is_decode [T] bool, resident [E] bool (on GPU / fetched this step)."""
+    """logits [T, E] fp32, is_decode [T] bool, resident [E] bool (on GPU / fetched this step).
+
+    Only decode tokens are remapped; prefill tokens keep exact routing and their experts count
+    as needed. Residency (offload): resident experts are free remap targets (C ∪ resident) and
+    `fetch` = experts used \\ resident. Below min_batch (e.g. B = 1) there is no batch vote, so
+    with `resident` each choice is judged alone: it is critical iff its bin ≥ −j (what one
+    vote scores in any batch); a non-critical, non-resident slot (rank-0 excepted if protected)
+    moves to the token's best unchosen expert in C ∪ resident. Without `resident` such small
+    batches stay exact. Host syncs: nonzero(is_decode) (free if it is on the CPU) and `fetch`.
+    """
     cfg = cfg or LynxConfig()
     E, K = spec.num_experts, spec.top_k
     ids0, w0 = exact_route(logits, spec)
     dev = logits.device
-    isd = is_decode.reshape(-1).to(dev, torch.bool)
-    res = None if resident is None else resident.to(dev, torch.bool)
+    # non_blocking: a blocking H2D copy would synchronise the stream (masks usually live on CPU)
+    isd = is_decode.reshape(-1).to(dev, torch.bool, non_blocking=True)
+    res = None if resident is None else resident.to(dev, torch.bool, non_blocking=True)
     zero = torch.zeros((), device=dev)
     if cfg.kind == "off" or layer in cfg.skip_layers or E <= K or logits.shape[0] == 0:
         return _result(E, ids0, ids0, w0, isd, zero, zero, res)
     # The one host sync per call (free if is_decode lives on the CPU, as the scheduler has it).
-    dec = torch.nonzero(is_decode.reshape(-1)).squeeze(1).to(dev)
+    dec = torch.nonzero(is_decode.reshape(-1)).squeeze(1).to(dev, non_blocking=True)
     B = dec.numel()
-    pooled = B >= cfg.min_batch
+    pooled = B >= max(cfg.min_batch, 2)  # B = 1 pooled would make every S(e) = 1
     if B == 0 or not (pooled or res is not None):
         return _result(E, ids0, ids0, w0, isd, zero, zero, res)
-    z = logits.index_select(0, dec).float()  # [B, E]
-    ids_d = ids0.index_select(0, dec)  # [B, K]
+    pure = B == logits.shape[0]  # all decode (the common case): skip the row gathers
+    rows = (lambda x: x) if pure else (lambda x: x.index_select(0, dec))  # noqa: E731
+    z, ids_d = rows(logits).float(), rows(ids0)  # [B, E], [B, K]
     probs_d = torch.softmax(z, dim=-1, dtype=torch.float32)
     lv = _levels(z, ids_d, cfg.alpha_for(E, K), cfg.beta)
-    base = B if pooled else 2  # unpooled: order by Σ 2^bin (B = 1 would make every score 1)
+    base = B if pooled else 2  # unpooled: order (for padding) by Σ 2^bin
     score = _scores(lv, ids_d, E, base, cfg.beta)
     needed = _any_vote(ids0, ~isd.unsqueeze(1).expand_as(ids0), E)  # prefill experts are needed
     allowed = _critical(score, lv, ids_d, needed, base, cfg, pooled)
@@ -243,9 +260,9 @@ def lynx_select(logits: torch.Tensor, is_decode: torch.Tensor, spec: RouterSpec,
     allowed = _pad(allowed, score, K)
     drop = ~allowed[ids_d]  # [B, K]
     new = _remap(z, ids_d, drop, allowed)
-    w_d = _reweight(probs_d, new, w0.index_select(0, dec), drop.any(1), spec.norm_topk_prob)
-    ids = ids0.index_copy(0, dec, new)
-    weights = w0.index_copy(0, dec, w_d)
+    w_d = _reweight(probs_d, new, rows(w0), drop.any(1), spec.norm_topk_prob)
+    ids = new if pure else ids0.index_copy(0, dec, new)
+    weights = w_d if pure else w0.index_copy(0, dec, w_d)
     drop_mass = (probs_d.gather(1, ids_d) * drop).sum()
     return _result(E, ids0, ids, weights, isd, drop_mass, drop.sum(), res)
 
@@ -273,13 +290,12 @@ class LynxTelemetry:
         self._acc[layer] = self._acc[layer] + row if layer in self._acc else row
 
     def summary(self) -> dict:
-        """Means per MoE layer per decode step; one host sync."""
-        if not self._acc:
-            return {"decode_layer_steps": 0}
+        """Means per MoE layer per decode step; per_layer: layer → (unique before, after)."""
         layers = sorted(self._acc)
-        acc = torch.stack([self._acc[ly].cpu() for ly in layers]).tolist()
-        tot = [sum(col) for col in zip(*acc)]
+        acc = [self._acc[ly].cpu().tolist() for ly in layers]
+        tot = [sum(col) for col in zip(*acc)] or [0.0] * (1 + len(_STATS))
         n, d = tot[0], dict(zip(_STATS, tot[1:]))
+        ub, ua = 1 + _STATS.index("unique_before"), 1 + _STATS.index("unique_after")
         div = lambda a, b: a / b if b else 0.0  # noqa: E731
         before, after = div(d["unique_before"], n), div(d["unique_after"], n)
         return {
@@ -290,7 +306,7 @@ class LynxTelemetry:
             "reduction_pct": 100.0 * div(before - after, before),
             "remap_rate_pct": 100.0 * div(d["remapped_slots"], d["decode_slots"]),
             "displaced_mass_per_token": div(d["displaced_mass"], d["decode_tokens"]),
-            "per_layer": {ly: (div(r[4], r[0]), div(r[5], r[0])) for ly, r in zip(layers, acc)},
+            "per_layer": {ly: (div(r[ub], r[0]), div(r[ua], r[0])) for ly, r in zip(layers, acc)},
         }
 
     def clear(self) -> None:

@@ -27,7 +27,7 @@ def prefill(model, kv: KVCache, row: int, ids: list[int], start: int = 0, logits
     input_ids = torch.tensor([ids], device=dev)
     positions = torch.arange(start, start + T, device=dev)[None]
     ab = AttnBatch(positions=positions, rows=slice(row, row + 1), kv_len=start + T)
-    model.routing.stats.begin_step(False)
+    model.routing.begin_step(False)
     logits = model(input_ids, ab, kv.layers, torch.zeros(T, dtype=torch.bool, device=dev), logits_for)
     kv.lengths[row] = start + T
     return logits
@@ -41,7 +41,7 @@ def decode_step(model, kv: KVCache, rows: list[int], tokens: torch.Tensor) -> to
         raise ValueError(f"context of {kv.ctx} tokens is full")
     positions = torch.tensor(lengths, device=dev)[:, None]  # [B, 1]
     ab = AttnBatch(positions=positions, rows=_rows(rows, dev), kv_len=max(lengths) + 1)
-    model.routing.stats.begin_step(True)
+    model.routing.begin_step(True)
     logits = model(tokens.view(-1, 1), ab, kv.layers, torch.ones(len(rows), dtype=torch.bool, device=dev))
     for r in rows:
         kv.lengths[r] += 1

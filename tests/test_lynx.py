@@ -120,7 +120,7 @@ def _ref(logits, is_decode, spec, cfg, resident=None):
     K = spec.top_k
     dec = [t for t in range(T) if is_decode[t]]
     B = len(dec)
-    pooled = B >= cfg.min_batch
+    pooled = B >= max(cfg.min_batch, 2)
     if cfg.kind == "off" or E <= K or B == 0 or not (pooled or resident is not None):
         return ids0, w0
     alpha, beta, j = cfg.alpha_for(E, K), cfg.beta, cfg.j
@@ -147,7 +147,8 @@ def _ref(logits, is_decode, spec, cfg, resident=None):
     ids, w = ids0.clone(), w0.clone()
     probs = torch.softmax(logits.double(), -1)
     for t in dec:
-        cands = iter(sorted((e for e in A if e not in i0[t]), key=lambda e: (-float(logits[t, e]), e)))
+        by_affinity = lambda e: (-float(logits[t, e]), e)  # noqa: E731
+        cands = iter(sorted((e for e in A if e not in i0[t]), key=by_affinity))
         new = [e if e in A else next(cands) for e in i0[t]]
         if new != i0[t]:
             p = probs[t, new]
@@ -162,20 +163,26 @@ def cases(draw):
     K = draw(st.sampled_from([k for k in (1, 2, 4, 8) if k <= E]))
     T = draw(st.integers(1, 32))
     g = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
-    z = torch.randn(T, E, generator=g) * draw(st.sampled_from([0.3, 1.0, 3.0]))
+    z = torch.randn(T, E, generator=g) * draw(st.sampled_from([0.3, 3.0, 6.0, 10.0]))
+    if draw(st.booleans()):
+        z = z + 2 * torch.randn(E, generator=g)  # popular experts: shared choices, bigger gaps
     if draw(st.booleans()):
         z = torch.round(z * 2) / 2  # many exact ties
     z = z.clamp(-20, 20)
-    style = draw(st.sampled_from(["decode", "prefill", "mixed", "one"]))
+    style = draw(st.sampled_from(["decode", "decode", "mixed", "mixed", "one", "prefill"]))
     dec = {"decode": torch.ones(T), "prefill": torch.zeros(T), "one": torch.arange(T) == 0,
            "mixed": torch.rand(T, generator=g) < 0.7}[style].bool()
-    mode = draw(st.sampled_from(["off", "lynx", "budget", "lynx-mass"]))
-    mode = {"budget": f"budget:{draw(st.integers(1, E))}",
-            "lynx-mass": f"lynx-mass:{draw(st.sampled_from([0.0, 0.1, 0.3, 1.0]))}"}.get(mode, mode)
-    cfg = LynxConfig(mode, j=draw(st.sampled_from([0, 1, 2, 5])), protect_top1=draw(st.booleans()),
-                     min_batch=draw(st.sampled_from([1, 2, 4])))
-    res = (torch.rand(E, generator=g) < draw(st.sampled_from([0.1, 0.5]))) if draw(st.booleans()) else None
-    spec = RouterSpec(E, K, norm_topk_prob=draw(st.booleans()), num_shared_experts=draw(st.sampled_from([0, 1])))
+    mode = draw(st.sampled_from(["off", "lynx", "lynx", "budget", "lynx-mass", "lynx-mass"]))
+    if mode == "budget":
+        mode = f"budget:{draw(st.integers(1, E))}"
+    elif mode == "lynx-mass":
+        mode = f"lynx-mass:{draw(st.sampled_from([0.0, 0.1, 0.3, 0.6, 1.0]))}"
+    cfg = LynxConfig(mode, j=draw(st.sampled_from([0, 1, 1, 2, 5])),
+                     protect_top1=draw(st.booleans()), min_batch=draw(st.sampled_from([1, 2, 4])))
+    density = draw(st.sampled_from([0.0, 0.1, 0.5]))
+    res = torch.rand(E, generator=g) < density if density else None
+    spec = RouterSpec(E, K, norm_topk_prob=draw(st.booleans()),
+                      num_shared_experts=draw(st.sampled_from([0, 1])))
     return z, dec, spec, cfg, res
 
 
@@ -183,7 +190,7 @@ def _union(ids):
     return set(ids.reshape(-1).tolist())
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(cases())
 def test_random_invariants(case):
     z, dec, spec, cfg, res = case
@@ -196,7 +203,7 @@ def test_random_invariants(case):
     kept = (ids == ids0).all(1)
     assert torch.equal(ids[kept], ids0[kept]) and torch.equal(w[kept], w0[kept])  # bit-exact
     assert kept[~dec].all()  # prefill tokens never change
-    if cfg.kind == "off" or (res is None and int(dec.sum()) < cfg.min_batch):
+    if cfg.kind == "off" or (res is None and int(dec.sum()) < max(cfg.min_batch, 2)):
         assert kept.all()
     if cfg.protect_top1 or cfg.kind == "off":
         assert torch.equal(ids[:, 0], ids0[:, 0])
@@ -209,25 +216,26 @@ def test_random_invariants(case):
         assert all(row[s] == e for s, e in enumerate(row0) if e in row)
     mass = torch.ones(T) if spec.norm_topk_prob else w0.sum(1)
     torch.testing.assert_close(w.sum(1), mass, rtol=1e-5, atol=1e-6)
-    if cfg.kind == "budget" and res is None and dec.all():
+    if cfg.kind == "budget" and res is None and dec.all() and T >= max(cfg.min_batch, 2):
         rank0 = _union(ids0[:, 0]) if cfg.protect_top1 else set()
         assert len(after) <= max(cfg.arg + len(rank0), K)
         if not cfg.protect_top1:
             assert len(after) <= max(cfg.arg, K)
     probs = torch.softmax(z.double(), -1)
-    disp = [sum(float(probs[t, e]) for e in ids0[t].tolist() if e not in ids[t].tolist()) for t in range(T)]
+    gone = ~(ids0.unsqueeze(2) == ids.unsqueeze(1)).any(2)  # [T, K] slot's expert left the token
+    disp = (probs.gather(1, ids0) * gone).sum(1)  # displaced prob mass per token
     if cfg.kind == "lynx-mass":
-        assert all(d <= cfg.arg * float(probs[t, ids0[t]].sum()) + 1e-5 for t, d in enumerate(disp))
+        assert (disp <= cfg.arg * probs.gather(1, ids0).sum(1) + 1e-5).all()
     s = r.stats()  # stats agree with the returned ids
     assert (s["unique_before"], s["unique_after"]) == (len(before), len(after))
     assert s["remapped_slots"] == int((ids != ids0).sum())
     assert s["decode_slots"] == int(dec.sum()) * K and s["tokens"] == T
-    assert s["displaced_mass"] == pytest.approx(sum(disp), abs=1e-5)
+    assert s["displaced_mass"] == pytest.approx(float(disp.sum()), abs=1e-5)
     if res is not None:
         assert r.fetch.tolist() == sorted(after - free)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(cases())
 def test_random_matches_reference(case):
     z, dec, spec, cfg, res = case
@@ -235,13 +243,49 @@ def test_random_matches_reference(case):
         if cfg.arg < 1:
             return
         cfg = LynxConfig("lynx", j=cfg.j, protect_top1=cfg.protect_top1, min_batch=cfg.min_batch)
-        a = lynx_select(z, dec, spec, LynxConfig("lynx-mass:1", j=cfg.j, protect_top1=cfg.protect_top1,
-                                                 min_batch=cfg.min_batch), resident=res)
+        mass1 = LynxConfig("lynx-mass:1", j=cfg.j, protect_top1=cfg.protect_top1,
+                           min_batch=cfg.min_batch)
+        a = lynx_select(z, dec, spec, mass1, resident=res)
         assert torch.equal(a.ids, lynx_select(z, dec, spec, cfg, resident=res).ids)
     r = lynx_select(z, dec, spec, cfg, resident=res)
     ids, w = _ref(z, dec, spec, cfg, res)
     assert torch.equal(r.ids, ids)
     torch.testing.assert_close(r.weights, w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["lynx", "budget:6", "lynx-mass:1.0"])
+def test_seeded_sweep_matches_reference(mode):
+    """Realistic batches (popular experts, B = 16, mixed phases) where remaps are common."""
+    n_changed = 0
+    for seed, (E, K) in enumerate([(8, 2), (16, 2), (32, 4), (64, 4), (64, 8)] * 4):
+        g = torch.Generator().manual_seed(seed)
+        z = torch.randn(20, E, generator=g) * 2 + torch.randn(E, generator=g) * 2
+        dec = torch.arange(20) % 5 != 0 if seed % 2 else torch.ones(20, dtype=torch.bool)
+        res = torch.rand(E, generator=g) < 0.3 if seed % 3 == 0 else None
+        spec, cfg = RouterSpec(E, K, seed % 4 < 2), LynxConfig(mode, j=seed % 3)
+        r = lynx_select(z, dec, spec, cfg, resident=res)
+        ids, w = _ref(z, dec, spec, cfg, res)
+        assert torch.equal(r.ids, ids)
+        torch.testing.assert_close(r.weights, w, rtol=1e-5, atol=1e-6)
+        n_changed += not torch.equal(ids, exact_route(z, spec)[0])
+    assert n_changed >= 10  # the sweep does exercise the remap
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**31), st.sampled_from([(8, 2), (16, 4), (64, 8)]),
+       st.sampled_from([1, 2, 3]), st.booleans(), st.integers(0, 2))
+def test_residency_few_tokens_matches_reference(seed, ek, T, norm, j):
+    """B < min_batch with resident experts: non-critical (bin < −j) slots move to resident ones."""
+    (E, K), g = ek, torch.Generator().manual_seed(seed)
+    z = torch.randn(T, E, generator=g) * 4
+    res = torch.rand(E, generator=g) < 0.4
+    spec, cfg = RouterSpec(E, K, norm), LynxConfig("lynx", j=j, min_batch=4)
+    dec = torch.ones(T, dtype=torch.bool)
+    r = lynx_select(z, dec, spec, cfg, resident=res)
+    ids, w = _ref(z, dec, spec, cfg, res)
+    assert torch.equal(r.ids, ids)
+    torch.testing.assert_close(r.weights, w, rtol=1e-5, atol=1e-6)
+    assert set(r.fetch.tolist()) <= _union(exact_route(z, spec)[0])
 
 
 def test_off_skip_and_single_token_are_exact():
@@ -262,7 +306,8 @@ def test_parse():
     assert LynxConfig.parse(" LYNX ").kind == "lynx"
     c = LynxConfig.parse("budget:8")
     assert (c.kind, c.arg) == ("budget", 8)
-    c = LynxConfig.parse("lynx-mass:0.25,j=2,beta=3,alpha=1.5,protect_top1=false,skip_layers=0+5,min_batch=4")
+    c = LynxConfig.parse(
+        "lynx-mass:0.25,j=2,beta=3,alpha=1.5,protect_top1=false,skip_layers=0+5,min_batch=4")
     assert (c.kind, c.arg, c.j, c.beta, c.alpha, c.protect_top1, c.skip_layers, c.min_batch) == (
         "lynx-mass", 0.25, 2, 3, 1.5, False, (0, 5), 4)
     assert LynxConfig.parse(c) is c
@@ -312,3 +357,4 @@ def test_router_and_telemetry():
     ids, w = off(z, torch.ones(8, dtype=torch.bool), 0)
     assert torch.equal(ids, exact_route(z, spec)[0]) and torch.equal(w, exact_route(z, spec)[1])
     assert off.telemetry.summary()["reduction_pct"] == 0.0
+    assert LynxTelemetry().summary()["decode_layer_steps"] == 0

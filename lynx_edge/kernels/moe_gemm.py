@@ -62,7 +62,8 @@ def moe_ref(
             continue
         t_e = tok[start : start + n]
         y = expert_mlp(x[t_e], gate_up[e], down[e])
-        out.index_add_(0, t_e, y.float() * w[start : start + n, None])
+        # index_put_(accumulate) rather than index_add_: same sum, no parallel region per expert
+        out.index_put_((t_e,), y.float() * w[start : start + n, None], accumulate=True)
         start += n
     return out.to(x.dtype)
 
@@ -90,7 +91,8 @@ def moe_ref_lazy(
         t_e = tok[start : start + n]
         gate_up, down = fetch(e)
         y = expert_mlp(x[t_e], gate_up, down)
-        out.index_add_(0, t_e, y.float() * w[start : start + n, None])
+        # index_put_(accumulate) rather than index_add_: same sum, no parallel region per expert
+        out.index_put_((t_e,), y.float() * w[start : start + n, None], accumulate=True)
         start += n
     return out.to(x.dtype)
 
@@ -242,6 +244,112 @@ if triton is not None:
             acc = _tile_matmul(acc, h_ptr, rows, r_mask, I, w_base, s_base, z_base, offs_n, n_mask,
                                k_lo, k_hi, stride_wn, stride_sg, BLOCK_K, GROUP, INT4, SYM, USE_DOT, PREC)
             slot = tl.load(slot_ptr + rows, mask=r_mask, other=0)
-            rw = tl.load(rw_ptr + rows, mask=r_mask, other=0.0)
+            rw = tl.load(rw_ptr + slot, mask=r_mask, other=0.0)
             tl.store(out_base + slot[None, :] * D + offs_n[:, None], acc * rw[None, :],
                      mask=n_mask[:, None] & r_mask[None, :])
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def _config(T: int, A: int, D: int, I: int, dtype, device, group: int | None, split_k: int | None) -> dict:
+    """Block sizes from shapes only (no sync). ≤ 4 tokens per expert: broadcast-multiply GEMV;
+    more: tl.dot with tokens padded to ≥ 16 on the small side. Small grids get narrower N tiles
+    and split-K on the down projection so every SM has work."""
+    use_dot = T > 4 and not (_interpreting() and dtype == torch.bfloat16)  # bf16 dot: wrong in interp
+    bm = min(64, _pow2(T))
+    bm = max(16, bm) if use_dot else bm
+    if group is not None:
+        bk = group if use_dot else min(group, 64)  # divides G: one scale row per K step
+    else:
+        bk = next((b for b in (64, 32, 16) if D % b == 0 and I % b == 0), 0)
+    bn_gu = bn_dn = 64 if use_dot else 32
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
+    while bn_gu > 16 and A * _cdiv(I, bn_gu) < 2 * sms:
+        bn_gu //= 2
+    while bn_dn > 16 and A * _cdiv(D, bn_dn) < 2 * sms:
+        bn_dn //= 2
+    s = 1
+    while split_k is None and s < 8 and A * _cdiv(D, bn_dn) * s < 2 * sms and I // (2 * s) >= 4 * bk:
+        s *= 2
+    split_len = _cdiv(_cdiv(I, split_k or s), bk) * bk if bk else I
+    return dict(BLOCK_M=bm, BLOCK_K=bk, BN_GU=bn_gu, BN_DN=bn_dn, SPLIT_LEN=split_len,
+                SPLIT=_cdiv(I, split_len), USE_DOT=use_dot,
+                PREC="ieee" if dtype == torch.float32 else "tf32")
+
+
+def _launch(x, ids, weights, num_experts, D, I, gu, dn, group, sym, split_k) -> torch.Tensor:
+    """Three launches: gate-up+SiLU·mul → down·routing weight → sum over (split, k).
+    gu/dn = (w, s, z) tensors: dense w [E, N, Kin] (s, z unused) or INT4 views."""
+    T, K = ids.shape
+    TK = T * K
+    tab = expert_table(ids, num_experts)
+    A = tab["act_e"].numel()
+    cfg = _config(T, A, D, I, x.dtype, x.device, group, split_k)
+    common = dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], GROUP=group or 1,
+                  INT4=group is not None, SYM=sym, USE_DOT=cfg["USE_DOT"], PREC=cfg["PREC"])
+    h = torch.empty(TK, I, dtype=x.dtype, device=x.device)  # [T·K, I] rows in expert-major order
+    w, s, z = gu
+    _gate_up_kernel[(A, _cdiv(I, cfg["BN_GU"]))](
+        x, h, w, s, z, tab["tok"], tab["act_e"], tab["act_start"], tab["num_act"],
+        D, I, x.stride(0), w.stride(0), w.stride(1), s.stride(0), z.stride(0), s.stride(1),
+        BLOCK_N=cfg["BN_GU"], **common,
+    )
+    out = torch.empty(cfg["SPLIT"], TK, D, dtype=torch.float32, device=x.device)
+    w, s, z = dn
+    rw = weights.reshape(-1).float().contiguous()  # [T·K], indexed by slot
+    _down_kernel[(A, _cdiv(D, cfg["BN_DN"]), cfg["SPLIT"])](
+        h, out, w, s, z, tab["slot"], rw, tab["act_e"], tab["act_start"], tab["num_act"],
+        D, I, TK, cfg["SPLIT_LEN"], w.stride(0), w.stride(1), s.stride(0), z.stride(0), s.stride(1),
+        BLOCK_N=cfg["BN_DN"], **common,
+    )
+    # deterministic finalize: fixed-order sum of the K slots (and split-K partials) of each token
+    return out.view(cfg["SPLIT"], T, K, D).sum(dim=(0, 2)).to(x.dtype)
+
+
+def fused_moe(
+    x: torch.Tensor,  # [T, D] fp16/bf16/fp32
+    ids: torch.Tensor,  # [T, K] int64
+    weights: torch.Tensor,  # [T, K] fp32
+    gate_up: torch.Tensor,  # [E, 2I, D], x's dtype
+    down: torch.Tensor,  # [E, D, I]
+    *,
+    expert_slots: torch.Tensor | None = None,  # [E_model] → row of gate_up/down (offload slots)
+    split_k: int | None = None,  # force the down projection's split-K (tests/benchmarks)
+) -> torch.Tensor:
+    """Σ_k weights[t,k]·expert_{ids[t,k]}(x[t]) → [T, D]: Triton when use_triton(x), else moe_ref."""
+    if expert_slots is not None:
+        ids = expert_slots[ids]
+    E, two_i, D = gate_up.shape
+    I = two_i // 2
+    if not use_triton(x) or D % 16 or I % 16 or gate_up.dtype != x.dtype:
+        return moe_ref(x, ids, weights, gate_up, down)
+    gate_up, down, x = gate_up.contiguous(), down.contiguous(), x.contiguous()
+    return _launch(x, ids, weights, E, D, I, (gate_up,) * 3, (down,) * 3, None, True, split_k)
+
+
+def fused_moe_int4(
+    x: torch.Tensor,  # [T, D] fp16/bf16/fp32
+    ids: torch.Tensor,  # [T, K] int64
+    weights: torch.Tensor,  # [T, K] fp32
+    packed,  # lynx_edge.quant.int4.Int4Experts (duck-typed: kernels never import quant)
+    *,
+    expert_slots: torch.Tensor | None = None,
+    split_k: int | None = None,
+) -> torch.Tensor:
+    """fused_moe on INT4 experts, dequantised in registers; reference: dequantise active experts."""
+    if expert_slots is not None:
+        ids = expert_slots[ids]
+    if not use_triton(x):
+        fetch = lambda e: packed.dequant_expert(e, x.dtype)  # noqa: E731
+        return moe_ref_lazy(x, ids, weights, packed.num_experts, fetch)
+    G, sym = packed.group_size, packed.sym
+    gu = (packed.gu_q, packed.gu_s, packed.gu_q if sym else packed.gu_z)  # z unused when sym
+    dn = (packed.dn_q, packed.dn_s, packed.dn_q if sym else packed.dn_z)
+    return _launch(x.contiguous(), ids, weights, packed.num_experts, packed.hidden, packed.inter,
+                   gu, dn, G, sym, split_k)

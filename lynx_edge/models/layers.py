@@ -178,6 +178,13 @@ class RoutingContext:
         self.route: RouteFn = ExactRouter(spec)
         self.stats = RoutingStats()
 
+    def begin_step(self, is_decode: bool) -> None:
+        """Called once per model forward, before the first layer (step boundaries for telemetry)."""
+        self.stats.begin_step(is_decode)
+        begin = getattr(self.route, "begin_step", None)
+        if begin is not None:
+            begin()
+
 
 class MoEBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, ctx: RoutingContext, dtype, device):

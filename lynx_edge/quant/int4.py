@@ -8,8 +8,8 @@ point z[g, n] ∈ [0, 15]; a code q ∈ [0, 15] dequantises as
 
 Quantisation (RTN, as GPTQ's quantizer does it): per group xmin = min(w, 0), xmax = max(w, 0);
 symmetric s = 2·max(|xmin|, xmax)/15, asymmetric s = (xmax − xmin)/15 and z = round(−xmin/s);
-s is rounded to fp16 first, then q = clamp(round(w/s) + z, 0, 15) (round half to even).
-An all-zero group uses the range [−1, 1]. Hence |w − deq| ≤ s/2 (+ fp16 rounding of s).
+s is rounded up to fp16 first, then q = clamp(round(w/s) + z, 0, 15) (round half to even).
+An all-zero group uses the range [−1, 1]. Hence |w − deq| ≤ s/2 (+ fp32 rounding).
 
 Tensors (the layout the kernels stream; scales/zeros are group-major like GPTQ's):
     packed q [N, Kin/2] uint8   byte j of a row = q[2j] | q[2j+1] << 4   (low nibble first)
@@ -59,8 +59,11 @@ def group_params(
     empty = (xmin == 0) & (xmax == 0)
     xmin = torch.where(empty, -1.0, xmin)
     xmax = torch.where(empty, 1.0, xmax)
-    # fp16 scales (as GPTQ stores them); keep them ≥ the smallest normal so w/s stays finite
-    s = ((xmax - xmin) / 15).clamp(min=2.0**-14).half()
+    # fp16 scales (as GPTQ stores them), rounded up so the range still fits 15 steps (keeps
+    # |w − deq| ≤ s/2) and ≥ the smallest normal so w/s stays finite
+    s32 = ((xmax - xmin) / 15).clamp(min=2.0**-14)
+    s = s32.half()
+    s = torch.where(s.float() < s32, torch.nextafter(s, torch.full_like(s, torch.inf)), s)
     if sym:
         z = torch.full_like(s, SYM_ZERO, dtype=torch.uint8)
     else:
@@ -72,9 +75,9 @@ def quantize_with(
     w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
 ) -> torch.Tensor:
     """Codes [..., N, Kin] uint8 of w [..., N, Kin] for given scales/zeros [..., Kin/G, N]."""
-    s = _expand(scales, group_size).float()
-    z = _expand(zeros, group_size).float()
-    return (torch.round(w.float() / s) + z).clamp(0, 15).to(torch.uint8)
+    g = w.float().unflatten(-1, (-1, group_size))  # [..., N, Kin/G, G]
+    q = torch.round(g / _per_group(scales)) + _per_group(zeros)
+    return q.clamp_(0, 15).to(torch.uint8).flatten(-2)
 
 
 def pack(q: torch.Tensor) -> torch.Tensor:
@@ -85,7 +88,10 @@ def pack(q: torch.Tensor) -> torch.Tensor:
 
 def unpack(p: torch.Tensor) -> torch.Tensor:
     """Bytes [..., N, Kin/2] uint8 → codes [..., N, Kin] uint8 (inverse of pack)."""
-    return torch.stack((p & 0xF, p >> 4), dim=-1).flatten(-2)
+    q = torch.empty(*p.shape[:-1], 2 * p.shape[-1], dtype=torch.uint8, device=p.device)
+    q[..., 0::2] = p & 0xF
+    q[..., 1::2] = p >> 4
+    return q
 
 
 def dequant(
@@ -97,15 +103,14 @@ def dequant(
 ) -> torch.Tensor:
     """w = s·(q − z) in fp32, then cast. packed [..., N, Kin/2], scales/zeros [..., Kin/G, N]
     (zeros None = symmetric, z = 8) → [..., N, Kin] dtype."""
-    q = unpack(packed).float()
-    s = _expand(scales, group_size).float()
-    z = SYM_ZERO if zeros is None else _expand(zeros, group_size).float()
-    return ((q - z) * s).to(dtype)
+    q = unpack(packed).float().unflatten(-1, (-1, group_size))  # [..., N, Kin/G, G]
+    z = SYM_ZERO if zeros is None else _per_group(zeros)
+    return ((q - z) * _per_group(scales)).flatten(-2).to(dtype)
 
 
-def _expand(t: torch.Tensor, group_size: int) -> torch.Tensor:
-    """[..., Kin/G, N] → [..., N, Kin]: one value per weight."""
-    return t.transpose(-1, -2).repeat_interleave(group_size, dim=-1)
+def _per_group(t: torch.Tensor) -> torch.Tensor:
+    """[..., Kin/G, N] → fp32 [..., N, Kin/G, 1], broadcasting over a group's G weights."""
+    return t.transpose(-1, -2).float()[..., None]
 
 
 def _check_group(k: int, group_size: int) -> None:

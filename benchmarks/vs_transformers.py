@@ -1,0 +1,89 @@
+"""lynx-edge vs transformers `generate`: CPU decode tok/s on the same random MoE checkpoint.
+
+Both run in this one process, side by side, on a Mixtral-style checkpoint written by
+transformers (8 layers, hidden 512, 8 experts top-2, random weights). Decode time is measured the
+same way for both: time(prompt → 1 + n tokens) − time(prompt → 1 token), median over repeats.
+
+    python benchmarks/vs_transformers.py [--batch 1,16] [--new 32] [--repeats 3]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+
+def make_checkpoint(path: Path) -> Path:
+    from conftest import make_tiny  # the tests' checkpoint writer: transformers' save_pretrained
+
+    return make_tiny(path, "mixtral", hidden_size=512, num_hidden_layers=8, num_attention_heads=8,
+                     num_key_value_heads=4, intermediate_size=1024, num_local_experts=8, vocab_size=8192,
+                     max_position_embeddings=1024)
+
+
+def timed(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", default="1,16")
+    ap.add_argument("--prompt", type=int, default=32)
+    ap.add_argument("--new", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/vs_transformers.json"))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    import transformers
+
+    from lynx_edge import Engine
+
+    ckpt = make_checkpoint(Path(tempfile.mkdtemp()) / "mixtral-8l-512")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    eng = Engine.from_pretrained(ckpt, device="cpu", dtype="float32")
+    rows = []
+    for B in [int(b) for b in args.batch.split(",")]:
+        g = torch.Generator().manual_seed(B)
+        prompts = torch.randint(10, 8000, (B, args.prompt), generator=g)
+
+        def hf_run(n):
+            with torch.inference_mode():
+                hf.generate(prompts, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+
+        def ours_run(n):
+            eng.generate_batch([p.tolist() for p in prompts], max_new_tokens=n, ignore_eos=True)
+
+        res = {"batch": B}
+        for name, run in (("transformers", hf_run), ("lynx_edge", ours_run)):
+            t1 = timed(lambda: run(1), args.repeats)
+            tn = timed(lambda: run(1 + args.new), args.repeats)
+            res[f"{name}_decode_tok_s"] = B * args.new / max(tn - t1, 1e-9)
+        res["speedup"] = res["lynx_edge_decode_tok_s"] / res["transformers_decode_tok_s"]
+        rows.append(res)
+        print(json.dumps(res), flush=True)
+    out = {"benchmark": "decode tok/s, lynx-edge vs transformers generate (CPU, fp32, same process)",
+           "model": "mixtral-style random: 8 layers, D=512, 8 experts top-2, I=1024, vocab 8192",
+           "transformers": transformers.__version__, "torch": torch.__version__, "threads": args.threads,
+           "prompt_tokens": args.prompt, "new_tokens": args.new, "repeats": args.repeats, "results": rows}
+    Path(args.out).write_text(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""`lynx-edge bench [MODEL]`: prefill and decode speed, unique experts, LYNX vs exact.
+The measuring is lynx_edge.bench.run_bench; this module parses options and renders."""
+from __future__ import annotations
+
+import importlib.util
+from typing import Annotated, Optional
+
+import typer
+
+from . import ui
+from .common import CliError, engine_options, load_engine, lynx_mode, need
+from .options import BatchSizes, CtxSize, Device, Dtype, Int4, Model, Offload, Profile, Seed, TableJsonCsv, parse_sizes
+
+_MODES = {"off": ["off"], "on": ["lynx"], "lynx": ["lynx"], "both": ["off", "lynx"]}
+
+
+def bench(
+    model: Model = "demo",
+    lynx: Annotated[str, typer.Option("--lynx", help="off | on | both (side by side, with the speed-up) | budget:M")] = "off",
+    batch_sizes: BatchSizes = "1,4,16",
+    prompt_len: Annotated[int, typer.Option("--n-prompt", "-p", help="prompt tokens per sequence")] = 512,
+    gen_len: Annotated[int, typer.Option("--n-gen", "-n", help="generated tokens per sequence")] = 128,
+    reps: Annotated[int, typer.Option("--repetitions", "-r", help="timed repetitions (after one warm-up)")] = 5,
+    output: Annotated[TableJsonCsv, typer.Option("--output", "-o", help="table (+ a final JSON line) | json | csv")] = TableJsonCsv.table,
+    simulate: Annotated[Optional[str], typer.Option("--simulate", help="also project each run's routing onto a hardware profile (name or .toml)")] = None,
+    shape: Annotated[Optional[str], typer.Option("--shape", help="model shape for --simulate: this model, or mixtral-8x7b, qwen3-30b-a3b, olmoe-1b-7b")] = None,
+    plot: Annotated[Optional[str], typer.Option("--plot", help="write a PNG: tok/s and unique experts vs batch size")] = None,
+    seed: Seed = 0,
+    offload: Offload = False,
+    int4: Int4 = False,
+    profile: Profile = None,
+    ctx_size: CtxSize = None,
+    dtype: Dtype = None,
+    device: Device = None,
+) -> None:
+    """Benchmark prefill and decode per batch size on synthetic prompts (mean ± std over -r runs)."""
+    from .. import bench as lib
+
+    sizes = parse_sizes(batch_sizes)
+    modes = _MODES.get(lynx.strip().lower(), [lynx_mode(lynx)])
+    if plot and importlib.util.find_spec("matplotlib") is None:
+        raise CliError("--plot needs matplotlib, which is not installed", "pip install 'lynx-edge[bench]'")
+    if simulate:
+        need([("lynx_edge.offload.projection", "project")], "--simulate", "run without --simulate")
+    opts = engine_options("off", offload, int4, profile, ctx_size or prompt_len + gen_len + 8)
+    engine = load_engine(model, dtype, device, **opts)
+    project = lib.projector(engine, simulate, shape) if simulate else None
+    with ui.progress(f"bench {len(sizes)} batch sizes × {len(modes)} modes", unit="runs") as cb:
+        result = lib.run_bench(engine, sizes, prompt_len, gen_len, reps, modes, seed=seed or 0, progress=cb,
+                               project=project)
+    if simulate:
+        result["config"]["simulate"] = {"profile": simulate, "shape": shape or "this model", "label": "projected"}
+    if len(modes) > 1:
+        _merge_quality(result, lib.quality_delta(engine, sizes))
+    _render(result, output)
+    if plot:
+        path = lib.plot_bench(result, plot)
+        ui.note(f"plot written to {path}")
+
+
+def _merge_quality(result: dict, quality: list[dict] | None) -> None:
+    if quality is None:
+        result["quality"] = None  # this build has no lynx_edge.eval
+        return
+    by_batch = {q["batch"]: q for q in quality}
+    for row in result.get("compare", []):
+        q = by_batch.get(row["batch"], {})
+        row.update({k: q[k] for k in ("ppl_change_pct", "greedy_agreement_pct") if q.get(k) is not None})
+
+
+def _render(result: dict, output: TableJsonCsv) -> None:
+    if output is TableJsonCsv.csv:
+        ui.csv_rows(result["rows"])
+        return
+    if output is TableJsonCsv.table:
+        ui.bench_table(result)
+    ui.json_line(result)
+

@@ -1,0 +1,167 @@
+"""`lynx-edge chat [MODEL]`: streaming terminal chat with the model's chat template.
+
+The full message list is passed every turn; Engine.stream reuses the cached common prefix, so
+earlier turns are never prefilled again. Ctrl-C stops an answer and keeps the session.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Callable, Optional
+
+import typer
+
+from . import ui
+from .common import engine_options, load_engine
+from .options import (CtxSize, Device, Dtype, Int4, Lynx, MaxTokens, Model, Offload, Profile, RepeatPenalty, Seed,
+                      Temp, TopK, TopP, sampling_kwargs)
+
+COMMANDS = {
+    "/help": "show this help",
+    "/reset": "forget the conversation (keeps --system)",
+    "/stats": "statistics of the last answer and the session",
+    "/exit": "quit (also Ctrl-D)",
+}
+_QUOTES = '"""'
+
+
+def read_message(read: Callable[[str], str] = ui.read_line) -> str:
+    """One user message: a line; lines ending with \\ continue; \"\"\" … \"\"\" spans lines.
+    Raises EOFError on Ctrl-D at the first prompt."""
+    first = read("> ")
+    if first.lstrip().startswith(_QUOTES):
+        text, lines = first.lstrip()[3:], []
+        while not text.rstrip().endswith(_QUOTES):
+            lines.append(text)
+            text = read("… ")
+        lines.append(text.rstrip()[:-3])
+        return "\n".join(lines).strip("\n")
+    lines = [first]
+    while lines[-1].endswith("\\"):
+        lines[-1] = lines[-1][:-1]
+        lines.append(read("… "))
+    return "\n".join(lines)
+
+
+class ChatSession:
+    """The conversation: messages, sampling, the engine, and the last turn's stats."""
+
+    def __init__(self, engine, system: str | None, sampling: dict):
+        self.engine, self.sampling = engine, sampling
+        self.system = [{"role": "system", "content": system}] if system else []
+        self.messages = list(self.system)
+        self.last: dict = {}
+        self.turns = 0
+        self.generated = 0
+
+    def turn(self, text: str, stats_to_stderr: bool = False) -> str:
+        """Stream one answer to `text`; Ctrl-C keeps what was said so far."""
+        from ..engine import ContextError
+
+        self.messages.append({"role": "user", "content": text})
+        answer, stats = "", None
+        try:
+            for chunk in self.engine.stream(self.messages, **self.sampling):
+                ui.write(chunk.text)
+                answer += chunk.text
+                stats = chunk.stats or stats
+        except KeyboardInterrupt:
+            ui.write("\n")
+            ui.note("(stopped)", stderr=stats_to_stderr)
+        except ContextError as exc:
+            self.messages.pop()
+            ui.error(str(exc), "/reset to start a new conversation")
+            return ""
+        else:
+            ui.write("\n")
+        if not answer and stats is None:  # interrupted before the first token: forget the question
+            self.messages.pop()
+            return ""
+        self.messages.append({"role": "assistant", "content": answer})
+        self.turns += 1
+        if stats:
+            self.last = stats
+            self.generated += stats.get("completion_tokens", 0)
+            ui.stats_line(stats, stderr=stats_to_stderr)
+        return answer
+
+    def reset(self) -> None:
+        self.messages = list(self.system)
+        self.engine.reset()
+        self.last = {}
+
+    def show_stats(self) -> None:
+        context = len(self.engine.encode_prompt(self.messages)) if len(self.messages) > len(self.system) else 0
+        rows = {"turns": self.turns, "context tokens": f"{context} / {self.engine.ctx}",
+                "generated tokens": self.generated,
+                "lynx": self.engine.config.lynx}
+        if self.last:
+            rows["last answer"] = " · ".join(ui.stats_parts(self.last))
+            for part in ("lynx", "offload"):  # telemetry summaries, without per-layer detail
+                if isinstance(self.last.get(part), dict):
+                    rows[part] = {k: round(v, 3) if isinstance(v, float) else v
+                                  for k, v in self.last[part].items() if k != "per_layer"}
+        ui.kv_table("session", rows)
+
+    def command(self, line: str) -> bool:
+        """Handle a /command; → False to end the session."""
+        cmd = line.strip().split()[0].lower()
+        if cmd in ("/exit", "/quit", "/bye"):
+            return False
+        if cmd == "/reset":
+            self.reset()
+            ui.note("conversation cleared", stderr=False)
+        elif cmd == "/stats":
+            self.show_stats()
+        elif cmd == "/help":
+            ui.kv_table("commands", COMMANDS)
+        else:
+            ui.error(f"unknown command {cmd}", "/help lists the commands")
+        return True
+
+    def loop(self, read: Callable[[str], str] = ui.read_line) -> None:
+        while True:
+            try:
+                text = read_message(read)
+            except EOFError:
+                ui.write("\n")
+                return
+            except KeyboardInterrupt:
+                ui.write("\n")
+                ui.note("(Ctrl-D or /exit to quit)", stderr=False)
+                continue
+            if not text.strip():
+                continue
+            if text.startswith("/") and "\n" not in text:
+                if not self.command(text):
+                    return
+                continue
+            self.turn(text)
+
+
+def chat(
+    model: Model = "demo",
+    prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", help="answer one message and exit")] = None,
+    system: Annotated[Optional[str], typer.Option("--system", help="system message")] = None,
+    temp: Temp = 0.7,
+    top_p: TopP = 0.95,
+    top_k: TopK = 40,
+    seed: Seed = None,
+    max_tokens: MaxTokens = 512,
+    repeat_penalty: RepeatPenalty = 1.0,
+    lynx: Lynx = "off",
+    offload: Offload = False,
+    int4: Int4 = False,
+    profile: Profile = None,
+    ctx_size: CtxSize = None,
+    dtype: Dtype = None,
+    device: Device = None,
+) -> None:
+    """Chat in the terminal (streaming; the KV cache is reused across turns)."""
+    sampling = sampling_kwargs(temp, top_p, top_k, seed, max_tokens, repeat_penalty)
+    opts = engine_options(lynx, offload, int4, profile, ctx_size)
+    engine = load_engine(model, dtype, device, **opts)
+    session = ChatSession(engine, system, sampling)
+    if prompt is not None:
+        session.turn(prompt, stats_to_stderr=True)
+        return
+    ui.chat_banner(str(engine.model_dir), opts["lynx"], COMMANDS)
+    session.loop()

@@ -1,0 +1,87 @@
+"""What the commands share: building the Engine from options, finding optional library parts
+(offload, int4, eval, quant) that other builds may lack, and turning exceptions into one line."""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+
+from . import ui
+
+
+class CliError(Exception):
+    """A user-facing failure: one line and a hint."""
+
+    def __init__(self, message: str, hint: str | None = None):
+        super().__init__(message)
+        self.hint = hint
+
+
+def need(candidates: list[tuple[str, str]], what: str, hint: str = "this build lacks it; update lynx-edge"):
+    """The first (module, attribute) that exists → the attribute; else a CliError saying this
+    build lacks `what`. A module that exists but fails to import raises its real error."""
+    for module, attr in candidates:
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name and module.startswith(exc.name):
+                continue
+            raise
+        if hasattr(mod, attr):
+            return getattr(mod, attr)
+    names = " or ".join(f"{m}.{a}" for m, a in candidates)
+    raise CliError(f"{what} is not available in this build (no {names})", hint)
+
+
+def lynx_mode(text: str) -> str:
+    return "lynx" if text.strip().lower() == "on" else text
+
+
+def engine_options(lynx: str = "off", offload: bool = False, int4: bool = False, profile: str | None = None,
+                   ctx_size: int | None = None, record_routing: bool = True) -> dict:
+    """Options → Engine.from_pretrained keywords; offload/int4/profile only where this build's
+    EngineConfig has them."""
+    from ..engine import EngineConfig
+
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    opts = {"lynx": lynx_mode(lynx), "record_routing": record_routing, "ctx_size": ctx_size}
+    for name, value, flag in (("offload", offload, "--offload"), ("int4", int4, "--int4"),
+                              ("profile", profile, "--profile")):
+        if value in (False, None):
+            continue
+        if name not in fields:
+            raise CliError(f"{flag} is not available in this build", "run without it")
+        opts[name] = value
+    return opts
+
+
+def load_engine(model: str, dtype: str | None = None, device: str | None = None, **options):
+    """Engine.from_pretrained with a loading progress bar (bytes of weights read)."""
+    from ..engine import Engine
+
+    with ui.progress("loading") as progress:
+        return Engine.from_pretrained(model, dtype=dtype, device=device, progress=progress, **options)
+
+
+def explain(exc: BaseException) -> tuple[str, str | None]:
+    """An exception → (one-line message, hint)."""
+    from ..config import ConfigError
+    from ..hub import ALIASES, ModelNotFound
+
+    msg = " ".join(str(exc).split()) or type(exc).__name__
+    name = type(exc).__name__
+    if isinstance(exc, CliError):
+        return msg, exc.hint
+    if isinstance(exc, ModelNotFound):
+        hint = "MODEL is a local directory, an HF repo id (org/name) or an alias"
+        return msg, hint if "alias" in msg or "hf download" in msg else hint + ": " + ", ".join(["demo", *ALIASES])
+    if isinstance(exc, ConfigError) or name == "TokenizerError":
+        return msg, "lynx-edge reads stock HF checkpoints of mixtral, qwen2_moe, qwen3_moe and olmoe"
+    if name == "ContextError":
+        return msg, "raise --ctx-size or shorten the prompt"
+    if name == "OutOfMemoryError":
+        return f"out of memory: {msg[:160]}", "try --offload, --int4 or a smaller --ctx-size / batch"
+    if isinstance(exc, (ValueError, TypeError)):
+        return msg, "check the option values (--help)"
+    if isinstance(exc, (FileNotFoundError, PermissionError, IsADirectoryError)):
+        return msg, "check the path"
+    return f"{name}: {msg}", "rerun with LYNX_DEBUG=1 for the traceback"

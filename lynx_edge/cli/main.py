@@ -1,0 +1,65 @@
+"""The `lynx-edge` typer app: one module per command; every command's errors become one red
+line with a hint (LYNX_DEBUG=1 adds the traceback)."""
+from __future__ import annotations
+
+import functools
+import os
+from typing import Annotated
+
+import typer
+from typer.exceptions import TyperException
+
+from . import bench, chat, eval as eval_cmd, info, profile, quantize, ui
+from .common import explain
+
+app = typer.Typer(name="lynx-edge", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+                  help="Fast Mixture-of-Experts inference on one edge GPU or CPU, with LYNX expert selection.")
+
+
+def guarded(fn):
+    """Run a command; an exception becomes `error: … — hint` on stderr and exit code 1."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except (typer.Exit, typer.Abort, TyperException):  # usage errors: typer prints them itself
+            raise
+        except KeyboardInterrupt:
+            ui.error("interrupted")
+            raise typer.Exit(130) from None
+        except Exception as exc:  # the one place every failure is turned into a line
+            if os.environ.get("LYNX_DEBUG", "") not in ("", "0"):
+                ui.print_traceback()
+            ui.error(*explain(exc))
+            raise typer.Exit(1) from None
+
+    return wrapper
+
+
+for _name, _fn in (("chat", chat.chat), ("bench", bench.bench), ("eval", eval_cmd.evaluate), ("info", info.info),
+                   ("quantize", quantize.quantize), ("profile", profile.profile)):
+    app.command(_name)(guarded(_fn))
+
+
+def _version(value: bool) -> None:
+    if value:
+        from .. import __version__
+
+        ui.line(f"lynx-edge {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def root(
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                          help="print the version and exit")] = False,
+) -> None:
+    """Fast Mixture-of-Experts inference on one edge GPU or CPU, with LYNX expert selection."""
+
+
+def main() -> None:
+    app(prog_name="lynx-edge")
+
+
+__all__ = ["app", "main"]

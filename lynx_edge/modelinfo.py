@@ -1,0 +1,101 @@
+"""What a model is, from its config.json alone (no weights loaded): parameter counts, total and
+active per token, and the size of one expert — what `lynx-edge info` prints and what placement
+plans size against. Glossary: D hidden, H/Hkv heads, hd head dim, E experts, K top-k,
+I expert intermediate, V vocab.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from .config import ModelConfig
+from .hub import ALIASES, ModelNotFound, resolve_model
+
+_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "int4": 0.5}
+
+
+def bytes_per_param(dtype: str | None) -> float:
+    """Bytes per weight for a config.json dtype name (bf16 when the config does not say)."""
+    return _BYTES.get(str(dtype or "bfloat16").replace("torch.", ""), 2)
+
+
+def _attention(cfg: ModelConfig) -> int:
+    D, hd = cfg.hidden_size, cfg.head_dim
+    q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    n = D * q + 2 * D * kv + q * D  # q, k, v, o
+    if cfg.attention_bias:
+        n += q + 2 * kv
+    if cfg.qk_norm == "head":
+        n += 2 * hd
+    elif cfg.qk_norm == "full":
+        n += q + kv
+    return n
+
+
+def param_counts(cfg: ModelConfig, dtype: str | None = None) -> dict:
+    """→ dict(total, active, expert, non_expert, expert_bytes_per_expert, …) in parameters
+    (bytes for the last, at `dtype` or the checkpoint's dtype). Active = what one token touches:
+    everything but the routed experts, plus K of them per MoE layer."""
+    D, E, K, I = cfg.hidden_size, cfg.num_experts, cfg.top_k, cfg.moe_intermediate_size
+    per_expert = 3 * D * I  # gate, up [I, D]; down [D, I]
+    n_moe = sum(cfg.moe_layers)
+    n_dense = cfg.num_layers - n_moe
+    shared = 3 * D * cfg.shared_expert_intermediate_size + D if cfg.shared_expert_intermediate_size else 0
+    non_expert = (
+        cfg.num_layers * (_attention(cfg) + 2 * D)  # attention + its two norms
+        + n_moe * (E * D + shared)  # router + the always-on shared expert
+        + n_dense * 3 * D * cfg.intermediate_size
+        + cfg.vocab_size * D * (1 if cfg.tie_word_embeddings else 2)
+        + D  # final norm
+    )
+    expert = n_moe * E * per_expert
+    return {
+        "total": non_expert + expert,
+        "active": non_expert + n_moe * K * per_expert,
+        "expert": expert,
+        "non_expert": non_expert,
+        "params_per_expert": per_expert,
+        "expert_bytes_per_expert": int(per_expert * bytes_per_param(dtype or cfg.torch_dtype)),
+        "moe_layers": n_moe,
+    }
+
+
+def describe(cfg: ModelConfig) -> dict:
+    """The config fields `info` shows, in HF's vocabulary."""
+    return {
+        "family": cfg.model_type,
+        "layers": cfg.num_layers,
+        "moe_layers": sum(cfg.moe_layers),
+        "experts": cfg.num_experts,
+        "top_k": cfg.top_k,
+        "hidden": cfg.hidden_size,
+        "expert_intermediate": cfg.moe_intermediate_size,
+        "shared_expert_intermediate": cfg.shared_expert_intermediate_size,
+        "heads": f"{cfg.num_heads} (kv {cfg.num_kv_heads}, head_dim {cfg.head_dim})",
+        "vocab": cfg.vocab_size,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "dtype": cfg.torch_dtype or "unspecified",
+    }
+
+
+def load_config(name: str | Path | None) -> tuple[ModelConfig, str]:
+    """config.json of a local dir / alias / HF repo without fetching weights → (cfg, where).
+
+    A repo that is not cached gets only its config.json downloaded (a few KB) when online."""
+    try:
+        where = resolve_model(name, offline=True)
+        return ModelConfig.from_file(where / "config.json"), str(where)
+    except ModelNotFound:
+        repo = ALIASES.get(str(name).lower(), str(name))
+        from huggingface_hub import constants, hf_hub_download
+
+        if name is None or repo.count("/") != 1 or str(name).startswith((".", "/", "~")) or constants.HF_HUB_OFFLINE:
+            raise
+    try:
+        path = hf_hub_download(repo, "config.json")
+    except Exception as exc:  # network errors come in many types
+        raise ModelNotFound(f"{repo}: cannot fetch config.json ({type(exc).__name__}); "
+                            f"on a machine with network run `hf download {repo}`") from None
+    return ModelConfig.from_file(path), repo
+
+
+__all__ = ["bytes_per_param", "describe", "load_config", "param_counts"]

@@ -1,0 +1,172 @@
+"""Host-memory expert store: every expert of every MoE layer as one contiguous byte block.
+
+An expert is a uint8 block of `fmt.nbytes` (parts at 128-byte-aligned offsets) plus a view
+function `fmt.weights(block, dtype) → (gate_up [2I, D], down [D, I])`, so one fetch is one copy
+and the device slots use the same layout. Dense formats (bf16/fp16/fp32) view the bytes in place;
+INT4 (lynx_edge.quant.int4 layout) dequantises. Each layer's E blocks are one host buffer
+[E, nbytes], pinned where the OS allows; when pinning fails or is limited the rest stays
+pageable and copies go through a small pinned staging ring, with a warning.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+ALIGN = 128
+_DENSE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _typed(buf: torch.Tensor, off: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A typed view of bytes [off, off + prod(shape)·size) of buf [..., nbytes] → [..., *shape]."""
+    n = dtype.itemsize
+    for s in shape:
+        n *= s
+    return buf[..., off : off + n].view(dtype).view(*buf.shape[:-1], *shape)
+
+
+class DenseFormat:
+    """gate_up [2I, D] then down [D, I] in one dtype."""
+
+    def __init__(self, name: str, hidden: int, inter: int):
+        self.name, self.dtype, self.hidden, self.inter = name, _DENSE[name], hidden, inter
+        self.gu_shape, self.dn_shape = (2 * inter, hidden), (hidden, inter)
+        self.dn_off = _align(2 * inter * hidden * self.dtype.itemsize)
+        self.nbytes = self.dn_off + _align(hidden * inter * self.dtype.itemsize)
+
+    def pack_into(self, dst: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+        """dst uint8 [E, nbytes] ← gate_up [E, 2I, D], down [E, D, I] (any device/dtype)."""
+        _typed(dst, 0, self.gu_shape, self.dtype).copy_(gate_up)
+        _typed(dst, self.dn_off, self.dn_shape, self.dtype).copy_(down)
+
+    def weights(self, block: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """block uint8 [nbytes] → (gate_up [2I, D], down [D, I]); views when dtype matches."""
+        gu = _typed(block, 0, self.gu_shape, self.dtype)
+        dn = _typed(block, self.dn_off, self.dn_shape, self.dtype)
+        return gu.to(dtype), dn.to(dtype)
+
+
+class Int4Format:
+    """lynx_edge.quant.int4's expert block (RTN-quantised at pack time, dequantised on use)."""
+
+    def __init__(self, hidden: int, inter: int, group: int = 128, sym: bool = True):
+        from ..quant.int4 import Int4Layout  # only INT4 users need the quant package
+
+        self.name, self.hidden, self.inter = "int4", hidden, inter
+        self.layout = Int4Layout(hidden, inter, group, sym)
+        self.nbytes = self.layout.nbytes
+
+    def pack_into(self, dst: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+        from ..quant.int4 import quantize_experts
+
+        q = quantize_experts(gate_up.float().cpu(), down.float().cpu(), self.layout.group_size, self.layout.sym)
+        dst.copy_(q.data)
+
+    def weights(self, block: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        from ..quant.int4 import Int4Experts
+
+        return Int4Experts(block.view(1, -1), self.layout).dequant_expert(0, dtype)
+
+
+def expert_format(name: str, dtype: torch.dtype, hidden: int, inter: int, group: int = 128):
+    """"auto" (the model's dtype), bf16, fp16, fp32 or int4 → a format object."""
+    if name == "auto":
+        name = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
+    if name == "int4":
+        return Int4Format(hidden, inter, group)
+    if name not in _DENSE:
+        raise ValueError(f"expert format {name!r} is unknown (use auto, bf16, fp16, fp32, int4)")
+    return DenseFormat(name, hidden, inter)
+
+
+def _alloc_pinned(shape: tuple[int, ...]) -> torch.Tensor:
+    """Page-locked host memory (raises where the OS/driver refuses; tests monkeypatch this)."""
+    return torch.empty(shape, dtype=torch.uint8, pin_memory=True)
+
+
+class HostExpertStore:
+    """All experts in host memory: layer → uint8 [E, nbytes]; block(layer, e) → uint8 [nbytes].
+
+    want_pin: try page-locked buffers (layer by layer, up to pin_limit bytes). Whatever ends up
+    pageable is copied through `staging` [staging_slots, nbytes] (pinned when possible).
+    """
+
+    def __init__(self, fmt, num_experts: int, want_pin: bool, pin_limit: int | None = None, staging_slots: int = 2):
+        self.fmt, self.E = fmt, num_experts
+        self.want_pin, self.pin_limit = want_pin, pin_limit
+        self.staging_slots = staging_slots
+        self.layers: dict[int, torch.Tensor] = {}
+        self.pinned: dict[int, bool] = {}
+        self.pinned_bytes = 0
+        self.pin_failed = False
+        self.staging: torch.Tensor | None = None
+        self.staging_pinned = False
+        self.notes: list[str] = []
+
+    @property
+    def nbytes(self) -> int:
+        return self.fmt.nbytes
+
+    def _alloc(self, layer: int) -> torch.Tensor:
+        shape, size = (self.E, self.fmt.nbytes), self.E * self.fmt.nbytes
+        limited = self.pin_limit is not None and self.pinned_bytes + size > self.pin_limit
+        if self.want_pin and not self.pin_failed and not limited:
+            try:
+                buf = _alloc_pinned(shape)
+                self.pinned[layer], self.pinned_bytes = True, self.pinned_bytes + size
+                return buf
+            except (RuntimeError, MemoryError) as exc:
+                self.pin_failed = True
+                self._warn(f"pinning host memory failed ({str(exc).splitlines()[0][:120]}); experts from "
+                           f"layer {layer} on stay pageable and are copied through a pinned staging ring")
+        elif self.want_pin and limited and not self.pin_failed and self.staging is None:
+            self._warn(f"pinned memory limit of {self.pin_limit / 2**30:.2f} GiB reached at layer {layer}: "
+                       "the rest stays pageable and is copied through a pinned staging ring")
+        self.pinned[layer] = False
+        if self.want_pin and self.staging is None:
+            self._make_staging()
+        return torch.empty(shape, dtype=torch.uint8)
+
+    def _make_staging(self) -> None:
+        shape = (self.staging_slots, self.fmt.nbytes)
+        try:
+            self.staging, self.staging_pinned = _alloc_pinned(shape), True
+        except (RuntimeError, MemoryError):
+            self.staging, self.staging_pinned = torch.empty(shape, dtype=torch.uint8), False
+            self._warn("the staging ring could not be pinned either: copies run at pageable speed")
+
+    def _warn(self, msg: str) -> None:
+        self.notes.append(msg)
+        warnings.warn(msg, RuntimeWarning, stacklevel=3)
+
+    def put(self, layer: int, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+        """Store a layer's stacked experts gate_up [E, 2I, D], down [E, D, I] (any device)."""
+        buf = self.layers.get(layer)
+        if buf is None:
+            buf = self.layers[layer] = self._alloc(layer)
+        for e0 in range(0, self.E, 8):  # a few experts at a time: bounded temporaries (INT4, casts)
+            e1 = min(self.E, e0 + 8)
+            self.fmt.pack_into(buf[e0:e1], gate_up[e0:e1], down[e0:e1])
+
+    def put_blocks(self, layer: int, data: torch.Tensor) -> None:
+        """Store ready-made blocks uint8 [E, nbytes] (e.g. Int4Experts.data)."""
+        buf = self.layers.get(layer)
+        if buf is None:
+            buf = self.layers[layer] = self._alloc(layer)
+        buf.copy_(data)
+
+    def block(self, layer: int, e: int) -> torch.Tensor:
+        return self.layers[layer][e]
+
+    def weights(self, layer: int, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.fmt.weights(self.layers[layer][e], dtype)
+
+    def host_bytes(self) -> int:
+        return sum(b.numel() for b in self.layers.values())
+
+
+__all__ = ["DenseFormat", "HostExpertStore", "Int4Format", "expert_format"]

@@ -1,0 +1,44 @@
+"""LYNX inside the engine: batched decode runs; telemetry agrees with the ids actually used;
+mode off is bit-identical to the runtime without LYNX."""
+import torch
+
+from lynx_edge import Engine
+from lynx_edge.lynx import LynxConfig
+
+PROMPTS = ["def", "import os", "class Point:", "for i in range(10):", "The quick", "print(", "return a", "x = 1"]
+
+
+def _ids_per_decode_step(eng):
+    rs = eng.model.routing.stats
+    return [step for step, dec in zip(rs.steps, rs.decode) if dec]
+
+
+def test_lynx_off_is_bit_identical(tiny_models):
+    a = Engine.from_pretrained(tiny_models["olmoe"], record_routing=True)
+    b = Engine.from_pretrained(tiny_models["olmoe"], record_routing=True, lynx="off")
+    ta = a.generate_batch(PROMPTS, max_new_tokens=8, ignore_eos=True)
+    tb = b.generate_batch(PROMPTS, max_new_tokens=8, ignore_eos=True)
+    assert ta == tb
+    for sa, sb in zip(a.model.routing.stats.steps, b.model.routing.stats.steps):
+        assert all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_lynx_telemetry_matches_used_experts(tmp_path):
+    from conftest import make_tiny
+
+    # 32 experts top-4: enough experts that the batch's union can shrink
+    path = make_tiny(tmp_path / "m", "olmoe", num_experts=32, num_experts_per_tok=4, intermediate_size=16)
+    eng = Engine.from_pretrained(path, record_routing=True, lynx=LynxConfig(mode="lynx", j=0))
+    chunks = list(eng.stream_batch(PROMPTS, max_new_tokens=6, ignore_eos=True))
+    stats = chunks[-1].stats
+    lynx = stats["lynx"]
+    steps = _ids_per_decode_step(eng)
+    assert steps and lynx["decode_layer_steps"] == sum(len(s) for s in steps)
+    used = [int(ids.unique().numel()) for s in steps for ids in s.values()]
+    assert abs(lynx["unique_after"] - sum(used) / len(used)) < 1e-9
+    assert stats["unique_experts_per_layer"] == sum(used) / len(used)
+    assert lynx["unique_after"] <= lynx["unique_before"]
+    assert lynx["reduction_pct"] > 0  # j=0 keeps only decisive experts: the union must shrink
+    for s in steps:  # every token still uses k distinct experts
+        for ids in s.values():
+            assert ids.shape[1] == 4 and all(len(set(r)) == 4 for r in ids.tolist())
