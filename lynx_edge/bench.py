@@ -189,24 +189,27 @@ def compare(rows: list[dict], base_mode: str) -> list[dict]:
     return out
 
 
-def quality_delta(engine, batch_sizes: list[int], text: str | None = None) -> list[dict] | None:
+def quality_delta(engine, batch_sizes: list[int], lynx: str = "lynx", text: str | None = None) -> tuple[list[dict] | None, str]:
     """LYNX's quality change from lynx_edge.eval (perplexity change %, greedy agreement %) per
-    batch size; None when this build has no lynx_edge.eval."""
+    batch size, on `text` or the model dir's heldout.txt → (rows or None, why not)."""
     try:
         mod = importlib.import_module("lynx_edge.eval")
     except ModuleNotFoundError as exc:
         if exc.name in ("lynx_edge.eval", "lynx_edge"):
-            return None
+            return None, "this build has no lynx_edge.eval"
         raise
     fn = getattr(mod, "evaluate", None) or getattr(mod, "run_eval", None)
     if fn is None:
-        return None
-    return eval_rows(call_supported(fn, engine, text=text, batch_sizes=batch_sizes))
+        return None, "lynx_edge.eval has no evaluate()"
+    if text is None and not (Path(engine.model_dir) / "heldout.txt").is_file():
+        return None, "the model has no heldout.txt to measure quality on (see `lynx-edge eval --file`)"
+    return eval_rows(call_supported(fn, engine, text=text, batch_sizes=batch_sizes, lynx=lynx)), "lynx_edge.eval"
 
 
 # lynx_edge.eval's results → rows with these names (the eval module may use any of the aliases)
 _EVAL_KEYS = {
     "batch": ("batch", "batch_size"),
+    "mode": ("mode", "lynx"),
     "unique_exact": ("unique_exact", "experts_exact", "unique_experts_exact"),
     "unique_lynx": ("unique_lynx", "experts_lynx", "unique_experts_lynx"),
     "reduction_pct": ("reduction_pct", "unique_reduction_pct"),

@@ -70,15 +70,21 @@ def main() -> None:
     args = ap.parse_args()
     from safetensors.torch import save_file
 
-    dst = Path(args.out)
+    dst = Path(args.out).resolve()
+    cwd = os.getcwd()
     with tempfile.TemporaryDirectory() as tmp:
-        base, out = Path(tmp) / "base", Path(tmp) / "quant"
-        build_base(base)
-        quantize(base, out)
-        dst.mkdir(parents=True, exist_ok=True)
-        for f in ("config.json", "quantize_config.json", "model.safetensors"):
-            shutil.copy(out / f, dst / f)
-        save_file(expected_dequant(out), str(dst / "expected_dequant.safetensors"))
+        os.chdir(tmp)  # gptqmodel writes logs/ into the working directory: keep it out of the repo
+        try:
+            base, out = Path(tmp) / "base", Path(tmp) / "quant"
+            build_base(base)
+            quantize(base, out)
+            dst.mkdir(parents=True, exist_ok=True)
+            for f in ("config.json", "quantize_config.json", "model.safetensors"):
+                shutil.copy(out / f, dst / f)
+            save_file(expected_dequant(out), str(dst / "expected_dequant.safetensors"))
+            os.chmod(dst / "expected_dequant.safetensors", 0o644)
+        finally:
+            os.chdir(cwd)
     print(f"wrote {dst}: " + ", ".join(f"{p.name} {p.stat().st_size} B" for p in sorted(dst.iterdir())))
 
 

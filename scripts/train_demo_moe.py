@@ -440,8 +440,10 @@ def train(args, c: dict, stream: torch.Tensor, held_ids: torch.Tensor) -> tuple[
         elif probe is not None and step - probe[1] >= 4:
             alt, _, t_cur = probe
             t_alt = sorted(d for _, d in dts[-4:])[1]
-            if t_alt < 0.9 * t_cur:
-                log(f"threads {cur_threads} -> {alt} (step {t_cur:.2f}s -> {t_alt:.2f}s)")
+            keep = t_alt >= 0.9 * t_cur
+            log(f"thread probe: {cur_threads} threads {t_cur:.2f}s/step, {alt} threads {t_alt:.2f}s/step"
+                f" -> {'keep' if keep else 'switch to'} {cur_threads if keep else alt}")
+            if not keep:
                 cur_threads = alt
             torch.set_num_threads(cur_threads)
             probe, last_probe = None, now
@@ -489,6 +491,7 @@ def save_checkpoint(model: DemoMoE, c: dict, tok, out: Path, eos_id: int, im_end
     tdt = torch.float32 if dtype == "float32" else torch.bfloat16
     sd = {k: v.to(tdt).contiguous() for k, v in sorted(sd.items())}
     save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
+    os.chmod(out / "model.safetensors", 0o644)
     (out / "config.json").write_text(json.dumps(hf_config(c, dtype, eos_id), indent=2) + "\n")
     gen = {"bos_token_id": None, "eos_token_id": [im_end_id, eos_id], "pad_token_id": eos_id,
            "do_sample": False, "max_new_tokens": 128}
@@ -541,6 +544,9 @@ def verify_and_evaluate(out: Path, seq: int) -> dict:
     chat = hft.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
     assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", repr(chat)
     assert hft.eos_token == EOS and hft.pad_token == EOS
+    ids = hft.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=True, add_generation_prompt=True)
+    ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+    assert ids.count(hft.convert_tokens_to_ids(IM_START)) == 2 and ids.count(hft.convert_tokens_to_ids(IM_END)) == 1
     sample = "def f(x):\n    return x + 1\n"
     assert hft.decode(hft(sample)["input_ids"]) == sample
 
@@ -655,7 +661,9 @@ The ChatML `chat_template` exists so chat plumbing can be exercised end to end.
 * AdamW (β=0.9/0.95, wd 0.1 on matrices), peak lr {t['peak_lr']}, warm-up 3 % then cosine to 10 %,
   scheduled on wall-clock time so that it ends exactly at the {t['budget_minutes']}-minute budget;
   batch {t['batch']}×{t['seq_len']} tokens, grad-clip 1.0, {'bf16 autocast' if t['amp'] else 'fp32'}, seed {t['seed']}.
-* Hardware: {t['hardware']}, `torch.set_num_threads({t['threads']})`, torch {t['torch']}.
+* Hardware: {t['hardware']} shared with other jobs, torch {t['torch']}. Up to {t['threads']} threads;
+  the script probes 1 vs {t['threads']} threads every 90 s and keeps the faster (compute seconds by
+  thread count: {', '.join(f"{k}: {v}" for k, v in t.get('compute_seconds_by_threads', {}).items())}).
 * **{t['train_minutes']} min, {t['steps']} steps, {t['tokens_seen']:,} tokens seen** ({t['epochs']} epochs).
   Final train loss (CE, mean of the last 5 % of steps): **{t['final_train_loss']}**; final balancing loss {t['final_aux_loss']}.
 

@@ -58,12 +58,13 @@ def test_offloaded_equals_resident(tiny_models, family, opts):
     torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=1e-5)
     assert eng.generate_batch(PROMPTS, max_new_tokens=10, ignore_eos=True) == ref_batch
     s = rt.stats()
-    assert s["misses"] > 0 and s["hits"] > 0
+    assert s["misses"] > 0
     if opts["cpu_compute"] == "never":
+        assert s["hits"] > 0
         assert s["evictions"] > 0 and s["cpu_expert_calls"] == 0
         assert s["bytes_h2d"] == s["copies"] * rt.store.nbytes > 0
     else:
-        assert s["cpu_expert_calls"] == s["misses"] and s["bytes_h2d"] == 0
+        assert s["cpu_expert_calls"] == s["misses"] and s["bytes_h2d"] == 0 and s["hits"] == 0  # never admitted
     assert s["remapped_slots"] == 0  # LYNX off: routing is exact
     if opts.get("prefetch"):
         assert s["prefetch_bytes"] > 0
@@ -125,7 +126,7 @@ def test_lru_vs_lynx_policy_scan_resistance():
         c = ExpertCache(2, policy)
         for step in range(12):
             c.tick()
-            used = [0] if step % 3 == 0 else [1 + step, 2 + step]  # 0 is hot every 3rd step
+            used = [0] if step % 3 == 0 else [100 + 2 * step, 101 + 2 * step]  # 0 every 3rd step
             _, misses = c.access(0, used, critical=[0])
             for e in misses:
                 c.admit(0, e)

@@ -51,16 +51,17 @@ def bench(
     if simulate:
         result["config"]["simulate"] = {"profile": simulate, "shape": shape or "this model", "label": "projected"}
     if len(modes) > 1:
-        _merge_quality(result, lib.quality_delta(engine, sizes))
+        _merge_quality(result, *lib.quality_delta(engine, sizes, modes[1]))
     _render(result, output)
     if plot:
         path = lib.plot_bench(result, plot)
         ui.note(f"plot written to {path}")
 
 
-def _merge_quality(result: dict, quality: list[dict] | None) -> None:
+def _merge_quality(result: dict, quality: list[dict] | None, source: str) -> None:
+    result["quality"] = source if quality is not None else None
     if quality is None:
-        result["quality"] = None  # this build has no lynx_edge.eval
+        result["quality_note"] = source
         return
     by_batch = {q["batch"]: q for q in quality}
     for row in result.get("compare", []):

@@ -42,7 +42,7 @@ def engine_options(lynx: str = "off", offload: bool = False, int4: bool = False,
     EngineConfig has them."""
     from ..engine import EngineConfig
 
-    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
     opts = {"lynx": lynx_mode(lynx), "record_routing": record_routing, "ctx_size": ctx_size}
     for name, value, flag in (("offload", offload, "--offload"), ("int4", int4, "--int4"),
                               ("profile", profile, "--profile")):
@@ -51,6 +51,10 @@ def engine_options(lynx: str = "off", offload: bool = False, int4: bool = False,
         if name not in fields:
             raise CliError(f"{flag} is not available in this build", "run without it")
         opts[name] = value
+    if offload and "OffloadOptions" in str(fields["offload"].type):  # the engine takes the options object
+        from ..offload import OffloadOptions
+
+        opts["offload"] = OffloadOptions(profile=opts.pop("profile", None) if "profile" not in fields else profile)
     return opts
 
 
@@ -74,7 +78,11 @@ def explain(exc: BaseException) -> tuple[str, str | None]:
     if isinstance(exc, ModelNotFound):
         hint = "MODEL is a local directory, an HF repo id (org/name) or an alias"
         return msg, hint if "alias" in msg or "hf download" in msg else hint + ": " + ", ".join(["demo", *ALIASES])
-    if isinstance(exc, ConfigError) or name == "TokenizerError":
+    if name == "ProfileError":
+        return msg, "`lynx-edge profile -o FILE` measures this machine"
+    if name == "PlanError":
+        return msg, "lower --ctx-size / --batch-size, raise --gpu-budget, or try --int4"
+    if name == "TokenizerError" or (isinstance(exc, ConfigError) and ("config.json" in msg or "model_type" in msg)):
         return msg, "lynx-edge reads stock HF checkpoints of mixtral, qwen2_moe, qwen3_moe and olmoe"
     if name == "ContextError":
         return msg, "raise --ctx-size or shorten the prompt"

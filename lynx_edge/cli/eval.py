@@ -17,6 +17,9 @@ def evaluate(
     file: Annotated[Optional[Path], typer.Option("--file", "-f", help="text to evaluate on (default: the eval module's own)")] = None,
     batch_sizes: BatchSizes = "1,4,16",
     lynx: Lynx = "lynx",
+    seqs: Annotated[int, typer.Option("--seqs", help="windows of held-out text")] = 32,
+    seq_len: Annotated[int, typer.Option("--seq-len", help="tokens per window")] = 128,
+    prefill_len: Annotated[int, typer.Option("--prefill-len", help="tokens of each window prefilled exactly; the rest is decoded")] = 64,
     output: Annotated[TableJson, typer.Option("--output", "-o", help="table | json")] = TableJson.table,
     ctx_size: CtxSize = None,
     dtype: Dtype = None,
@@ -31,7 +34,8 @@ def evaluate(
         raise CliError(f"{file}: no such file", "--file takes a UTF-8 text file")
     text = file.read_text(encoding="utf-8") if file is not None else None
     engine = load_engine(model, dtype, device, **engine_options("off", ctx_size=ctx_size))
-    result = call_supported(run, engine, text=text, batch_sizes=sizes, lynx=lynx)
+    result = call_supported(run, engine, text=text, batch_sizes=sizes, lynx=lynx, num_seqs=seqs, seq_len=seq_len,
+                            prefill_len=prefill_len)
     rows = eval_rows(result)
     if output is TableJson.table:
         ui.eval_table(rows, f"{engine.model_dir} · LYNX {lynx} vs exact")

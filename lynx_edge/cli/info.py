@@ -1,40 +1,32 @@
 """`lynx-edge info [MODEL]`: the config, parameter counts (total / active per token) and the
-placement plan as a dry run — from config.json alone, no weights loaded."""
+offload placement plan as a dry run — from config.json alone, no weights loaded."""
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 
 from . import ui
 from .common import CliError, need
-from .options import Model, Profile, TableJson
-
-_PLAN = [("lynx_edge.offload.plan", "dry_run"), ("lynx_edge.offload.plan", "plan_placement"),
-         ("lynx_edge.offload.plan", "make_plan"), ("lynx_edge.offload.plan", "plan")]
+from .options import Device, Int4, Model, Profile, TableJson
 
 
 def info(
     model: Model = "demo",
     profile: Profile = None,
+    int4: Int4 = False,
+    gpu_budget: Annotated[Optional[float], typer.Option("--gpu-budget", help="GPU memory for the plan, GiB")] = None,
+    batch: Annotated[int, typer.Option("--batch-size", "-b", help="sequences the KV cache is planned for")] = 1,
+    ctx_size: Annotated[int, typer.Option("--ctx-size", "-c", help="context the KV cache is planned for")] = 4096,
+    device: Device = None,
     output: Annotated[TableJson, typer.Option("--output", "-o", help="table | json")] = TableJson.table,
 ) -> None:
     """Show a model's config, parameter counts and placement plan without loading weights."""
-    from ..bench import call_supported
     from ..modelinfo import describe, load_config, param_counts
 
     cfg, where = load_config(model)
     counts = param_counts(cfg)
-    plan = None
-    try:
-        make_plan = need(_PLAN, "placement planning (lynx_edge.offload.plan)")
-    except CliError:
-        if profile:
-            raise
-        make_plan = None
-    if make_plan is not None:
-        plan = call_supported(make_plan, cfg, profile=profile)
-        plan = plan if isinstance(plan, (dict, str)) or plan is None else getattr(plan, "summary", lambda: str(plan))()
+    plan = _plan(cfg, profile, int4, gpu_budget, batch, ctx_size, device)
     if output is TableJson.json:
         ui.json_line({"model": where, "config": describe(cfg), "params": counts, "plan": plan})
         return
@@ -49,7 +41,23 @@ def info(
     })
     if plan is None:
         ui.note("placement plan: not available in this build (lynx_edge.offload.plan)", stderr=False)
-    elif isinstance(plan, dict):
-        ui.kv_table("placement plan (dry run)", plan)
     else:
-        ui.line(str(plan))
+        ui.plan_table(plan)
+
+
+def _plan(cfg, profile, int4, gpu_budget, batch, ctx, device) -> dict | None:
+    """The offload plan's dry-run report (None when this build has no planner and none was asked for)."""
+    try:
+        make_plan = need([("lynx_edge.offload.plan", "make_plan")], "placement planning (lynx_edge.offload.plan)")
+    except CliError:
+        if profile or int4 or gpu_budget is not None:
+            raise
+        return None
+    import torch
+
+    from ..offload import OffloadOptions
+
+    opts = OffloadOptions(profile=profile, expert_format="int4" if int4 else "auto", gpu_budget_gib=gpu_budget,
+                          batch=batch, ctx=min(ctx, cfg.max_position_embeddings))
+    dtype = {"float32": torch.float32, "float16": torch.float16}.get(str(cfg.torch_dtype), torch.bfloat16)
+    return make_plan(cfg, opts, dtype=dtype, device=device).report()

@@ -143,6 +143,27 @@ def kv_table(title: str, rows: dict, stderr: bool = False) -> None:
     console(stderr).print(t)
 
 
+def plan_table(report: dict) -> None:
+    """The offload plan's dry-run report: where each part goes, and the summary."""
+    plan = report.get("plan", {})
+    t = Table(title=f"placement plan (dry run) · profile {plan.get('profile', '?')} · experts "
+                    f"{plan.get('expert_format', '?')}", title_justify="left", box=box.SIMPLE_HEAD)
+    for name, justify in (("what", "left"), ("where", "left"), ("size", "right"), ("note", "left")):
+        t.add_column(name, justify=justify)
+    for r in report.get("rows", []):
+        t.add_row(r["what"], r["where"], fmt_bytes(r["bytes"]), r.get("note", ""))
+    console().print(t)
+    s = report.get("summary", {})
+    budget = "unbounded" if s.get("budget_bytes") is None else fmt_bytes(s["budget_bytes"])
+    line(f"device total {fmt_bytes(s.get('device_bytes', 0))} of {budget}; all experts resident: "
+         f"{'yes' if s.get('fits_all') else 'no'}")
+    if s.get("expected_bytes_per_token_b1"):
+        note(f"expected host→device per token at B=1: {fmt_bytes(s['expected_bytes_per_token_b1'])} "
+             f"({s.get('label', 'expected')})", stderr=False)
+    for w in s.get("warnings", []):
+        line(f"warning: {w}", style="yellow")
+
+
 def chat_banner(model: str, lynx: str, commands: dict) -> None:
     note(f"lynx-edge chat · {model} · lynx {lynx}", stderr=False)
     note("  ".join(commands) + '   (end a line with \\ or wrap in """ for several lines)', stderr=False)

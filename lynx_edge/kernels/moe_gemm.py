@@ -8,7 +8,7 @@ experts, G INT4 group size.
 Triton path (fused_moe / fused_moe_int4): torch ops on device sort the T·K (token, expert) slots
 expert-major (no host sync); kernel 1 computes silu(gate)·up per active expert and I-tile,
 kernel 2 the down projection times the routing weight into a per-slot buffer [S, T·K, D]
-(S = split-K), and one torch sum over (S, K) finalises deterministically (no atomics).
+(S = split-K), kernel 3 sums each token's S·K rows in a fixed order (deterministic, no atomics).
 Grids are sized for A = min(T·K, E); programs past the active count exit at once. INT4 weights
 (lynx_edge.quant.int4 layout) are dequantised in registers. Set LYNX_TRITON_INTERPRET=1 (or
 TRITON_INTERPRET=1) before importing this module to run the kernels on CPU tensors.
@@ -148,9 +148,8 @@ if triton is not None:
         with one scale (and zero) row per K step: BLOCK_K divides GROUP."""
         xcol = x_ptr + x_rows[None, :] * stride_x  # [1, BM]
         if INT4:
-            HALF: tl.constexpr = BLOCK_K // 2
             for k0 in range(k_lo, k_hi, BLOCK_K):
-                offs_b = k0 // 2 + tl.arange(0, HALF)  # byte columns of this step
+                offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # byte columns of this step  [HALF]
                 b = tl.load(w_base + offs_n[:, None] * stride_wn + offs_b[None, :],
                             mask=n_mask[:, None], other=0)  # [BN, HALF] uint8
                 g = k0 // GROUP
@@ -248,6 +247,18 @@ if triton is not None:
             tl.store(out_base + slot[None, :] * D + offs_n[:, None], acc * rw[None, :],
                      mask=n_mask[:, None] & r_mask[None, :])
 
+    @triton.jit
+    def _finalize_kernel(part_ptr, y_ptr, D, TK, K, SPLIT, BLOCK_D: tl.constexpr):
+        """y[t] = Σ_split Σ_k part[split, t·K + k] in that fixed order, cast to y's dtype."""
+        t = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        mask = offs < D
+        acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+        for s in range(0, SPLIT):
+            for k in range(0, K):
+                acc += tl.load(part_ptr + (s * TK + t * K + k) * D + offs, mask=mask, other=0.0)
+        tl.store(y_ptr + t * D + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
@@ -257,10 +268,10 @@ def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def _config(T: int, A: int, D: int, I: int, dtype, device, group: int | None, split_k: int | None) -> dict:
+def _config(T: int, A: int, D: int, I: int, dtype, group: int | None, split_k: int | None, sms: int) -> dict:
     """Block sizes from shapes only (no sync). ≤ 4 tokens per expert: broadcast-multiply GEMV;
     more: tl.dot with tokens padded to ≥ 16 on the small side. Small grids get narrower N tiles
-    and split-K on the down projection so every SM has work."""
+    and split-K on the down projection so all `sms` SMs get work."""
     use_dot = T > 4 and not (_interpreting() and dtype == torch.bfloat16)  # bf16 dot: wrong in interp
     bm = min(64, _pow2(T))
     bm = max(16, bm) if use_dot else bm
@@ -269,7 +280,6 @@ def _config(T: int, A: int, D: int, I: int, dtype, device, group: int | None, sp
     else:
         bk = next((b for b in (64, 32, 16) if D % b == 0 and I % b == 0), 0)
     bn_gu = bn_dn = 64 if use_dot else 32
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
     while bn_gu > 16 and A * _cdiv(I, bn_gu) < 2 * sms:
         bn_gu //= 2
     while bn_dn > 16 and A * _cdiv(D, bn_dn) < 2 * sms:
@@ -277,39 +287,51 @@ def _config(T: int, A: int, D: int, I: int, dtype, device, group: int | None, sp
     s = 1
     while split_k is None and s < 8 and A * _cdiv(D, bn_dn) * s < 2 * sms and I // (2 * s) >= 4 * bk:
         s *= 2
-    split_len = _cdiv(_cdiv(I, split_k or s), bk) * bk if bk else I
+    split_len = _cdiv(_cdiv(I, split_k or s), bk) * bk
     return dict(BLOCK_M=bm, BLOCK_K=bk, BN_GU=bn_gu, BN_DN=bn_dn, SPLIT_LEN=split_len,
                 SPLIT=_cdiv(I, split_len), USE_DOT=use_dot,
                 PREC="ieee" if dtype == torch.float32 else "tf32")
 
 
-def _launch(x, ids, weights, num_experts, D, I, gu, dn, group, sym, split_k) -> torch.Tensor:
-    """Three launches: gate-up+SiLU·mul → down·routing weight → sum over (split, k).
-    gu/dn = (w, s, z) tensors: dense w [E, N, Kin] (s, z unused) or INT4 views."""
+def plan_launches(x, ids, weights, num_experts, D, I, gu, dn, group, sym, split_k=None, table=None,
+                  sms=None) -> tuple[list, torch.Tensor]:
+    """The three launches of one MoE call, [(kernel, grid, args, constexprs)], and the output
+    [T, D] they fill: gate-up+SiLU·mul → down·routing weight → fixed-order sum over (split, k).
+    gu/dn = (w, s, z): dense w [E, N, Kin] (s, z unused) or the INT4 views of Int4Experts.
+    Separate from running them so tests can compile exactly these for a GPU target."""
     T, K = ids.shape
     TK = T * K
-    tab = expert_table(ids, num_experts)
+    tab = table if table is not None else expert_table(ids, num_experts)
     A = tab["act_e"].numel()
-    cfg = _config(T, A, D, I, x.dtype, x.device, group, split_k)
-    common = dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], GROUP=group or 1,
-                  INT4=group is not None, SYM=sym, USE_DOT=cfg["USE_DOT"], PREC=cfg["PREC"])
+    if sms is None:
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 0
+    cfg = _config(T, A, D, I, x.dtype, group, split_k, sms)
+    meta = dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], GROUP=group or 1,
+                INT4=group is not None, SYM=sym, USE_DOT=cfg["USE_DOT"], PREC=cfg["PREC"])
     h = torch.empty(TK, I, dtype=x.dtype, device=x.device)  # [T·K, I] rows in expert-major order
-    w, s, z = gu
-    _gate_up_kernel[(A, _cdiv(I, cfg["BN_GU"]))](
-        x, h, w, s, z, tab["tok"], tab["act_e"], tab["act_start"], tab["num_act"],
-        D, I, x.stride(0), w.stride(0), w.stride(1), s.stride(0), z.stride(0), s.stride(1),
-        BLOCK_N=cfg["BN_GU"], **common,
-    )
-    out = torch.empty(cfg["SPLIT"], TK, D, dtype=torch.float32, device=x.device)
-    w, s, z = dn
+    part = torch.empty(cfg["SPLIT"], TK, D, dtype=torch.float32, device=x.device)  # each cell written once
+    y = torch.empty(T, D, dtype=x.dtype, device=x.device)
     rw = weights.reshape(-1).float().contiguous()  # [T·K], indexed by slot
-    _down_kernel[(A, _cdiv(D, cfg["BN_DN"]), cfg["SPLIT"])](
-        h, out, w, s, z, tab["slot"], rw, tab["act_e"], tab["act_start"], tab["num_act"],
-        D, I, TK, cfg["SPLIT_LEN"], w.stride(0), w.stride(1), s.stride(0), z.stride(0), s.stride(1),
-        BLOCK_N=cfg["BN_DN"], **common,
-    )
-    # deterministic finalize: fixed-order sum of the K slots (and split-K partials) of each token
-    return out.view(cfg["SPLIT"], T, K, D).sum(dim=(0, 2)).to(x.dtype)
+    table_args = (tab["act_e"], tab["act_start"], tab["num_act"])
+    (w1, s1, z1), (w2, s2, z2) = gu, dn
+    return [
+        (_gate_up_kernel, (A, _cdiv(I, cfg["BN_GU"])),
+         (x, h, w1, s1, z1, tab["tok"], *table_args, D, I, x.stride(0),
+          w1.stride(0), w1.stride(1), s1.stride(0), z1.stride(0), s1.stride(1)),
+         dict(meta, BLOCK_N=cfg["BN_GU"])),
+        (_down_kernel, (A, _cdiv(D, cfg["BN_DN"]), cfg["SPLIT"]),
+         (h, part, w2, s2, z2, tab["slot"], rw, *table_args, D, I, TK, cfg["SPLIT_LEN"],
+          w2.stride(0), w2.stride(1), s2.stride(0), z2.stride(0), s2.stride(1)),
+         dict(meta, BLOCK_N=cfg["BN_DN"])),
+        (_finalize_kernel, (T, _cdiv(D, 1024)), (part, y, D, TK, K, cfg["SPLIT"]), dict(BLOCK_D=1024)),
+    ], y
+
+
+def _launch(*args) -> torch.Tensor:
+    launches, y = plan_launches(*args)
+    for kernel, grid, kargs, meta in launches:
+        kernel[grid](*kargs, **meta)
+    return y
 
 
 def fused_moe(
@@ -320,9 +342,11 @@ def fused_moe(
     down: torch.Tensor,  # [E, D, I]
     *,
     expert_slots: torch.Tensor | None = None,  # [E_model] → row of gate_up/down (offload slots)
+    table: dict[str, torch.Tensor] | None = None,  # expert_table(ids) made by the routing kernel
     split_k: int | None = None,  # force the down projection's split-K (tests/benchmarks)
 ) -> torch.Tensor:
-    """Σ_k weights[t,k]·expert_{ids[t,k]}(x[t]) → [T, D]: Triton when use_triton(x), else moe_ref."""
+    """Σ_k weights[t,k]·expert_{ids[t,k]}(x[t]) → [T, D]: Triton when use_triton(x), else moe_ref.
+    With expert_slots, a given table must already be in slot ids."""
     if expert_slots is not None:
         ids = expert_slots[ids]
     E, two_i, D = gate_up.shape
@@ -330,7 +354,7 @@ def fused_moe(
     if not use_triton(x) or D % 16 or I % 16 or gate_up.dtype != x.dtype:
         return moe_ref(x, ids, weights, gate_up, down)
     gate_up, down, x = gate_up.contiguous(), down.contiguous(), x.contiguous()
-    return _launch(x, ids, weights, E, D, I, (gate_up,) * 3, (down,) * 3, None, True, split_k)
+    return _launch(x, ids, weights, E, D, I, (gate_up,) * 3, (down,) * 3, None, True, split_k, table)
 
 
 def fused_moe_int4(
@@ -340,6 +364,7 @@ def fused_moe_int4(
     packed,  # lynx_edge.quant.int4.Int4Experts (duck-typed: kernels never import quant)
     *,
     expert_slots: torch.Tensor | None = None,
+    table: dict[str, torch.Tensor] | None = None,
     split_k: int | None = None,
 ) -> torch.Tensor:
     """fused_moe on INT4 experts, dequantised in registers; reference: dequantise active experts."""
@@ -348,8 +373,8 @@ def fused_moe_int4(
     if not use_triton(x):
         fetch = lambda e: packed.dequant_expert(e, x.dtype)  # noqa: E731
         return moe_ref_lazy(x, ids, weights, packed.num_experts, fetch)
-    G, sym = packed.group_size, packed.sym
+    sym = packed.sym
     gu = (packed.gu_q, packed.gu_s, packed.gu_q if sym else packed.gu_z)  # z unused when sym
     dn = (packed.dn_q, packed.dn_s, packed.dn_q if sym else packed.dn_z)
     return _launch(x.contiguous(), ids, weights, packed.num_experts, packed.hidden, packed.inter,
-                   gu, dn, G, sym, split_k)
+                   gu, dn, packed.group_size, sym, split_k, table)
