@@ -261,7 +261,8 @@ class Engine:
             "cached_prompt_tokens": self._reused,  # reused from the previous turn's KV cache
             "completion_tokens": n_out,
             "prefill_s": t_prefill,
-            "prefill_tok_s": n_prompt / t_prefill if t_prefill > 0 else 0.0,
+            # tokens actually computed: the cached prefix of a chat turn costs nothing
+            "prefill_tok_s": (n_prompt - self._reused) / t_prefill if t_prefill > 0 else 0.0,
             "decode_steps": n_decode,
             "decode_s": t_decode,
             "decode_tok_s": (n_out - len(seqs)) / t_decode if t_decode > 0 else 0.0,

@@ -188,6 +188,78 @@ def test_interp_int4_gptqmodel_fixture():
     _close(fused_moe_int4(x, ids, w, p), moe_ref(x, ids, w, gu, dn), torch.float16)
 
 
+# ------------------------------------------------------------ ahead-of-time compile for sm_80/sm_90
+
+MIXTRAL, QWEN3 = (4096, 14336, 8, 2), (2048, 768, 128, 8)  # D, I, E, K
+
+
+def _aot_compile(launches, arch: int) -> list[int]:
+    """Compile plan_launches' kernels for a CUDA target without a GPU, specialised as the runtime
+    JIT would (16-divisible ints and pointers); → stack bytes per kernel (> 0 means spills)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    cuobjdump = Path(moe_gemm.triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    types = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.uint8: "*u8",
+             torch.int32: "*i32", torch.int64: "*i64"}
+    stacks = []
+    for kernel, _grid, args, meta in launches:
+        names, sig, attrs = kernel.arg_names, {}, {}
+        for i, (n, a) in enumerate(zip(names, args)):
+            sig[n] = types[a.dtype] if isinstance(a, torch.Tensor) else "i32"
+            if isinstance(a, torch.Tensor) or a % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        sig.update({n: "constexpr" for n in meta})
+        src = ASTSource(kernel, sig, {(names.index(n),): v for n, v in meta.items()}, attrs)
+        ck = moe_gemm.triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
+        cubin = Path(os.environ.get("TMPDIR", "/tmp")) / f"lynx_aot_{os.getpid()}.cubin"
+        cubin.write_bytes(ck.asm["cubin"])
+        usage = subprocess.run([str(cuobjdump), "-res-usage", str(cubin)], capture_output=True, text=True).stdout
+        cubin.unlink()
+        stacks.append(int(re.search(r"STACK:(\d+)", usage).group(1)))
+    return stacks
+
+
+def _aot_case(shape, T, int4, arch=90):
+    from lynx_edge.quant.int4 import Int4Experts, Int4Layout
+
+    D, I, E, K = shape
+    meta = lambda *sh, dt=torch.bfloat16: torch.empty(*sh, dtype=dt, device="meta")  # noqa: E731
+    x, ids, w = meta(T, D), meta(T, K, dt=torch.int64), meta(T, K, dt=torch.float32)
+    if int4:
+        p = Int4Experts.empty(E, Int4Layout(D, I, 128, sym=False), device="meta")
+        gu, dn, group = (p.gu_q, p.gu_s, p.gu_z), (p.dn_q, p.dn_s, p.dn_z), 128
+    else:
+        gu, dn, group = (meta(E, 2 * I, D),) * 3, (meta(E, D, I),) * 3, None
+    launches, _ = moe_gemm.plan_launches(x, ids, w, E, D, I, gu, dn, group, False, sms=132)
+    return _aot_compile(launches, arch)
+
+
+def _need_aot():
+    if INTERP or moe_gemm.triton is None:
+        pytest.skip("needs compiled (non-interpreted) triton")
+    if not (Path(moe_gemm.triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
+        pytest.skip("triton's bundled ptxas is missing")
+
+
+def test_aot_compile_sm90_decode():
+    """The INT4 and bf16 kernels the H200 would run at decode (GEMV, T=1) and T=16 (tl.dot)
+    compile for sm_90 with the shipped block sizes and spill no registers."""
+    _need_aot()
+    for T, int4 in ((1, True), (16, True), (1, False)):
+        assert _aot_case(QWEN3, T, int4) == [0, 0, 0], (T, int4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", [80, 90])
+@pytest.mark.parametrize("shape", [MIXTRAL, QWEN3], ids=["mixtral", "qwen3"])
+def test_aot_compile_all_configs(arch, shape):
+    _need_aot()
+    for T in (1, 4, 8, 16, 64):
+        for int4 in (False, True):
+            assert max(_aot_case(shape, T, int4, arch)) == 0, (T, int4)
+
+
 # ------------------------------------------------------------ CUDA (-m gpu)
 
 

@@ -92,7 +92,7 @@ class ChatSession:
         context = len(self.engine.encode_prompt(self.messages)) if len(self.messages) > len(self.system) else 0
         rows = {"turns": self.turns, "context tokens": f"{context} / {self.engine.ctx}",
                 "generated tokens": self.generated,
-                "lynx": self.engine.config.lynx}
+                "lynx mode": self.engine.config.lynx}
         if self.last:
             rows["last answer"] = " · ".join(ui.stats_parts(self.last))
             for part in ("lynx", "offload"):  # telemetry summaries, without per-layer detail

@@ -39,22 +39,23 @@ def lynx_mode(text: str) -> str:
 def engine_options(lynx: str = "off", offload: bool = False, int4: bool = False, profile: str | None = None,
                    ctx_size: int | None = None, record_routing: bool = True) -> dict:
     """Options → Engine.from_pretrained keywords; offload/int4/profile only where this build's
-    EngineConfig has them."""
+    EngineConfig has them (an `offload` field typed OffloadOptions gets the profile inside)."""
     from ..engine import EngineConfig
 
     fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
+    as_options = offload and "offload" in fields and "OffloadOptions" in str(fields["offload"].type)
     opts = {"lynx": lynx_mode(lynx), "record_routing": record_routing, "ctx_size": ctx_size}
     for name, value, flag in (("offload", offload, "--offload"), ("int4", int4, "--int4"),
                               ("profile", profile, "--profile")):
-        if value in (False, None):
+        if value in (False, None) or (name == "profile" and as_options):
             continue
         if name not in fields:
             raise CliError(f"{flag} is not available in this build", "run without it")
         opts[name] = value
-    if offload and "OffloadOptions" in str(fields["offload"].type):  # the engine takes the options object
+    if as_options:
         from ..offload import OffloadOptions
 
-        opts["offload"] = OffloadOptions(profile=opts.pop("profile", None) if "profile" not in fields else profile)
+        opts["offload"] = OffloadOptions(profile=profile)
     return opts
 
 

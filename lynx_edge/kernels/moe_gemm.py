@@ -279,7 +279,8 @@ def _config(T: int, A: int, D: int, I: int, dtype, group: int | None, split_k: i
         bk = group if use_dot else min(group, 64)  # divides G: one scale row per K step
     else:
         bk = next((b for b in (64, 32, 16) if D % b == 0 and I % b == 0), 0)
-    bn_gu = bn_dn = 64 if use_dot else 32
+    # INT4 keeps two dequantised [BN, BK/2] halves live: 64×64 tiles spill on sm_80 (AOT test)
+    bn_gu = bn_dn = 64 if use_dot and not (group and bm > 32) else 32
     while bn_gu > 16 and A * _cdiv(I, bn_gu) < 2 * sms:
         bn_gu //= 2
     while bn_dn > 16 and A * _cdiv(D, bn_dn) < 2 * sms:
