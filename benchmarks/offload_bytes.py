@@ -77,7 +77,10 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=48)
     ap.add_argument("--cache-frac", type=float, default=0.25, help="expert slots as a fraction of all experts")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "offload_bytes"))
+    ap.add_argument("--threads", type=int, help="torch CPU threads (bytes do not depend on it)")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     model_dir, note = _model(args.model)
     eng = Engine.from_pretrained(model_dir, device="cpu")

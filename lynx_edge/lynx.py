@@ -155,7 +155,8 @@ def _critical(score, lv, ids_d, needed, base, cfg: LynxConfig, pooled: bool) -> 
         crit[_rank(score)[: cfg.arg]] = True
         crit &= score > 0
     else:  # S(e) ≥ B^−j, in units of B^−β; j ≥ β admits every vote
-        crit = score >= base ** max(cfg.beta - cfg.j, 0)
+        thr = base ** max(cfg.beta - cfg.j, 0)  # python int: exact, may exceed int64
+        crit = score >= (thr if score.dtype == torch.int64 else float(thr))
     crit |= needed
     if cfg.protect_top1:
         crit[ids_d[:, 0]] = True

@@ -119,7 +119,7 @@ def test_one_copy_moves_an_expert():
 
 def test_layout_rejects_bad_sizes():
     with pytest.raises(ValueError, match="group size"):
-        Int4Layout(64, 64, group_size=16).nbytes and Int4Experts.empty(1, Int4Layout(64, 64, 16))
+        Int4Experts.empty(1, Int4Layout(64, 64, group_size=16))
     with pytest.raises(ValueError, match="multiple"):
         quantize_rtn(torch.randn(4, 96), 64)
 
@@ -130,9 +130,13 @@ def test_int4_moe_ref_dequantises_only_active_experts(monkeypatch):
     x = torch.randn(T, D)
     ids = torch.tensor([[0, 3], [3, 5], [0, 5], [5, 3], [0, 3]])
     w = torch.softmax(torch.randn(T, K), -1)
-    fetched = []
-    orig = Int4Experts.dequant_expert
-    monkeypatch.setattr(Int4Experts, "dequant_expert", lambda self, e, dt=torch.float32: fetched.append(e) or orig(self, e, dt))
+    fetched, orig = [], Int4Experts.dequant_expert
+
+    def spy(self, e, dtype=torch.float32):
+        fetched.append(e)
+        return orig(self, e, dtype)
+
+    monkeypatch.setattr(Int4Experts, "dequant_expert", spy)
     y = int4_moe_ref(x, ids, w, p)
     assert fetched == [0, 3, 5]
     gu, dn = dequantize_experts(p)

@@ -7,6 +7,8 @@ import warnings
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from lynx_edge import Engine
 from lynx_edge.config import ModelConfig
@@ -44,8 +46,8 @@ def _reference(path, ids):
 
 
 @pytest.mark.parametrize("family,opts", [
-    ("mixtral", dict(expert_slots=5, cpu_compute="never")),
-    ("qwen2_moe", dict(expert_slots=4, cpu_compute="never", policy="lynx", prefetch=True)),
+    ("mixtral", dict(expert_slots=5, cpu_compute="never", prefetch=True)),
+    ("qwen2_moe", dict(expert_slots=4, cpu_compute="never", policy="lynx")),
     ("olmoe", dict(expert_slots=3, cpu_compute="always")),
 ])
 def test_offloaded_equals_resident(tiny_models, family, opts):
@@ -145,9 +147,78 @@ def test_lynx_policy_admission_rule_exact():
     c.access(0, [3])  # d(3) = 0.25 < 0.5: bypassed
     assert c.admit(0, 3) is None
     c.release()
-    c.access(0, [3])  # d(3) = 0.5 ≥ 0.5: admitted, 7 evicted
+    c.access(0, [3])  # d(3) = 0.5 = d(7): a tie keeps the resident
+    assert c.admit(0, 3) is None and c.bypasses == 2
+    c.release()
+    c.access(0, [3])  # d(3) = 0.75 > 0.5: admitted, 7 evicted
     assert c.admit(0, 3) == 0 and c.slot(0, 7) == -1 and c.evictions == 1
-    assert math.isclose(c.demand_of(0, 3), 0.5)
+    assert math.isclose(c.demand_of(0, 3), 0.75) and math.isclose(c.demand_of(0, 7), 0.5)
+
+
+class _BruteCache:
+    """The policies of cache.py's docstring by linear scan (the reference for the heap version)."""
+
+    def __init__(self, n, policy, decay=0.95, minor=0.25):
+        self.n, self.policy, self.g, self.m = n, policy, decay, minor
+        self.res, self.dem, self.locked, self.step, self.seq = {}, {}, set(), 0, 0
+        self.hits = self.misses = self.evictions = self.bypasses = 0
+
+    def d(self, k):
+        d, t = self.dem.get(k, (0.0, self.step))
+        return d * self.g ** (self.step - t)
+
+    def access(self, layer, used, critical):
+        misses = []
+        for e in used:
+            k = (layer, e)
+            self.dem[k] = (self.d(k) + (1.0 if e in critical else self.m), self.step)
+            if k in self.res:
+                self.seq += 1
+                self.res[k] = self.seq
+                self.locked.add(k)
+                self.hits += 1
+            else:
+                misses.append(e)
+        self.misses += len(misses)
+        return misses
+
+    def admit(self, layer, e):
+        k = (layer, e)
+        if len(self.res) >= self.n:
+            cands = [x for x in self.res if x not in self.locked]
+            key = (lambda x: self.res[x]) if self.policy == "lru" else (lambda x: (self.d(x), self.res[x]))
+            v = min(cands, key=key) if cands else None
+            if v is None or (self.policy == "lynx" and self.d(k) <= self.d(v) * (1 + 1e-12)):
+                self.bypasses += 1
+                return None
+            del self.res[v]
+            self.evictions += 1
+        self.seq += 1
+        self.res[k] = self.seq
+        self.locked.add(k)
+        return k
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from(["lru", "lynx"]), st.integers(1, 6),
+       st.lists(st.tuples(st.integers(0, 2), st.sets(st.integers(0, 7), min_size=1, max_size=5),
+                          st.integers(0, 7), st.booleans()), min_size=1, max_size=60))
+def test_cache_matches_brute_force_reference(policy, slots, script):
+    """Random scripted routing: counters and residency equal the linear-scan reference exactly."""
+    fast, ref = ExpertCache(slots, policy), _BruteCache(slots, policy)
+    for layer, used, crit, tick in script:
+        if tick:
+            fast.tick()
+            ref.step += 1
+        used = sorted(used)
+        _, misses = fast.access(layer, used, {crit})
+        assert misses == ref.access(layer, used, {crit})
+        for e in misses:
+            assert (fast.admit(layer, e) is None) == (ref.admit(layer, e) is None)
+        fast.release()
+        ref.locked.clear()
+        assert set(fast.slot_of) == set(ref.res)
+    assert (fast.hits, fast.misses, fast.evictions, fast.bypasses) == (ref.hits, ref.misses, ref.evictions, ref.bypasses)
 
 
 def test_scripted_routing_through_offloaded_experts(tiny_models):

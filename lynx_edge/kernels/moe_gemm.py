@@ -10,8 +10,11 @@ expert-major (no host sync); kernel 1 computes silu(gate)·up per active expert 
 kernel 2 the down projection times the routing weight into a per-slot buffer [S, T·K, D]
 (S = split-K), kernel 3 sums each token's S·K rows in a fixed order (deterministic, no atomics).
 Grids are sized for A = min(T·K, E); programs past the active count exit at once. INT4 weights
-(lynx_edge.quant.int4 layout) are dequantised in registers. Set LYNX_TRITON_INTERPRET=1 (or
-TRITON_INTERPRET=1) before importing this module to run the kernels on CPU tensors.
+(lynx_edge.quant.int4 layout) are dequantised in registers. The routing kernel may pass its own
+expert-major table (`table=`, format of expert_table); `expert_slots` maps expert ids to rows of
+an offload slot buffer. Block sizes come from shapes only (_config); plan_launches exposes the
+exact launches so tests compile them for sm_80/89/90 without a GPU. Set LYNX_TRITON_INTERPRET=1
+(or TRITON_INTERPRET=1) before importing this module to run the kernels on CPU tensors.
 """
 from __future__ import annotations
 
@@ -187,15 +190,19 @@ if triton is not None:
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
         INT4: tl.constexpr, SYM: tl.constexpr, USE_DOT: tl.constexpr, PREC: tl.constexpr,
     ):
-        """h[row, n] = silu(x[tok]·gateₙ)·(x[tok]·upₙ) for one (active expert, I-tile)."""
+        """h[row, n] = silu(x[tok]·gateₙ)·(x[tok]·upₙ) for one (active expert, I-tile). Gate and
+        up rows form one [2·BN, D] tile (one K loop, twice the bytes in flight per step)."""
         pid_a = tl.program_id(0)
         if pid_a >= tl.load(num_act_ptr):
             return  # grid is sized for the worst case; inactive experts' bytes are never read
         e = tl.load(act_e_ptr + pid_a).to(tl.int64)
         start = tl.load(act_start_ptr + pid_a)
         end = tl.load(act_start_ptr + pid_a + 1)
-        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] columns of h
         n_mask = offs_n < I
+        r2 = tl.arange(0, 2 * BLOCK_N)
+        n2 = tl.program_id(1) * BLOCK_N + r2 % BLOCK_N
+        rows_w = n2 + tl.where(r2 >= BLOCK_N, I, 0)  # [2BN] gate rows, then the same up rows
         w_base = w_ptr + e * stride_we
         s_base = s_ptr + e * stride_se
         z_base = z_ptr + e * stride_ze
@@ -203,11 +210,11 @@ if triton is not None:
             rows = m0 + tl.arange(0, BLOCK_M)
             r_mask = rows < end
             tok = tl.load(tok_ptr + rows, mask=r_mask, other=0)
-            zero = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-            g = _tile_matmul(zero, x_ptr, tok, r_mask, stride_x, w_base, s_base, z_base, offs_n,
-                             n_mask, 0, D, stride_wn, stride_sg, BLOCK_K, GROUP, INT4, SYM, USE_DOT, PREC)
-            u = _tile_matmul(zero, x_ptr, tok, r_mask, stride_x, w_base, s_base, z_base, offs_n + I,
-                             n_mask, 0, D, stride_wn, stride_sg, BLOCK_K, GROUP, INT4, SYM, USE_DOT, PREC)
+            acc = tl.zeros((2 * BLOCK_N, BLOCK_M), dtype=tl.float32)
+            acc = _tile_matmul(acc, x_ptr, tok, r_mask, stride_x, w_base, s_base, z_base, rows_w,
+                               n2 < I, 0, D, stride_wn, stride_sg, BLOCK_K, GROUP, INT4, SYM, USE_DOT, PREC)
+            # [2BN, BM] → [BN, BM, 2] → gate, up
+            g, u = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N, BLOCK_M)), (1, 2, 0)))
             h = g / (1.0 + tl.exp(-g)) * u  # [BN, BM]
             tl.store(h_ptr + rows[None, :] * I + offs_n[:, None], h.to(h_ptr.dtype.element_ty),
                      mask=n_mask[:, None] & r_mask[None, :])
@@ -275,23 +282,30 @@ def _config(T: int, A: int, D: int, I: int, dtype, group: int | None, split_k: i
     use_dot = T > 4 and not (_interpreting() and dtype == torch.bfloat16)  # bf16 dot: wrong in interp
     bm = min(64, _pow2(T))
     bm = max(16, bm) if use_dot else bm
-    if group is not None:
-        bk = group if use_dot else min(group, 64)  # divides G: one scale row per K step
-    else:
-        bk = next((b for b in (64, 32, 16) if D % b == 0 and I % b == 0), 0)
-    # INT4 keeps two dequantised [BN, BK/2] halves live: 64×64 tiles spill on sm_80 (AOT test)
-    bn_gu = bn_dn = 64 if use_dot and not (group and bm > 32) else 32
+    # INT4 keeps two dequantised fp32 halves live: narrower tiles (64 rows × BM 64 spill, AOT test)
+    bn_gu = bn_dn = 64 if use_dot and not group else 32
+    if group and bm > 32:
+        bn_gu = 16  # gate-up tiles have 2·BN rows
     while bn_gu > 16 and A * _cdiv(I, bn_gu) < 2 * sms:
         bn_gu //= 2
     while bn_dn > 16 and A * _cdiv(D, bn_dn) < 2 * sms:
         bn_dn //= 2
+
+    def block_k(rows: int) -> int:
+        """Largest K step dividing D, I (and G) whose GEMV product [rows, BK, BM] stays ≤ 8K
+        fp32 registers per program; tl.dot: 64 dense (smem fits sm_89), G for INT4."""
+        top = (group or 64) if use_dot else max(16, 8192 // (rows * bm) * (2 if group else 1))
+        return next(b for b in (128, 64, 32, 16) if b <= top and (group or D) % b == 0 and I % b == 0)
+
+    bk_gu, bk_dn = block_k(2 * bn_gu), block_k(bn_dn)
     s = 1
-    while split_k is None and s < 8 and A * _cdiv(D, bn_dn) * s < 2 * sms and I // (2 * s) >= 4 * bk:
+    while split_k is None and s < 8 and A * _cdiv(D, bn_dn) * s < 2 * sms and I // (2 * s) >= 4 * bk_dn:
         s *= 2
-    split_len = _cdiv(_cdiv(I, split_k or s), bk) * bk
-    return dict(BLOCK_M=bm, BLOCK_K=bk, BN_GU=bn_gu, BN_DN=bn_dn, SPLIT_LEN=split_len,
-                SPLIT=_cdiv(I, split_len), USE_DOT=use_dot,
-                PREC="ieee" if dtype == torch.float32 else "tf32")
+    split_len = _cdiv(_cdiv(I, split_k or s), bk_dn) * bk_dn
+    prec = "ieee" if dtype == torch.float32 else "tf32"
+    common = dict(BLOCK_M=bm, GROUP=group or 1, INT4=group is not None, USE_DOT=use_dot, PREC=prec)
+    return dict(gu=dict(common, BLOCK_N=bn_gu, BLOCK_K=bk_gu), dn=dict(common, BLOCK_N=bn_dn, BLOCK_K=bk_dn),
+                SPLIT_LEN=split_len, SPLIT=_cdiv(I, split_len))
 
 
 def plan_launches(x, ids, weights, num_experts, D, I, gu, dn, group, sym, split_k=None, table=None,
@@ -307,8 +321,6 @@ def plan_launches(x, ids, weights, num_experts, D, I, gu, dn, group, sym, split_
     if sms is None:
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 0
     cfg = _config(T, A, D, I, x.dtype, group, split_k, sms)
-    meta = dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], GROUP=group or 1,
-                INT4=group is not None, SYM=sym, USE_DOT=cfg["USE_DOT"], PREC=cfg["PREC"])
     h = torch.empty(TK, I, dtype=x.dtype, device=x.device)  # [T·K, I] rows in expert-major order
     part = torch.empty(cfg["SPLIT"], TK, D, dtype=torch.float32, device=x.device)  # each cell written once
     y = torch.empty(T, D, dtype=x.dtype, device=x.device)
@@ -316,14 +328,14 @@ def plan_launches(x, ids, weights, num_experts, D, I, gu, dn, group, sym, split_
     table_args = (tab["act_e"], tab["act_start"], tab["num_act"])
     (w1, s1, z1), (w2, s2, z2) = gu, dn
     return [
-        (_gate_up_kernel, (A, _cdiv(I, cfg["BN_GU"])),
+        (_gate_up_kernel, (A, _cdiv(I, cfg["gu"]["BLOCK_N"])),
          (x, h, w1, s1, z1, tab["tok"], *table_args, D, I, x.stride(0),
           w1.stride(0), w1.stride(1), s1.stride(0), z1.stride(0), s1.stride(1)),
-         dict(meta, BLOCK_N=cfg["BN_GU"])),
-        (_down_kernel, (A, _cdiv(D, cfg["BN_DN"]), cfg["SPLIT"]),
+         dict(cfg["gu"], SYM=sym)),
+        (_down_kernel, (A, _cdiv(D, cfg["dn"]["BLOCK_N"]), cfg["SPLIT"]),
          (h, part, w2, s2, z2, tab["slot"], rw, *table_args, D, I, TK, cfg["SPLIT_LEN"],
           w2.stride(0), w2.stride(1), s2.stride(0), z2.stride(0), s2.stride(1)),
-         dict(meta, BLOCK_N=cfg["BN_DN"])),
+         dict(cfg["dn"], SYM=sym)),
         (_finalize_kernel, (T, _cdiv(D, 1024)), (part, y, D, TK, K, cfg["SPLIT"]), dict(BLOCK_D=1024)),
     ], y
 

@@ -3,17 +3,20 @@
 Keys are (layer, expert). One layer-step calls access() with the experts the step uses (they are
 locked until release(): never evicted mid-step), then admit() for each miss it fetches.
 
-Demand. Every use of (layer, e) updates d ← d·γ^(forwards since its last use) + v, with v = 1
-when e is in the step's critical set (some token's rank-0 expert, or a choice whose gate weight
-is ≥ r × its token's top weight: LYNX's lone-vote rule bin ≥ −j seen through the weights) and
-v = 0.25 otherwise; γ = 0.8 per forward (tick()). Demand is kept for non-resident experts too.
+Demand. Every use of (layer, e) updates d ← d·γ^(forwards since its last update) + v, with
+v = 1 when e is in the step's critical set and v = 0.25 otherwise; γ = 0.95 per forward (tick()).
+The runtime's critical set: experts with a decisive vote, i.e. some token gives e a gate weight
+≥ (K/E)^(1/4) × its top weight (LYNX bin 0 with β = 4; rank-0 choices always qualify) — those
+are what residency-aware LYNX can never remap away. Demand is kept for non-resident experts too.
 
 Policies.
   lru : every miss is admitted; the victim is the least recently used unlocked slot.
   lynx: the victim is the unlocked slot with the lowest current demand (ties → least recently
-        used); a miss is admitted iff a slot is free or its demand ≥ the victim's, otherwise it
-        is bypassed (used once from a scratch slot or on the CPU, the cache unchanged). A
-        one-off, low-affinity choice therefore never displaces an expert the batch keeps needing.
+        used); a miss is admitted iff a slot is free or its demand is strictly greater than the
+        victim's, otherwise it is bypassed (used once from a scratch slot or on the CPU, the
+        cache unchanged). A one-off, low-affinity choice never displaces an expert the batch keeps
+        needing, and when the working set is larger than the cache, a stable subset stays
+        resident instead of LRU's cyclic thrash (zero hits).
 
 Counters: hits, misses, evictions, admissions, bypasses (bytes are counted by the transfer).
 """
@@ -26,7 +29,7 @@ POLICIES = ("lru", "lynx")
 
 
 class ExpertCache:
-    def __init__(self, num_slots: int, policy: str = "lru", decay: float = 0.8, minor: float = 0.25):
+    def __init__(self, num_slots: int, policy: str = "lru", decay: float = 0.95, minor: float = 0.25):
         if policy not in POLICIES:
             raise ValueError(f"cache policy {policy!r} is unknown (use {' or '.join(POLICIES)})")
         self.num_slots, self.policy = num_slots, policy
@@ -92,7 +95,7 @@ class ExpertCache:
             s = self.free.pop()
         else:
             s = self._victim()
-            if s is None or (self.policy == "lynx" and self._prio_of_key(key) < self._prio(s)):
+            if s is None or (self.policy == "lynx" and self._prio_of_key(key) <= self._prio(s)):
                 if s is not None:
                     self._push(s)  # the victim stays
                 self.bypasses += 1

@@ -72,6 +72,7 @@ class OffloadedExperts(nn.Module):
         cpu_jobs = [(e, groups[e][0]) for e in on_cpu]
         xh = rt.cpu.gather(x, cpu_jobs)  # before any expert kernel, so the read-back does not wait on them
         for e in sorted(hits):  # 2. resident experts: launched before the CPU work so they overlap
+            rt.transfer.wait(slots[e])  # a prefetched expert may still be in flight
             ys[e] = self._mlp(x[groups[e][0]], slots[e])
         ys.update(rt.cpu.compute(layer, xh, cpu_jobs, x.device))  # 3. host experts (blocks the host only)
         for e in sorted(set(slots) - set(hits)):  # 4. fetched experts, each when its copy lands

@@ -67,6 +67,36 @@ def slots_for(shape: ModelShape, profile: Profile, batch: int, ctx: int = 4096, 
     return int(max(0, min(shape.layers * shape.num_experts, room // shape.expert_bytes(fmt))))
 
 
+def _unique(E: int, K: int, B: int) -> float:
+    """Expected distinct experts per layer-step under uniform routing: E·(1 − (1 − K/E)^B)."""
+    return E * (1 - (1 - K / E) ** B)
+
+
+def _replay(steps, t_layers, layers: int, E: int, cache: ExpertCache, cost: CostModel):
+    """Run every decode step's layers through cache + cost → (fetches, CPU calls, unique experts,
+    expert seconds, tokens), summed over steps."""
+    fetched = cpu_calls = unique = tokens = 0
+    step_s = 0.0
+    for s in steps:
+        cache.tick()
+        for ly in range(layers):
+            ids = s[t_layers[ly % len(t_layers)]]
+            counts = [0] * E
+            for row in ids:
+                for e in row:
+                    counts[e] += 1
+            used = [e for e in range(E) if counts[e]]
+            hits, misses = cache.access(ly, used, {row[0] for row in ids})  # rank-0 choices are critical
+            fetch, on_cpu = cost.split(misses, counts)
+            for e in fetch:
+                cache.admit(ly, e)
+            cache.release()
+            fetched, cpu_calls, unique = fetched + len(fetch), cpu_calls + len(on_cpu), unique + len(used)
+            step_s += cost.layer_s([counts[e] for e in hits], [counts[e] for e in fetch], [counts[e] for e in on_cpu])
+        tokens += len(s[t_layers[0]])
+    return fetched, cpu_calls, unique, step_s, tokens
+
+
 def project(trace: list[dict], shape: ModelShape | str, profile: Profile | str, policy: str = "lru",
             slots: int | None = None, fmt: str = "bf16", cpu_compute: str = "auto", ctx: int = 4096,
             trace_experts: int | None = None) -> dict:
@@ -90,35 +120,13 @@ def project(trace: list[dict], shape: ModelShape | str, profile: Profile | str, 
         E, layers, cache_slots, scale = shape.num_experts, shape.layers, total_slots, 1.0
     else:  # replay at the trace's own size, same cache fraction; scale by expected unique experts
         E, layers = E_t, len(t_layers)
-        def uniq(e: int, k: int) -> float:  # uniform routing: E·(1 − (1 − K/E)^B)
-            return e * (1 - (1 - k / e) ** batch)
         cache_slots = round(frac * layers * E)
-        scale = uniq(shape.num_experts, shape.top_k) / uniq(E_t, K_t) * shape.layers / layers
+        scale = _unique(shape.num_experts, shape.top_k, batch) / _unique(E_t, K_t, batch) * shape.layers / layers
     cache = ExpertCache(cache_slots, policy)
     cost = CostModel(prof, eb, 6.0 * shape.hidden * shape.inter, pinned=True, cpu_mode=cpu_compute)
-    fetched = cpu_calls = unique = tokens = 0
-    step_s = 0.0
-    for s in steps:
-        cache.tick()
-        for ly in range(layers):
-            ids = s[t_layers[ly % len(t_layers)]]
-            counts = [0] * E
-            for row in ids:
-                for e in row:
-                    counts[e] += 1
-            used = [e for e in range(E) if counts[e]]
-            hits, misses = cache.access(ly, used, {row[0] for row in ids})
-            fetch, on_cpu = cost.split(misses, counts)
-            for e in fetch:
-                cache.admit(ly, e)
-            cache.release()
-            fetched += len(fetch)
-            cpu_calls += len(on_cpu)
-            unique += len(used)
-            step_s += cost.layer_s([counts[e] for e in hits], [counts[e] for e in fetch], [counts[e] for e in on_cpu])
-        tokens += len(s[t_layers[0]])
+    fetched, cpu_calls, unique, step_s, tokens = _replay(steps, t_layers, layers, E, cache, cost)
     n = len(steps)
-    step_s = step_s * (scale if not direct else 1.0) / n + 2 * shape.non_expert_params / (prof.gpu_hbm_gbps * 1e9)
+    step_s = step_s * scale / n + 2 * shape.non_expert_params / (prof.gpu_hbm_gbps * 1e9)
     looked = cache.hits + cache.misses
     bytes_step = fetched * eb * scale / n
     return {

@@ -12,7 +12,6 @@ what is resident crosses the link (at B = 1 too). Glossary: N tokens, E experts,
 """
 from __future__ import annotations
 
-import math
 import warnings
 
 import psutil
@@ -75,9 +74,10 @@ class OffloadRuntime:
         self.cpu = CpuExperts(store)
         self.cost = CostModel(profile, store.nbytes, 6.0 * cfg.hidden_size * cfg.moe_intermediate_size,
                               pinned=not store.pin_failed and store.pin_limit is None, cpu_mode=opts.cpu_compute)
-        # critical vote: weight ≥ r·top weight ⇔ LYNX bin ≥ −1 (α = 4 / ln(E/K), j = 1)
+        # critical vote: weight ≥ (K/E)^(1/β)·top weight ⇔ LYNX bin 0 (gap < ln(E/K)/β, β = 4), a
+        # decisive vote: always critical whatever B, so it predicts what residency-aware LYNX fetches
         E, K = cfg.num_experts, cfg.top_k
-        self.crit_ratio = math.exp(-2 * math.log(E / K) / 4) if E > K else 0.0
+        self.crit_ratio = (K / E) ** 0.25 if E > K else 0.0
         self._gates = {a: model.layers[b].mlp.gate for a, b in zip(self.moe_layers, self.moe_layers[1:])}
         self._mask: dict[int, tuple[int, torch.Tensor]] = {}
         self._prefetched: set[tuple[int, int]] = set()
@@ -187,6 +187,7 @@ class OffloadRuntime:
 
     def detach(self) -> None:
         """Put StackedExperts (from the store) and the original router back; offloading ends."""
+        self.transfer.synchronize()  # no copy may still be writing into the pool
         cfg, dt = self.model.cfg, self.model.dtype
         for layer in self.moe_layers:
             block = self.model.layers[layer].mlp
@@ -225,8 +226,7 @@ def attach_offload(model, options: OffloadOptions | None = None, profile=None) -
     prof = profile or (load_profile(opts.profile) if opts.profile else detect_profile(dev))
     cfg = model.cfg
     blocks = [model.layers[i].mlp for i in cfg.moe_layer_ids]
-    expert_params = [p for b in blocks for p in b.experts.parameters()]
-    on_host = sum(p.numel() * p.element_size() for p in expert_params if p.device.type == "cpu")
+    on_host = sum(p.numel() * p.element_size() for b in blocks for p in b.experts.parameters() if p.device.type == "cpu")
     on_dev = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type == "cuda")
     plan = make_plan(cfg, opts, model.dtype, dev, prof, host_available=psutil.virtual_memory().available + on_host,
                      device_bytes_in_use=on_dev)
@@ -235,8 +235,7 @@ def attach_offload(model, options: OffloadOptions | None = None, profile=None) -
     store = HostExpertStore(fmt, cfg.num_experts, want_pin, plan.pin_limit_bytes, opts.staging_slots)
     for i, block in zip(cfg.moe_layer_ids, blocks):
         store.put(i, block.experts.gate_up.data, block.experts.down.data)
-        block.experts = nn_placeholder()  # frees this layer's stacked experts before the next one
-    del expert_params
+        block.experts = torch.nn.Identity()  # frees this layer's stacked experts before the next one
     if dev != model.device:
         model.to(dev)
         model.device = dev
@@ -254,10 +253,6 @@ def attach_offload(model, options: OffloadOptions | None = None, profile=None) -
         warnings.warn(f"residency-aware LYNX unavailable ({exc}); routing left as it was", RuntimeWarning)
     model.offload = rt
     return rt
-
-
-def nn_placeholder():
-    return torch.nn.Identity()
 
 
 __all__ = ["OffloadRuntime", "ResidencyRoute", "attach_offload"]
