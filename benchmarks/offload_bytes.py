@@ -112,17 +112,24 @@ def main(argv=None) -> int:
                 print(f"B={B:2d} {r['variant']:<12} {r['decode_bytes_per_step'] / 2**20:8.3f} MiB/step "
                       f"({r['bytes_reduction_pct_vs_lru']:+6.1f}% vs lru)  hit {r['hit_rate']:.2f}  "
                       f"agree {r['greedy_agreement_vs_exact']:.2f}", flush=True)
-    meta = {"model": str(model_dir.relative_to(ROOT) if model_dir.is_relative_to(ROOT) else model_dir),
+    shown = "tiny random qwen3_moe (generated)" if note else str(
+        model_dir.relative_to(ROOT) if model_dir.is_relative_to(ROOT) else model_dir)
+    meta = {"model": shown,
             "model_type": cfg.model_type, "num_experts": cfg.num_experts, "top_k": cfg.top_k,
             "moe_layers": len(cfg.moe_layer_ids), "expert_slots": slots, "cache_frac": args.cache_frac,
             "new_tokens": args.new_tokens, "prompt_tokens": args.prompt_tokens, "device": "cpu (stands in for the GPU)",
-            "note": note, "torch": torch.__version__}
+            "note": note, "torch": torch.__version__,
+            "prompts": "held-out text" if (model_dir / "heldout.txt").is_file() else "synthetic code text"}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     out.with_suffix(".md").write_text(_markdown(meta, rows))
     print(f"wrote {out.with_suffix('.json')} and .md")
     return 0
+
+
+def _delta(r: dict) -> str:
+    return "baseline" if r["variant"] == "lru" else f"{-r['bytes_reduction_pct_vs_lru']:+.1f}%"
 
 
 def _markdown(meta: dict, rows: list[dict]) -> str:
@@ -132,7 +139,7 @@ def _markdown(meta: dict, rows: list[dict]) -> str:
         f"Model `{meta['model']}` ({meta['model_type']}, E={meta['num_experts']}, K={meta['top_k']}, "
         f"{meta['moe_layers']} MoE layers); {meta['expert_slots']} expert slots "
         f"({meta['cache_frac']:.0%} of all experts) for every variant; {meta['new_tokens']} greedy decode steps "
-        f"after {meta['prompt_tokens']}-token held-out prompts; measured on {meta['device']}.",
+        f"after {meta['prompt_tokens']}-token prompts ({meta['prompts']}); measured on {meta['device']}.",
         "",
     ]
     if meta["note"]:
@@ -141,7 +148,7 @@ def _markdown(meta: dict, rows: list[dict]) -> str:
               "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['batch']} | {r['variant']} | {r['decode_bytes_per_step'] / 2**20:.3f} | "
-                     f"{-r['bytes_reduction_pct_vs_lru']:+.1f}% | {r['hit_rate']:.2f} | {r['remapped_to_resident']} | "
+                     f"{_delta(r)} | {r['hit_rate']:.2f} | {r['remapped_to_resident']} | "
                      f"{r['greedy_agreement_vs_exact']:.2f} | — |")
     lines += ["", "Targets: ≥ 40% fewer bytes at B=8–16, ≥ 15% at B=1, perplexity +≤ 1% "
               "(the ppl column is filled by lynx_edge/eval.py).", ""]

@@ -274,6 +274,20 @@ def test_residency_lynx_remaps_onto_resident_at_b1(tiny_models):
     assert all(ids.numel() and res.shape == (8,) for ids, res in seen)
 
 
+def test_attach_makes_an_installed_lynx_router_residency_aware(tiny_models):
+    pytest.importorskip("lynx_edge.lynx")
+    from lynx_edge.offload.runtime import ResidencyRoute
+
+    eng = Engine.from_pretrained(tiny_models["mixtral"], device="cpu", lynx="lynx")
+    rt = attach_offload(eng.model, OffloadOptions(expert_slots=4, cpu_compute="never"))
+    route = eng.model.routing.route
+    assert isinstance(route, ResidencyRoute) and route.telemetry is eng.lynx.telemetry
+    eng.generate_batch(PROMPTS, max_new_tokens=6, ignore_eos=True)
+    assert eng.last_stats["lynx"]["decode_layer_steps"] > 0 and rt.stats()["decode_steps"] == 5
+    rt.set_lynx("off")
+    assert not isinstance(eng.model.routing.route, ResidencyRoute)
+
+
 # --------------------------------------------------------------------------- plans
 
 
@@ -500,3 +514,19 @@ def test_offloaded_equals_resident_cuda(tiny_models):
     rt = attach_offload(eng.model, OffloadOptions(expert_slots=4, cpu_compute="never", prefetch=True))
     assert eng.generate_batch(PROMPTS, max_new_tokens=10, ignore_eos=True) == ref
     assert rt.store.pinned_bytes > 0 and rt.stats()["misses"] > 0
+
+
+@pytest.mark.slow
+def test_gpu_offload_check_dry_run(tmp_path):
+    """The device check script's CPU smoke mode runs end to end and writes its report."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "gpu_offload_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_offload_check", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["--dry-run", "--layers", "2", "--steps", "2", "--prompt", "4", "--out", str(tmp_path)]) == 0
+    rep = json.loads((tmp_path / "gpu_offload_check.json").read_text())
+    assert {(r["batch"], r["variant"]) for r in rep["rows"]} >= {(1, "lru"), (1, "lynx"), (16, "lru"), (16, "lynx")}

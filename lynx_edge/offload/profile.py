@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import time
 import tomllib
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -202,7 +202,10 @@ def measure_cpu(size_mb: int = 256, hidden: int = 2048, inter: int = 1408, reps:
     x1, x64 = torch.randn(1, hidden), torch.randn(64, hidden)
     expert = (gu.nbytes + dn.nbytes) / _best(lambda: expert_mlp(x1, gu, dn), reps * 3)
     flops = 64 * 2 * 3 * hidden * inter / _best(lambda: expert_mlp(x64, gu, dn), reps * 3)
-    return {"cpu_mem_gbps": mem / 1e9, "cpu_expert_gbps": expert / 1e9, "cpu_gflops": flops / 1e9}
+    g0, d0, x0 = gu[:128, :64].contiguous(), dn[:64, :64].contiguous(), x1[:, :64].contiguous()
+    latency = _best(lambda: expert_mlp(x0, g0, d0), reps * 10)  # fixed cost of one tiny expert call
+    return {"cpu_mem_gbps": mem / 1e9, "cpu_expert_gbps": expert / 1e9, "cpu_gflops": flops / 1e9,
+            "cpu_latency_us": latency * 1e6}
 
 
 def measure_cuda(device: torch.device, size_mb: int = 256, reps: int = 3) -> dict:
@@ -223,9 +226,11 @@ def measure_cuda(device: torch.device, size_mb: int = 256, reps: int = 3) -> dic
     hbm = 2 * n / timed(lambda: dst2.copy_(dst))
     m = torch.randn(4096, 4096, dtype=torch.bfloat16, device=device)
     tflops = 2 * 4096**3 / timed(lambda: m @ m)
+    small = torch.empty(4096, dtype=torch.uint8, pin_memory=True)
+    latency = timed(lambda: dst[:4096].copy_(small, non_blocking=True))  # fixed cost of one copy
     total = torch.cuda.get_device_properties(device).total_memory
     return {"h2d_pinned_gbps": h2d / 1e9, "h2d_pageable_gbps": h2d_pg / 1e9, "gpu_hbm_gbps": hbm / 1e9,
-            "gpu_tflops": tflops / 1e12, "gpu_memory_gib": total / 2**30}
+            "gpu_tflops": tflops / 1e12, "gpu_memory_gib": total / 2**30, "link_latency_us": latency * 1e6}
 
 
 def calibrate(name: str = "this-machine", device: torch.device | str | None = None, size_mb: int = 256,
@@ -241,7 +246,7 @@ def calibrate(name: str = "this-machine", device: torch.device | str | None = No
     else:
         copy = cpu["cpu_mem_gbps"] / 2
         gpu = {"h2d_pinned_gbps": copy, "h2d_pageable_gbps": copy, "gpu_hbm_gbps": cpu["cpu_mem_gbps"],
-               "gpu_tflops": cpu["cpu_gflops"] / 1e3, "gpu_memory_gib": 0.0}
+               "gpu_tflops": cpu["cpu_gflops"] / 1e3, "gpu_memory_gib": 0.0, "link_latency_us": 1.0}
         desc, kw = "calibrated on the CPU (no GPU: the CPU stands in for the device)", dict(unified_memory=True)
     vals = {k: float(f"{v:.4g}") for k, v in {**cpu, **gpu}.items()}
     prof = Profile(name=name, description=desc, reserve_gib=0.5 if dev.type == "cuda" else 0.0, **kw, **vals)
