@@ -42,6 +42,12 @@ class EngineConfig:
     lynx: str = "off"  # off | lynx | budget:m | … (see lynx.py)
     record_routing: bool = False  # keep expert ids per layer per step (routing stats)
     allow_pickle: bool = False  # load .bin checkpoints (unpickling: only for trusted files)
+    # offload: experts in host memory, a device expert cache (see lynx_edge/offload)
+    offload: bool = False
+    gpu_budget_gib: float | None = None  # device memory for weights + KV + expert slots
+    expert_slots: int | None = None  # or a fixed number of device expert slots
+    policy: str | None = None  # lru | lynx (None: the profile's default)
+    profile: str | None = None  # hardware profile name or TOML path (None: detect)
 
 
 @dataclass
@@ -88,8 +94,16 @@ class Engine:
         if dtype is not None and dtype not in _DTYPES:
             raise ConfigError(f"dtype {dtype!r} not supported; use one of float32, bfloat16, float16")
         dt = _DTYPES[dtype] if dtype else (torch.bfloat16 if dev.type == "cuda" else torch.float32)
-        model = MoEForCausalLM(cfg, dt, dev)
+        # Offloaded models are built in host memory; attach_offload moves the non-expert part over.
+        model = MoEForCausalLM(cfg, dt, torch.device("cpu") if config.offload else dev)
         load_weights(model, model_dir, FAMILIES[cfg.model_type], progress, config.allow_pickle)
+        if config.offload:
+            from .offload import OffloadOptions, attach_offload
+
+            ctx = config.ctx_size or min(cfg.max_position_embeddings, 4096)
+            attach_offload(model, OffloadOptions(device=str(dev), gpu_budget_gib=config.gpu_budget_gib,
+                                                 expert_slots=config.expert_slots, policy=config.policy,
+                                                 profile=config.profile, ctx=ctx))
         return cls(model, tokenizer, config, model_dir)
 
     def set_lynx(self, mode) -> None:
@@ -98,12 +112,18 @@ class Engine:
         if mode in (None, "off"):
             self.model.routing.route = ExactRouter(spec)
             self.lynx = None
+            if getattr(self.model, "offload", None) is not None:
+                self.model.offload.set_lynx("off")
             return
         from .lynx import LynxConfig, LynxRouter
 
         cfg = mode if isinstance(mode, LynxConfig) else LynxConfig.parse(mode)
         self.lynx = LynxRouter(spec, cfg) if cfg.mode != "off" else None
         self.model.routing.route = self.lynx or ExactRouter(spec)
+        rt = getattr(self.model, "offload", None)
+        if rt is not None and self.lynx is not None:
+            rt.set_lynx(None)  # residency-aware: resident experts count as free (keeps the telemetry)
+            self.lynx = self.model.routing.route
 
     # public API ---------------------------------------------------------------------------
     def encode_prompt(self, prompt_or_messages) -> list[int]:
@@ -197,6 +217,8 @@ class Engine:
         self.model.routing.stats.clear()
         if self.lynx is not None:
             self.lynx.telemetry.clear()
+        if getattr(self.model, "offload", None) is not None:
+            self.model.offload.reset_stats()  # offload counters per generation
         t0 = time.perf_counter()
         logits = self._prefill_all(prompts, reuse)
         live = list(range(len(prompts)))
@@ -273,6 +295,8 @@ class Engine:
             stats["unique_experts_per_layer"] = rs.unique_per_layer(decode_only=True)
         if self.lynx is not None:
             stats["lynx"] = self.lynx.telemetry.summary()
+        if getattr(self.model, "offload", None) is not None:
+            stats["offload"] = self.model.offload.stats()
         return stats
 
 

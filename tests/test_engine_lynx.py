@@ -42,3 +42,21 @@ def test_lynx_telemetry_matches_used_experts(tmp_path):
     for s in steps:  # every token still uses k distinct experts
         for ids in s.values():
             assert ids.shape[1] == 4 and all(len(set(r)) == 4 for r in ids.tolist())
+
+
+def test_engine_offload_option_matches_resident(tiny_models):
+    """Engine(offload=True) with few expert slots: same greedy text as fully resident, and the
+    per-generation offload counters reach the last chunk."""
+    prompts = PROMPTS[:4]
+    ref = Engine.from_pretrained(tiny_models["qwen2_moe"]).generate_batch(prompts, max_new_tokens=6, ignore_eos=True)
+    eng = Engine.from_pretrained(tiny_models["qwen2_moe"], offload=True, expert_slots=4, policy="lru")
+    chunks = list(eng.stream_batch(prompts, max_new_tokens=6, ignore_eos=True))
+    texts = [""] * len(prompts)
+    for c in chunks:
+        texts[c.index] += c.text
+    assert texts == ref
+    off = chunks[-1].stats["offload"]
+    assert off["misses"] > 0 and off["bytes_h2d"] > 0
+    eng.set_lynx("lynx")  # residency-aware LYNX on top of the offload runtime
+    last = list(eng.stream_batch(prompts, max_new_tokens=6, ignore_eos=True))[-1]
+    assert "lynx" in last.stats and last.stats["lynx"]["decode_layer_steps"] > 0
