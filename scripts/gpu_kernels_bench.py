@@ -108,10 +108,12 @@ def int4_bytes_per_expert(p: Int4Experts) -> int:
 
 
 def errors(y: torch.Tensor, ref: torch.Tensor) -> dict:
+    """bf16 tolerances of tests/test_moe_kernels.py: max error < 6e-2 of the output scale, mean
+    relative error < 2e-2 (the bf16 reference itself rounds h and silu to bf16)."""
     d = (y.float() - ref.float()).abs()
-    return {"max_abs": d.max().item(), "mean_rel": (d.mean() / ref.float().abs().mean()).item(),
-            "ok": bool(d.max().item() < 2e-2 * max(1.0, ref.float().abs().max().item())
-                       and (d.mean() / ref.float().abs().mean()).item() < 1e-2)}
+    max_abs, mean_rel = d.max().item(), (d.mean() / ref.float().abs().mean()).item()
+    ok = max_abs < 6e-2 * max(1.0, ref.float().abs().max().item()) and mean_rel < 2e-2
+    return {"max_abs": max_abs, "mean_rel": mean_rel, "ok": bool(ok)}
 
 
 def check_shape(name, shape, device, clock, dry) -> dict:

@@ -158,11 +158,12 @@ if triton is not None:
                 g = k0 // GROUP
                 s = tl.load(s_base + g * stride_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
                 if SYM:
-                    z = 8.0
+                    zs = -8.0 * s
                 else:
-                    z = tl.load(z_base + g * stride_sg + offs_n, mask=n_mask, other=0).to(tl.float32)[:, None]
-                lo = ((b & 0xF).to(tl.float32) - z) * s[:, None]  # even k  [BN, HALF]
-                hi = ((b >> 4).to(tl.float32) - z) * s[:, None]  # odd k
+                    zs = -tl.load(z_base + g * stride_sg + offs_n, mask=n_mask, other=0).to(tl.float32) * s
+                # s·(q − z) as one FMA per weight: q·s + (−z·s)
+                lo = (b & 0xF).to(tl.float32) * s[:, None] + zs[:, None]  # even k  [BN, HALF]
+                hi = (b >> 4).to(tl.float32) * s[:, None] + zs[:, None]  # odd k
                 xe = tl.load(xcol + 2 * offs_b[:, None], mask=x_mask[None, :], other=0.0)  # [HALF, BM]
                 xo = tl.load(xcol + 2 * offs_b[:, None] + 1, mask=x_mask[None, :], other=0.0)
                 if USE_DOT:
