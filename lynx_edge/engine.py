@@ -48,6 +48,9 @@ class EngineConfig:
     expert_slots: int | None = None  # or a fixed number of device expert slots
     policy: str | None = None  # lru | lynx (None: the profile's default)
     profile: str | None = None  # hardware profile name or TOML path (None: detect)
+    # INT4 experts: RTN-quantised at load (GPTQ checkpoints are always loaded as INT4)
+    int4: bool = False
+    int4_group: int = 128
 
 
 @dataclass
@@ -96,14 +99,25 @@ class Engine:
         dt = _DTYPES[dtype] if dtype else (torch.bfloat16 if dev.type == "cuda" else torch.float32)
         # Offloaded models are built in host memory; attach_offload moves the non-expert part over.
         model = MoEForCausalLM(cfg, dt, torch.device("cpu") if config.offload else dev)
+        gptq = _prepare_int4(model, model_dir, config)
         load_weights(model, model_dir, FAMILIES[cfg.model_type], progress, config.allow_pickle)
+        if gptq:
+            from .quant.model import load_gptq_experts
+
+            load_gptq_experts(model, model_dir)
+        elif config.int4 and not config.offload:
+            from .quant.model import quantize_experts_rtn
+
+            quantize_experts_rtn(model, config.int4_group)
         if config.offload:
             from .offload import OffloadOptions, attach_offload
 
             ctx = config.ctx_size or min(cfg.max_position_embeddings, 4096)
             attach_offload(model, OffloadOptions(device=str(dev), gpu_budget_gib=config.gpu_budget_gib,
                                                  expert_slots=config.expert_slots, policy=config.policy,
-                                                 profile=config.profile, ctx=ctx))
+                                                 profile=config.profile, ctx=ctx,
+                                                 expert_format="int4" if config.int4 else "auto",
+                                                 int4_group=config.int4_group))
         return cls(model, tokenizer, config, model_dir)
 
     def set_lynx(self, mode) -> None:
@@ -298,6 +312,19 @@ class Engine:
         if getattr(self.model, "offload", None) is not None:
             stats["offload"] = self.model.offload.stats()
         return stats
+
+
+def _prepare_int4(model, model_dir: Path, config: EngineConfig) -> bool:
+    """→ True for a GPTQ checkpoint (its experts are then loaded as INT4 after the rest)."""
+    from .quant.model import is_gptq_checkpoint, prepare_gptq
+
+    if not is_gptq_checkpoint(model_dir, model.cfg):
+        return False
+    if config.offload:
+        raise ConfigError(f"{model_dir}: offloading a GPTQ checkpoint is not supported yet; "
+                          "offload the 16-bit checkpoint with int4=True instead")
+    prepare_gptq(model)
+    return True
 
 
 def _safe_emit(pending: str, stop_strings: list[str]) -> str:
