@@ -1,4 +1,4 @@
-"""`lynx-edge quantize MODEL -o DIR`: write an INT4 copy of a checkpoint (lynx_edge.quant)."""
+"""`lynx-edge quantize MODEL -o DIR`: write a GPTQ-format INT4 copy of a checkpoint's experts."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -7,24 +7,22 @@ from typing import Annotated
 import typer
 
 from . import ui
-from .common import need
 from .options import RequiredModel
-
-_QUANTIZE = [("lynx_edge.quant", "quantize_model"), ("lynx_edge.quant.model", "quantize_model"),
-             ("lynx_edge.quant.gptq", "quantize_model")]
 
 
 def quantize(
     model: RequiredModel,
     output: Annotated[Path, typer.Option("--output", "-o", help="directory for the quantized checkpoint")],
     group_size: Annotated[int, typer.Option("--group-size", "-g", help="INT4 group size: 32, 64 or 128")] = 128,
+    method: Annotated[str, typer.Option("--method", help="gptq (calibrated on held-out text) or rtn")] = "gptq",
+    calib: Annotated[Path | None, typer.Option("--calib", help="calibration text file (default: heldout.txt)")] = None,
 ) -> None:
-    """Quantize a model's experts to INT4 and save the result."""
-    from ..bench import call_supported
+    """Quantize a model's experts to INT4 (GPTQ or RTN) and save a GPTQ-format checkpoint."""
     from ..hub import resolve_model
+    from ..quant.model import quantize_model
 
-    run = need(_QUANTIZE, "model quantization (lynx_edge.quant.quantize_model)")
     src = resolve_model(model)
-    with ui.progress("quantizing", unit="steps") as cb:
-        result = call_supported(run, src, output, group_size=group_size, progress=cb)
-    ui.note(f"quantized {src} → {result or output}", stderr=False)
+    text = calib.read_text(encoding="utf-8", errors="replace") if calib else None
+    with ui.progress("quantizing layers", unit="layers") as cb:
+        out = quantize_model(src, output, method=method, group_size=group_size, calib_text=text, progress=cb)
+    ui.note(f"quantized {src} → {out}", stderr=False)
