@@ -72,6 +72,9 @@ class Clock:
         return self.time(graph.replay, replays) / len(fns)
 
 
+
+LYNX = "lynx"  # time the LYNX path (mode off would time plain top-k)
+
 def read_ceiling(device: torch.device, clock: Clock) -> dict:
     """Read-only bandwidth of a buffer > L2 (a fp32-accumulating sum reads every byte once) and
     copy bandwidth (read + write), bytes/s."""
@@ -192,7 +195,7 @@ def lynx_layer(packed, shape, device, clock) -> dict:
         logits, isd = torch.randn(T, E, device=device) * 2, torch.ones(T, dtype=torch.bool, device=device)
 
         def layer():
-            ids, w, active, counts, table = lr.lynx_route(logits, isd, spec)
+            ids, w, active, counts, table = lr.lynx_route(logits, isd, spec, LYNX)
             return fused_moe_int4(x, ids, w, packed, table=lr.gemm_table(active, counts, table, K)), ids, w
 
         y, ids, w = layer()
@@ -219,7 +222,7 @@ def routing_times(device, clock) -> dict:
             row = {"exact_s": clock.time(lambda: exact_route(logits, spec), 50)}
             if lr is not None:
                 try:
-                    route = lambda: lr.lynx_route(logits, is_decode, spec)  # noqa: E731
+                    route = lambda: lr.lynx_route(logits, is_decode, spec, LYNX)  # noqa: E731
                     row["lynx_route_s"] = clock.time(route, 50)
                     if clock.cuda:
                         row["lynx_route_graph_s"] = clock.time_graph([route], 50)

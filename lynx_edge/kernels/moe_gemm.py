@@ -52,23 +52,7 @@ def moe_ref(
     products are summed in fp32 in a fixed order (expert id ascending) so results are
     deterministic.
     """
-    T, K = ids.shape
-    out = torch.zeros(T, x.shape[-1], dtype=torch.float32, device=x.device)
-    flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)  # token-slots grouped by expert
-    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
-    tok = order // K
-    w = weights.reshape(-1)[order]
-    start = 0
-    for e, n in enumerate(counts):
-        if n == 0:
-            continue
-        t_e = tok[start : start + n]
-        y = expert_mlp(x[t_e], gate_up[e], down[e])
-        # index_put_(accumulate) rather than index_add_: same sum, no parallel region per expert
-        out.index_put_((t_e,), y.float() * w[start : start + n, None], accumulate=True)
-        start += n
-    return out.to(x.dtype)
+    return moe_ref_lazy(x, ids, weights, gate_up.shape[0], lambda e: (gate_up[e], down[e]))
 
 
 def moe_ref_lazy(
@@ -83,7 +67,7 @@ def moe_ref_lazy(
     T, K = ids.shape
     out = torch.zeros(T, x.shape[-1], dtype=torch.float32, device=x.device)
     flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
+    order = torch.argsort(flat, stable=True)  # token-slots grouped by expert
     counts = torch.bincount(flat, minlength=num_experts).tolist()
     tok = order // K
     w = weights.reshape(-1)[order]
