@@ -158,10 +158,10 @@ def test_bench_lynx_both_side_by_side(tiny_models):
     assert r.exit_code == 0, r.output
     data = json.loads(r.stdout.strip().splitlines()[-1])
     rows = {(row["batch"], row["lynx"]): row for row in data["rows"]}
-    assert set(rows) == {(1, "off"), (1, "lynx"), (4, "off"), (4, "lynx")}
-    assert all("remap_pct" in rows[b, "lynx"] and "remap_pct" not in rows[b, "off"] for b in (1, 4))
+    assert set(rows) == {(1, "off"), (1, "on"), (4, "off"), (4, "on")}
+    assert all("remap_pct" in rows[b, "on"] and "remap_pct" not in rows[b, "off"] for b in (1, 4))
     for c in data["compare"]:
-        off, on = rows[c["batch"], "off"], rows[c["batch"], "lynx"]
+        off, on = rows[c["batch"], "off"], rows[c["batch"], "on"]
         assert c["speedup"] == pytest.approx(on["decode_tok_s"] / off["decode_tok_s"])
         u0, u1 = off["unique_experts_per_layer"], on["unique_experts_per_layer"]
         assert c["unique_reduction_pct"] == pytest.approx(100 * (u0 - u1) / u0)

@@ -302,7 +302,7 @@ def test_off_skip_and_single_token_are_exact():
 
 
 def test_parse():
-    assert LynxConfig.parse("on").mode == "lynx"
+    assert LynxConfig.parse("on").mode == "lynx-mass:0.2"  # the measured recommendation
     assert LynxConfig.parse(" LYNX ").kind == "lynx"
     c = LynxConfig.parse("budget:8")
     assert (c.kind, c.arg) == ("budget", 8)

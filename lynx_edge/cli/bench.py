@@ -11,12 +11,12 @@ from . import ui
 from .common import CliError, engine_options, load_engine, lynx_mode, need
 from .options import BatchSizes, CtxSize, Device, Dtype, Int4, Model, Offload, Profile, Seed, TableJsonCsv, parse_sizes
 
-_MODES = {"off": ["off"], "on": ["lynx"], "lynx": ["lynx"], "both": ["off", "lynx"]}
+_MODES = {"off": ["off"], "on": ["on"], "lynx": ["lynx"], "both": ["off", "on"]}
 
 
 def bench(
     model: Model = "demo",
-    lynx: Annotated[str, typer.Option("--lynx", help="off | on | both (side by side, with the speed-up) | budget:M")] = "off",
+    lynx: Annotated[str, typer.Option("--lynx", help="off | on (recommended rule) | both (side by side, with the speed-up) | lynx | lynx-mass:T | budget:M")] = "off",
     batch_sizes: BatchSizes = "1,4,16",
     prompt_len: Annotated[int, typer.Option("--n-prompt", "-p", help="prompt tokens per sequence")] = 512,
     gen_len: Annotated[int, typer.Option("--n-gen", "-n", help="generated tokens per sequence")] = 128,

@@ -33,7 +33,8 @@ def need(candidates: list[tuple[str, str]], what: str, hint: str = "this build l
 
 
 def lynx_mode(text: str) -> str:
-    return "lynx" if text.strip().lower() == "on" else text
+    """--lynx values pass through: "on" is lynx.RECOMMENDED, "lynx" the paper's rule."""
+    return text.strip().lower()
 
 
 def engine_options(lynx: str = "off", offload: bool = False, int4: bool = False, profile: str | None = None,

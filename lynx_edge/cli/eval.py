@@ -16,7 +16,7 @@ def evaluate(
     model: Model = "demo",
     file: Annotated[Optional[Path], typer.Option("--file", "-f", help="text to evaluate on (default: the eval module's own)")] = None,
     batch_sizes: BatchSizes = "1,4,16",
-    lynx: Lynx = "lynx",
+    lynx: Lynx = "on",
     seqs: Annotated[int, typer.Option("--seqs", help="windows of held-out text")] = 32,
     seq_len: Annotated[int, typer.Option("--seq-len", help="tokens per window")] = 128,
     prefill_len: Annotated[int, typer.Option("--prefill-len", help="tokens of each window prefilled exactly; the rest is decoded")] = 64,
