@@ -237,6 +237,12 @@ def lynx_select(logits: torch.Tensor, is_decode: torch.Tensor, spec: RouterSpec,
     E, K = spec.num_experts, spec.top_k
     ids0, w0 = exact_route(logits, spec)
     dev = logits.device
+    if logits.shape[0] == 1 and resident is None:
+        # One token, no residency: nothing to pool, stats are constants (the chat hot path;
+        # skips ~20 small ops per layer).
+        d = float(bool(is_decode.reshape(-1)[0]))
+        vec = torch.tensor([1.0, d, d * K, K, K, 0.0, 0.0], dtype=torch.float64, device=dev)
+        return LynxResult(ids0, w0, vec, None)
     # non_blocking: a blocking H2D copy would synchronise the stream (masks usually live on CPU)
     isd = is_decode.reshape(-1).to(dev, torch.bool, non_blocking=True)
     res = None if resident is None else resident.to(dev, torch.bool, non_blocking=True)
