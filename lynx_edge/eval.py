@@ -77,6 +77,8 @@ def evaluate(engine, batch_sizes=(1, 4, 8, 16, 32), lynx="lynx", seqs: list[list
     `lynx` is one mode or a list of modes; the exact pass is run once per batch size and shared.
     """
     seqs = seqs if seqs is not None else load_sequences(engine, **load_kw)
+    if len(seqs[0]) > engine.ctx:
+        raise ValueError(f"eval windows of {len(seqs[0])} tokens exceed the context of {engine.ctx} (raise ctx_size)")
     if prefill_len >= len(seqs[0]):
         raise ValueError(f"prefill_len {prefill_len} leaves no decode steps in {len(seqs[0])}-token windows")
     modes = [lynx] if not isinstance(lynx, (list, tuple)) else list(lynx)

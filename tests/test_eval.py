@@ -39,3 +39,12 @@ def test_lynx_on_reduces_union(tmp_path):
     assert b8["unique_lynx"] < b8["unique_exact"]
     assert b8["ppl_exact"] == b1["ppl_exact"] or abs(b8["ppl_exact"] / b1["ppl_exact"] - 1) < 1e-4
     assert eng.lynx is None  # evaluate restores the engine's routing
+
+
+def test_windows_longer_than_context_are_a_clear_error(tiny_models):
+    import pytest
+
+    eng = Engine.from_pretrained(tiny_models["qwen3_moe"], ctx_size=16)
+    seqs = load_sequences(eng, text=TEXT, num_seqs=2, seq_len=24)
+    with pytest.raises(ValueError, match="exceed the context of 16"):
+        evaluate(eng, batch_sizes=(1,), lynx="on", seqs=seqs, prefill_len=8)

@@ -42,7 +42,7 @@ def bench(
         raise CliError("--plot needs matplotlib, which is not installed", "pip install 'lynx-edge[bench]'")
     if simulate:
         need([("lynx_edge.offload.projection", "project")], "--simulate", "run without --simulate")
-    opts = engine_options("off", offload, int4, profile, ctx_size or prompt_len + gen_len + 8)
+    opts = engine_options("off", offload, int4, profile, ctx_size or max(prompt_len + gen_len + 8, 256))  # ≥ 256: eval windows
     engine = load_engine(model, dtype, device, **opts)
     project = lib.projector(engine, simulate, shape) if simulate else None
     with ui.progress(f"bench {len(sizes)} batch sizes × {len(modes)} modes", unit="runs") as cb:
