@@ -19,9 +19,10 @@ from .routing import RouterSpec, exact_route
 
 _MODES = ("off", "lynx", "budget", "lynx-mass")
 # What "on" means: the best trade-off measured on the demo model (benchmarks/results/lynx_sweep.md):
-# at B=16, 25.7% fewer unique experts per layer for +0.46% perplexity, 95.5% greedy agreement.
-# The paper's rule with the spec's knobs stays available as "lynx" (30.0%, +1.08%, 93.9%).
-RECOMMENDED = "lynx-mass:0.2"
+# the mass-capped rule with the strictest critical set (j = 0); at B=16, 28.9% fewer unique experts
+# per layer for +0.46% perplexity, 95.3% greedy agreement. The paper's rule with the spec's knobs
+# stays available as "lynx" (30.0%, +1.08%, 93.9%).
+RECOMMENDED = "lynx-mass:0.2,j=0"
 # Order of LynxResult.vec; LynxTelemetry sums these per layer.
 _STATS = ("tokens", "decode_tokens", "decode_slots", "unique_before", "unique_after",
           "remapped_slots", "displaced_mass")
@@ -50,7 +51,12 @@ class LynxConfig:
 
     def __post_init__(self) -> None:
         text = self.mode.strip().lower()
-        kind, _, arg = (RECOMMENDED if text == "on" else text).partition(":")
+        if text == "on":  # the recommended mode and knobs (knobs still at their defaults only)
+            text, *knobs = RECOMMENDED.split(",")
+            for key, _, val in (k.partition("=") for k in knobs):
+                if getattr(self, key) == _DEFAULTS[key]:
+                    setattr(self, key, _knob(key, val))
+        kind, _, arg = text.partition(":")
         if kind not in _MODES or (arg != "") != (kind in ("budget", "lynx-mass")):
             raise ValueError(f"bad LYNX mode {self.mode!r}: use off, lynx, budget:M, lynx-mass:TAU")
         try:
@@ -73,6 +79,9 @@ class LynxConfig:
         if isinstance(text, LynxConfig):
             return text
         mode, *knobs = [p.strip() for p in str(text).split(",")]
+        if mode.lower() == "on":  # expand, so that knobs given after "on" override the recommended ones
+            mode, *rec = RECOMMENDED.split(",")
+            knobs = rec + knobs
         names = [f.name for f in fields(cls) if f.name != "mode"]
         kw: dict = {}
         for knob in knobs:
@@ -88,6 +97,9 @@ class LynxConfig:
     def alpha_for(self, num_experts: int, top_k: int) -> float:
         # Bin span β/α = ln(E/K): the log-prob gap of a "uniform" expert below the top-1.
         return self.alpha if self.alpha is not None else self.beta / math.log(num_experts / top_k)
+
+
+_DEFAULTS = {f.name: f.default for f in fields(LynxConfig)}
 
 
 def _knob(key: str, val: str):

@@ -369,6 +369,7 @@ def test_chat_in_a_pseudo_terminal(tiny_models):
     try:
         p.expect(r"lynx-edge chat .*lynx off")
         p.expect(r"> ")
+        time.sleep(0.5)  # let the child settle into input() before the interrupt arrives
         os.write(p.fd, b"\x03")  # Ctrl-C at the prompt: the terminal sends SIGINT; the session stays
         p.expect(r"Ctrl-D or /exit to quit")
         p.expect(r"> ")

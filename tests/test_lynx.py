@@ -302,7 +302,9 @@ def test_off_skip_and_single_token_are_exact():
 
 
 def test_parse():
-    assert LynxConfig.parse("on").mode == "lynx-mass:0.2"  # the measured recommendation
+    on = LynxConfig.parse("on")  # the measured recommendation
+    assert (on.mode, on.j) == ("lynx-mass:0.2", 0) and LynxConfig(mode="on").j == 0
+    assert LynxConfig.parse("on,j=1").j == 1  # knobs after "on" override the recommended ones
     assert LynxConfig.parse(" LYNX ").kind == "lynx"
     c = LynxConfig.parse("budget:8")
     assert (c.kind, c.arg) == ("budget", 8)
