@@ -75,6 +75,7 @@ class Clock:
 
 LYNX = "lynx"  # time the LYNX path (mode off would time plain top-k)
 
+
 def read_ceiling(device: torch.device, clock: Clock) -> dict:
     """Read-only bandwidth of a buffer > L2 (a fp32-accumulating sum reads every byte once) and
     copy bandwidth (read + write), bytes/s."""

@@ -76,3 +76,25 @@ def make_tiny(path: Path, family: str, seed: int = 0, dtype=torch.float32, **ove
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny")
     return {f: make_tiny(root / f, f) for f in FAMILY_CONFIGS}
+
+
+def gpu_only(fn):
+    """-m gpu, skipped without CUDA."""
+    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")(fn))
+
+
+def run_interpreter_suite(test_file: str, min_passed: int) -> None:
+    """Run a file's test_interp_* cases in a fresh process with TRITON_INTERPRET=1 (it must be
+    set before triton is imported, so it cannot be switched on inside this process)."""
+    import re
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    cmd = [sys.executable, "-m", "pytest", test_file, "-k", "test_interp_", "-q", "-o", "addopts=",
+           "-m", "not slow and not gpu", "-p", "no:cacheprovider"]
+    r = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    passed = re.search(r"(\d+) passed", r.stdout)
+    ok = r.returncode == 0 and passed and int(passed.group(1)) >= min_passed and "skipped" not in r.stdout
+    assert ok, r.stdout[-6000:] + r.stderr[-3000:]

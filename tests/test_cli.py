@@ -3,7 +3,6 @@ pseudo-terminal. References: safetensors tensor sizes (parameter counts), Engine
 answers), the bench stats' own identities (tok/s = B·1000/TPOT)."""
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import json
 import math

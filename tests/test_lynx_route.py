@@ -11,11 +11,11 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import gpu_only, run_interpreter_suite
 
 from lynx_edge.kernels import lynx_route as lr
 from lynx_edge.kernels.lynx_route import gemm_table, lynx_route, lynx_route_ref
@@ -27,10 +27,6 @@ ROOT = Path(__file__).resolve().parents[1]
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 interp = pytest.mark.skipif(not INTERP or lr.triton is None,
                             reason="runs in the TRITON_INTERPRET=1 subprocess of test_interpreter_suite")
-
-
-def gpu_only(fn):
-    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")(fn))
 
 
 def _logits(T: int, E: int, K: int, seed: int, device="cpu") -> torch.Tensor:
@@ -121,14 +117,7 @@ def test_interpreter_suite():
     """Run the test_interp_* cases in a fresh process with TRITON_INTERPRET=1."""
     if lr.triton is None:
         pytest.skip("triton not installed")
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    cmd = [sys.executable, "-m", "pytest", __file__, "-k", "test_interp_", "-q", "-o", "addopts=",
-           "-m", "not slow and not gpu", "-p", "no:cacheprovider"]
-    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    passed = re.search(r"(\d+) passed", r.stdout)
-    ok = r.returncode == 0 and passed and int(passed.group(1)) >= 9 and "skipped" not in r.stdout
-    assert ok, r.stdout[-6000:] + r.stderr[-3000:]
+    run_interpreter_suite(__file__, 9)
 
 
 # ------------------------------------------------------------ ahead-of-time compile (no GPU)

@@ -12,11 +12,11 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import gpu_only, run_interpreter_suite
 
 from lynx_edge.kernels import moe_gemm
 from lynx_edge.kernels.moe_gemm import expert_table, fused_moe, fused_moe_int4, moe_ref, moe_ref_lazy
@@ -26,11 +26,6 @@ ROOT = Path(__file__).resolve().parents[1]
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 interp = pytest.mark.skipif(not INTERP or moe_gemm.triton is None,
                             reason="runs in the TRITON_INTERPRET=1 subprocess of test_interpreter_suite")
-
-
-def gpu_only(fn):
-    """-m gpu, skipped without CUDA."""
-    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")(fn))
 
 
 def _problem(T, K, E, D, I, dtype, seed=0, device="cpu", ids=None):
@@ -105,14 +100,7 @@ def test_interpreter_suite():
     """Run the test_interp_* cases in a fresh process with TRITON_INTERPRET=1."""
     if moe_gemm.triton is None:
         pytest.skip("triton not installed")
-    path = f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
-    cmd = [sys.executable, "-m", "pytest", __file__, "-k", "test_interp_", "-q", "-o", "addopts=",
-           "-m", "not slow and not gpu", "-p", "no:cacheprovider"]
-    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    passed = re.search(r"(\d+) passed", r.stdout)
-    ok = r.returncode == 0 and passed and int(passed.group(1)) >= 10 and "skipped" not in r.stdout
-    assert ok, r.stdout[-6000:] + r.stderr[-3000:]
+    run_interpreter_suite(__file__, 10)
 
 
 # ------------------------------------------------------------ TRITON_INTERPRET=1 subprocess
