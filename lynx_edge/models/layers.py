@@ -177,9 +177,12 @@ class RoutingContext:
         self.spec = spec
         self.route: RouteFn = ExactRouter(spec)
         self.stats = RoutingStats()
+        self.is_decode: bool | None = None  # the phase of the forward in progress (a Python bool)
 
     def begin_step(self, is_decode: bool) -> None:
-        """Called once per model forward, before the first layer (step boundaries for telemetry)."""
+        """Called once per model forward, before the first layer (step boundaries for telemetry,
+        the phase for anything that counts per phase, e.g. the offload runtime)."""
+        self.is_decode = is_decode
         self.stats.begin_step(is_decode)
         begin = getattr(self.route, "begin_step", None)
         if begin is not None:

@@ -81,7 +81,6 @@ class OffloadRuntime:
         self._gates = {a: model.layers[b].mlp.gate for a, b in zip(self.moe_layers, self.moe_layers[1:])}
         self._mask: dict[int, tuple[int, torch.Tensor]] = {}
         self._prefetched: set[tuple[int, int]] = set()
-        self._phase: bool | None = None
         self.route: ResidencyRoute | None = None
         self._saved_route = model.routing.route
         self.reset_stats()
@@ -101,13 +100,13 @@ class OffloadRuntime:
         self.cache.tick()
         self.n["forwards"] += 1
         self.n["tokens"] += tokens
-        if self._phase:
+        if self.model.routing.is_decode:
             self.n["decode_steps"] += 1
             self.n["decode_tokens"] += tokens
 
     def fetch(self, layer: int, e: int, slot: int, prefetch: bool = False) -> None:
         nbytes = self.transfer.fetch(layer, e, slot)
-        if self._phase:
+        if self.model.routing.is_decode:
             self.n["decode_bytes"] += nbytes
         if prefetch:
             self.n["prefetch_bytes"] += nbytes
@@ -198,23 +197,7 @@ class OffloadRuntime:
                 se.down.data[e].copy_(dn)
             block.experts = se
         self.model.routing.route = self._saved_route
-        stats = self.model.routing.stats
-        if "begin_step" in vars(stats):
-            del stats.begin_step
         self.model.offload = None
-
-
-def _hook_phase(rt: OffloadRuntime) -> None:
-    """Learn each forward's phase from RoutingStats.begin_step(is_decode: bool) — step.py calls it
-    once per forward with a Python bool, so this costs no sync and survives router changes."""
-    stats = rt.model.routing.stats
-    orig = type(stats).begin_step.__get__(stats)
-
-    def begin_step(is_decode: bool) -> None:
-        rt._phase = bool(is_decode)
-        orig(is_decode)
-
-    stats.begin_step = begin_step
 
 
 def attach_offload(model, options: OffloadOptions | None = None, profile=None) -> OffloadRuntime:
@@ -244,7 +227,6 @@ def attach_offload(model, options: OffloadOptions | None = None, profile=None) -
     rt = OffloadRuntime(model, plan, opts, store, prof)
     for i, block in zip(cfg.moe_layer_ids, blocks):
         block.experts = OffloadedExperts(rt, i)
-    _hook_phase(rt)
     try:
         rt.set_lynx(opts.lynx)
     except ImportError as exc:
