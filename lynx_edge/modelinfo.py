@@ -5,9 +5,12 @@ I expert intermediate, V vocab.
 """
 from __future__ import annotations
 
+import json
+import socket
 from pathlib import Path
+from urllib.parse import urlparse
 
-from .config import ModelConfig
+from .config import ConfigError, ModelConfig
 from .hub import ALIASES, ModelNotFound, resolve_model
 
 _BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "int4": 0.5}
@@ -90,6 +93,9 @@ def load_config(name: str | Path | None) -> tuple[ModelConfig, str]:
 
         if name is None or repo.count("/") != 1 or str(name).startswith((".", "/", "~")) or constants.HF_HUB_OFFLINE:
             raise
+        if not _reachable(constants.ENDPOINT):  # fail in seconds, not after the hub client's retries
+            raise ModelNotFound(f"{repo}: not in the Hugging Face cache and {constants.ENDPOINT} is unreachable "
+                                f"(offline); on a machine with network run `hf download {repo}`") from None
     try:
         path = hf_hub_download(repo, "config.json")
     except Exception as exc:  # network errors come in many types
@@ -98,4 +104,47 @@ def load_config(name: str | Path | None) -> tuple[ModelConfig, str]:
     return ModelConfig.from_file(path), repo
 
 
-__all__ = ["bytes_per_param", "describe", "load_config", "param_counts"]
+def _reachable(url: str, timeout: float = 3.0) -> bool:
+    """Can we open a TCP connection to the hub's host (DNS + connect, one try)?"""
+    u = urlparse(url)
+    try:
+        with socket.create_connection((u.hostname or "", u.port or (443 if u.scheme == "https" else 80)), timeout):
+            return True
+    except OSError:
+        return False
+
+
+_QUANT_FILES = ("quantize_config.json", "quant_config.json")  # GPTQ (gptqmodel/AutoGPTQ), AutoAWQ
+
+
+def read_quant(where: str | Path, cfg: ModelConfig):
+    """The checkpoint's 4-bit format (plan.QuantInfo) from quantize_config.json / quant_config.json
+    in its directory, else config.json's quantization_config; None for a float checkpoint."""
+    from .offload.memory import QuantInfo
+
+    d = Path(where)
+    for name in _QUANT_FILES:
+        path = d / name
+        if path.is_file():
+            try:
+                qc = json.loads(path.read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise ConfigError(f"{path}: not valid JSON ({exc})") from None
+            if not isinstance(qc, dict):
+                raise ConfigError(f"{path}: expected a JSON object")
+            return QuantInfo.from_dict(qc, str(path))
+    qc = cfg.raw.get("quantization_config")
+    if qc is None:
+        return None
+    if not isinstance(qc, dict):
+        raise ConfigError(f"{d / 'config.json'}: quantization_config must be an object")
+    return QuantInfo.from_dict(qc, f"{d / 'config.json'}: quantization_config")
+
+
+def checkpoint_bytes(where: str | Path) -> int | None:
+    """Size on disk of the directory's *.safetensors files (None when there are none)."""
+    files = list(Path(where).glob("*.safetensors")) if Path(where).is_dir() else []
+    return sum(f.stat().st_size for f in files) if files else None
+
+
+__all__ = ["bytes_per_param", "checkpoint_bytes", "describe", "load_config", "param_counts", "read_quant"]

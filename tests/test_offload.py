@@ -318,8 +318,9 @@ def test_plan_respects_budget(tiny_models):
     with pytest.raises(PlanError, match="does not hold"):
         make_plan(cfg, OffloadOptions(gpu_budget_gib=fixed / 2**30 / 2, reserve_gib=0, ctx=64), torch.float32,
                   "cpu", prof)
-    with pytest.raises(PlanError, match="host memory"):
-        make_plan(cfg, OffloadOptions(expert_slots=1), torch.float32, "cpu", prof, host_available=1000)
+    # host memory is the memory plan's verdict (plan_memory, tests/test_info_plan.py): only a warning here
+    short = make_plan(cfg, OffloadOptions(expert_slots=1), torch.float32, "cpu", prof, host_available=1000)
+    assert any("host memory" in w for w in short.warnings)
     rep = base.report()
     assert {r["what"].split(" (")[0] for r in rep["rows"]} >= {"non-expert weights", "expert slots", "all experts"}
     assert "expected" in base.to_text()

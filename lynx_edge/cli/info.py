@@ -1,5 +1,7 @@
 """`lynx-edge info [MODEL]`: the config, parameter counts (total / active per token) and the
-offload placement plan as a dry run — from config.json alone, no weights loaded."""
+memory plan — every resource with its steady and load-peak need, what the machine (this one, or
+a --profile's) has, a verdict and a hint — from config.json alone, no weights loaded. Exits 0
+with the plan even when it does not fit; only bad input is an error line."""
 from __future__ import annotations
 
 from typing import Annotated, Optional
@@ -7,57 +9,53 @@ from typing import Annotated, Optional
 import typer
 
 from . import ui
-from .common import CliError, need
-from .options import Device, Int4, Model, Profile, TableJson
+from .options import Device, Dtype, Int4, Model, Offload, Profile, TableJson
 
 
 def info(
     model: Model = "demo",
-    profile: Profile = None,
+    offload: Offload = False,
     int4: Int4 = False,
+    profile: Profile = None,
+    device: Device = None,
+    dtype: Dtype = None,
     gpu_budget: Annotated[Optional[float], typer.Option("--gpu-budget", help="GPU memory for the plan, GiB")] = None,
     batch: Annotated[int, typer.Option("--batch-size", "-b", help="sequences the KV cache is planned for")] = 1,
-    ctx_size: Annotated[int, typer.Option("--ctx-size", "-c", help="context the KV cache is planned for")] = 4096,
-    device: Device = None,
+    ctx_size: Annotated[Optional[int], typer.Option("--ctx-size", "-c", help="context the KV cache is planned for "
+                                                    "(default: min(4096, max_position_embeddings))")] = None,
     output: Annotated[TableJson, typer.Option("--output", "-o", help="table | json")] = TableJson.table,
 ) -> None:
-    """Show a model's config, parameter counts and placement plan without loading weights."""
-    from ..modelinfo import describe, load_config, param_counts
+    """Show a model's config, parameter counts and memory plan without loading weights."""
+    from ..modelinfo import checkpoint_bytes, describe, load_config, param_counts, read_quant
+    from ..offload.memory import choose_device, choose_dtype, plan_memory
+    from ..offload.options import OffloadOptions
+    from ..offload.profile import load_profile
 
+    prof = load_profile(profile) if profile else None  # bad names fail before the model is looked up
     cfg, where = load_config(model)
-    counts = param_counts(cfg)
-    plan = _plan(cfg, profile, int4, gpu_budget, batch, ctx_size, device)
+    quant = read_quant(where, cfg)
+    dev = choose_device(device, prof)
+    dt = choose_dtype(dtype, dev)
+    ctx = ctx_size if ctx_size is not None else min(4096, cfg.max_position_embeddings)
+    opts = OffloadOptions(gpu_budget_gib=gpu_budget, batch=batch, ctx=ctx)
+    plan = plan_memory(cfg, device=dev, dtype=dt, offload=offload, int4=int4, quant=quant, ctx=ctx, batch=batch,
+                       opts=opts, profile=prof, file_bytes=checkpoint_bytes(where))
+    counts = param_counts(cfg, "int4" if quant else None)
+    config = describe(cfg)
+    if quant:
+        config["quantization"] = f"{quant.method} {quant.bits}-bit, group {quant.group_size}, " \
+                                 f"{'symmetric' if quant.sym else 'asymmetric'}: experts INT4"
     if output is TableJson.json:
-        ui.json_line({"model": where, "config": describe(cfg), "params": counts, "plan": plan})
+        ui.json_line({"model": where, "config": config, "params": counts, "memory": plan.report()})
         return
-    ui.kv_table(f"{where}", describe(cfg))
+    ui.kv_table(f"{where}", config)
     ui.kv_table("parameters", {
         "total": ui.fmt_count(counts["total"]),
         "active per token": f"{ui.fmt_count(counts['active'])} ({100 * counts['active'] / counts['total']:.1f}%)",
         "experts": f"{ui.fmt_count(counts['expert'])} in {counts['moe_layers']} MoE layers",
         "non-expert": ui.fmt_count(counts["non_expert"]),
         "one expert": f"{ui.fmt_count(counts['params_per_expert'])} params, "
-                      f"{ui.fmt_bytes(counts['expert_bytes_per_expert'])} at {cfg.torch_dtype or 'bfloat16'}",
+                      f"{ui.fmt_bytes(counts['expert_bytes_per_expert'])} at "
+                      f"{'int4' if quant else cfg.torch_dtype or 'bfloat16'}",
     })
-    if plan is None:
-        ui.note("placement plan: not available in this build (lynx_edge.offload.plan)", stderr=False)
-    else:
-        ui.plan_table(plan)
-
-
-def _plan(cfg, profile, int4, gpu_budget, batch, ctx, device) -> dict | None:
-    """The offload plan's dry-run report (None when this build has no planner and none was asked for)."""
-    try:
-        make_plan = need([("lynx_edge.offload.plan", "make_plan")], "placement planning (lynx_edge.offload.plan)")
-    except CliError:
-        if profile or int4 or gpu_budget is not None:
-            raise
-        return None
-    import torch
-
-    from ..offload import OffloadOptions
-
-    opts = OffloadOptions(profile=profile, expert_format="int4" if int4 else "auto", gpu_budget_gib=gpu_budget,
-                          batch=batch, ctx=min(ctx, cfg.max_position_embeddings))
-    dtype = {"float32": torch.float32, "float16": torch.float16}.get(str(cfg.torch_dtype), torch.bfloat16)
-    return make_plan(cfg, opts, dtype=dtype, device=device).report()
+    ui.plan_table(plan.report())

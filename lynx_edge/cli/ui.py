@@ -143,25 +143,39 @@ def kv_table(title: str, rows: dict, stderr: bool = False) -> None:
     console(stderr).print(t)
 
 
+def _gib(n) -> str:
+    if n is None:
+        return "—"
+    return f"{n / 2**30:.2f} GiB" if n >= 2**28 or n == 0 else (f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB")
+
+
+_VERDICT_STYLE = {"fits": "green", "tight": "yellow", "limited": "yellow", "does not fit": "bold red", "info": "dim"}
+
+
 def plan_table(report: dict) -> None:
-    """The offload plan's dry-run report: where each part goes, and the summary."""
-    plan = report.get("plan", {})
-    t = Table(title=f"placement plan (dry run) · profile {plan.get('profile', '?')} · experts "
-                    f"{plan.get('expert_format', '?')}", title_justify="left", box=box.SIMPLE_HEAD)
-    for name, justify in (("what", "left"), ("where", "left"), ("size", "right"), ("note", "left")):
+    """The memory plan (MemoryPlan.report()): each resource's steady and load-peak need, what the
+    machine has, the verdict and the hint; then the parts, notes and the one-line summary."""
+    slots = "" if report.get("expert_slots") is None else f" · {report['expert_slots']} of {report['total_experts']} experts cached on the GPU"
+    t = Table(title=f"memory plan (dry run) · {report['mode']} · {report['device']} {report['dtype']} · experts "
+                    f"{report['expert_format']} ({report['expert_bytes'] / 2**20:.2f} MiB each) · ctx {report['ctx']} × "
+                    f"batch {report['batch']} · {report['machine']}{slots}", title_justify="left", box=box.SIMPLE_HEAD)
+    for name, justify in (("resource", "left"), ("steady", "right"), ("load peak", "right"), ("has", "right"),
+                          ("verdict", "left")):
         t.add_column(name, justify=justify)
-    for r in report.get("rows", []):
-        t.add_row(r["what"], r["where"], fmt_bytes(r["bytes"]), r.get("note", ""))
+    for r in report["resources"]:
+        has = "unlimited" if r["available_bytes"] is None and r["key"] == "pinned" else _gib(r["available_bytes"])
+        v = Text(r["verdict"], style=_VERDICT_STYLE.get(r["verdict"], ""))
+        if r["hint"]:
+            v.append(f" — {r['hint']}")
+        t.add_row(r["name"], _gib(r["steady_bytes"]), _gib(r["peak_bytes"]), has, v)
     console().print(t)
-    s = report.get("summary", {})
-    budget = "unbounded" if s.get("budget_bytes") is None else fmt_bytes(s["budget_bytes"])
-    line(f"device total {fmt_bytes(s.get('device_bytes', 0))} of {budget}; all experts resident: "
-         f"{'yes' if s.get('fits_all') else 'no'}")
-    if s.get("expected_bytes_per_token_b1"):
-        note(f"expected host→device per token at B=1: {fmt_bytes(s['expected_bytes_per_token_b1'])} "
-             f"({s.get('label', 'expected')})", stderr=False)
-    for w in s.get("warnings", []):
-        line(f"warning: {w}", style="yellow")
+    for r in report["resources"]:
+        detail = "; ".join(f"{k} {_gib(v)}" for k, v in r["parts"].items())
+        if detail or r["note"]:
+            note(f"{r['name']}: " + "; ".join(x for x in (detail, r["note"]) if x), stderr=False)
+    for n in report.get("notes", []):
+        note(n, stderr=False)
+    line(report["summary"], style="green" if report["fits"] else "bold red")
 
 
 def chat_banner(model: str, lynx: str, commands: dict) -> None:

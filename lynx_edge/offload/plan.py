@@ -3,8 +3,9 @@
 Non-expert weights (embeddings, attention, routers, norms, shared experts, dense MLPs), the KV
 cache the caller asks for and a workspace reserve go on the GPU; the rest of the GPU budget
 becomes expert slots; every expert lives in host memory (pinned where the OS allows, else
-pageable plus a small pinned staging ring). `make_plan` loads no weights; `Plan.report()` is the
-dry-run table the CLI prints. Glossary: B batch, D hidden, E experts, K top-k, I intermediate.
+pageable plus a small pinned staging ring). `make_plan` loads no weights and decides the slots;
+whether the whole load fits (GPU, host RAM, pinned, load peak) is `plan_memory`'s verdict
+(offload/memory.py, re-exported here). Glossary: B batch, D hidden, E experts, K top-k, I intermediate.
 """
 from __future__ import annotations
 
@@ -13,17 +14,14 @@ from dataclasses import asdict, dataclass, field
 import psutil
 import torch
 
-from ..config import ConfigError, ModelConfig
+from ..config import ModelConfig
 from ..kv_cache import KVCache
+from .memory import MemoryPlan, PlanError, QuantInfo, Resource, non_expert_bytes, offload_slots, plan_memory
 from .options import OffloadOptions
 from .profile import Profile, detect_profile, load_profile
 from .store import expert_format
 
 GIB = 2**30
-
-
-class PlanError(ConfigError):
-    """The model cannot be placed within the budgets (one clear line)."""
 
 
 @dataclass
@@ -126,24 +124,6 @@ class Plan:
         return "\n".join(lines)
 
 
-def non_expert_bytes(cfg: ModelConfig, elem: int) -> int:
-    """Bytes of every weight except the routed experts (as models/transformer.py allocates them)."""
-    D, hd, H, Hkv = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
-    n = cfg.vocab_size * D * (1 if cfg.tie_word_embeddings else 2) + D  # embed (+ head), final norm
-    attn = D * H * hd * 2 + D * Hkv * hd * 2 + 2 * D  # q, o, k, v, two layer norms
-    attn += (H * hd + 2 * Hkv * hd) if cfg.attention_bias else 0
-    attn += {"head": 2 * hd, "full": H * hd + Hkv * hd}.get(cfg.qk_norm, 0)
-    for moe in cfg.moe_layers:
-        n += attn
-        if moe:
-            n += cfg.num_experts * D  # router
-            if cfg.shared_expert_intermediate_size:
-                n += 3 * D * cfg.shared_expert_intermediate_size + D
-        else:
-            n += 3 * D * cfg.intermediate_size
-    return n * elem
-
-
 def _dtype_name(dtype: torch.dtype) -> str:
     return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
 
@@ -184,20 +164,19 @@ def make_plan(cfg: ModelConfig, opts: OffloadOptions | None = None, dtype: torch
     elif budget is None:
         slots = total  # the CPU stands in for the device: every expert is "resident"
     else:
-        room = budget - fixed - kv - reserve - scratch * fmt.nbytes
-        if room < 0:
+        if budget - fixed - kv - reserve - scratch * fmt.nbytes < 0:
             raise PlanError(
                 f"the GPU budget of {budget / GIB:.2f} GiB does not hold the non-expert weights "
                 f"({fixed / GIB:.2f} GiB) + KV cache ({kv / GIB:.2f} GiB, B={opts.batch}, ctx={opts.ctx}) + reserve "
                 f"({reserve / GIB:.2f} GiB) + {scratch} scratch experts; lower ctx/batch or raise the budget")
-        slots = min(total, room // fmt.nbytes)
+        slots = offload_slots(budget, fixed + kv + reserve, scratch, fmt.nbytes, total)
     if budget is not None and slots == total and opts.expert_slots is None:
         scratch = 0  # everything fits: nothing is ever fetched into scratch
     if slots + scratch < cfg.top_k:
         warnings.append(f"only {slots + scratch} device expert slots (< top-k {cfg.top_k}): misses run in waves")
     host = host_available if host_available is not None else psutil.virtual_memory().available
-    if total * fmt.nbytes > host:
-        raise PlanError(f"the experts need {total * fmt.nbytes / GIB:.2f} GiB of host memory, "
+    if total * fmt.nbytes > host:  # the memory plan (plan_memory) owns this verdict; the slot plan only notes it
+        warnings.append(f"the experts need {total * fmt.nbytes / GIB:.2f} GiB of host memory, "
                         f"{host / GIB:.2f} GiB is available")
     pin_limit = int(opts.pin_limit_gib * GIB) if opts.pin_limit_gib is not None else None
     if pin_limit is not None and pin_limit < total * fmt.nbytes and opts.pin != "off":
@@ -214,4 +193,4 @@ def make_plan(cfg: ModelConfig, opts: OffloadOptions | None = None, dtype: torch
     )
 
 
-__all__ = ["Plan", "PlanError", "make_plan", "non_expert_bytes"]
+__all__ = ["MemoryPlan", "Plan", "PlanError", "QuantInfo", "Resource", "make_plan", "non_expert_bytes", "plan_memory"]

@@ -7,6 +7,7 @@ A profile is a small TOML file with four tables, e.g. lynx_edge/offload/profiles
     [link]    h2d_pinned_gbps, h2d_pageable_gbps, latency_us
     [cpu]     mem_gbps, expert_gbps, gflops, latency_us
     [offload] policy = "lynx" | "lru", reserve_gib
+    [host]    memory_gib (the machine's RAM: what `info --profile` plans host memory against)
 
 `load_profile` takes a bundled name or a path; unknown keys and impossible values are one-line
 `ProfileError`s. `calibrate` measures this machine and returns a Profile (`save` writes it).
@@ -19,6 +20,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import torch
 
 from ..config import ConfigError
@@ -49,6 +51,7 @@ class Profile:
     cpu_latency_us: float = 50.0  # fixed cost per CPU expert call (activation round trip, dispatch)
     policy: str = "lynx"  # default cache policy
     reserve_gib: float = 0.5  # GPU memory kept free for activations and allocator slack
+    host_memory_gib: float | None = None  # the machine's RAM; None: unknown (plans use this host's)
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
@@ -68,6 +71,7 @@ _SCHEMA: dict[str, dict[str, tuple[str, str, bool]]] = {
     "cpu": {"mem_gbps": ("cpu_mem_gbps", "float", True), "expert_gbps": ("cpu_expert_gbps", "float", True),
             "gflops": ("cpu_gflops", "float", True), "latency_us": ("cpu_latency_us", "float0", False)},
     "offload": {"policy": ("policy", "str", False), "reserve_gib": ("reserve_gib", "float0", False)},
+    "host": {"memory_gib": ("host_memory_gib", "float", False)},
 }
 _MAX = 1e6  # no memory (GiB), bandwidth (GB/s) or rate beyond this is physical
 
@@ -100,7 +104,7 @@ def profile_from_dict(data: dict, source: str = "profile") -> Profile:
         for table, value in data.items():
             if isinstance(value, dict):
                 if table not in _SCHEMA or not table:
-                    raise ProfileError(f"unknown table [{table}] (known: gpu, link, cpu, offload)")
+                    raise ProfileError(f"unknown table [{table}] (known: gpu, link, cpu, offload, host)")
                 items, prefix = value.items(), f"[{table}] "
             elif table in _SCHEMA[""]:
                 items, prefix, table = [(table, value)], "", ""
@@ -172,9 +176,11 @@ def to_toml(p: Profile) -> str:
 
     lines = []
     for table, keys in _SCHEMA.items():
-        if table:
+        vals = [(key, getattr(p, attr)) for key, (attr, _, _) in keys.items()]
+        vals = [(k, v) for k, v in vals if v is not None]  # an optional key left unset is not written
+        if table and vals:
             lines.append(f"\n[{table}]")
-        lines += [f"{key} = {fmt(getattr(p, attr))}" for key, (attr, _, _) in keys.items()]
+        lines += [f"{key} = {fmt(v)}" for key, v in vals]
     return "\n".join(lines) + "\n"
 
 
@@ -249,7 +255,9 @@ def calibrate(name: str = "this-machine", device: torch.device | str | None = No
                "gpu_tflops": cpu["cpu_gflops"] / 1e3, "gpu_memory_gib": 0.0, "link_latency_us": 1.0}
         desc, kw = "calibrated on the CPU (no GPU: the CPU stands in for the device)", dict(unified_memory=True)
     vals = {k: float(f"{v:.4g}") for k, v in {**cpu, **gpu}.items()}
-    prof = Profile(name=name, description=desc, reserve_gib=0.5 if dev.type == "cuda" else 0.0, **kw, **vals)
+    host = float(f"{psutil.virtual_memory().total / 2**30:.4g}")
+    prof = Profile(name=name, description=desc, reserve_gib=0.5 if dev.type == "cuda" else 0.0,
+                   host_memory_gib=host, **kw, **vals)
     profile_from_dict(tomllib.loads(to_toml(prof)), name)  # the written file must load back
     if save_to is not None:
         prof.save(save_to)
