@@ -1,6 +1,9 @@
-"""GPTQ checkpoints (gptqmodel / AutoGPTQ layout, 4 bits) ↔ lynx-edge's INT4 expert layout.
+"""Published 4-bit checkpoints (GPTQ, AWQ) → lynx-edge's INT4 group layout (quant/int4.py).
 
-For one linear W [out, in], group size G (tensors as gptqmodel writes them):
+read_quant_config parses quantize_config.json / config.json's quantization_config once;
+linear_from_checkpoint turns one linear's stored tensors into a QuantLinear (codes, per-group
+scales and zeros, optional act-order column permutation). GPTQ layout (gptqmodel / AutoGPTQ),
+for one linear W [out, in], group size G:
     qweight int32 [in/8, out]     q[i, o] = (qweight[i // 8, o] >> 4·(i % 8)) & 0xF   low bits first
     qzeros  int32 [in/G, out/8]   z[g, o] = nibble o % 8 of qzeros[g, o // 8]          (v2)
     scales  fp16  [in/G, out]
@@ -8,13 +11,11 @@ For one linear W [out, in], group size G (tensors as gptqmodel writes them):
     W[o, i] = scales[g_idx[i], o] · (q[i, o] − z[g_idx[i], o])
 v1 (checkpoint_format "gptq", the default) stores z − 1: the writer subtracts 0x11111111 from
 each packed qzeros word, so we add it back per word mod 2³² — exact even where a zero of 0 made
-the subtraction borrow from the next nibble (this is gptqmodel's own v1↔v2 conversion; readers
-that add 1 per nibble mis-read such asymmetric groups). v2 ("gptq_v2") stores z as is.
-desc_act (act-order) checkpoints whose g_idx is not i // G are refused with a ValueError: their
-groups are not contiguous along the input dim, which the kernels' one-scale-row-per-K-step
-streaming (and a per-expert input permutation of x) would need. Names: gptqmodel's MoE naming
-`{prefix}.{l}.mlp.experts.{e}.{gate,up,down}_proj.*` and Mixtral's
-`{prefix}.{l}.block_sparse_moe.experts.{e}.{w1,w3,w2}.*` (w1 gate, w3 up, w2 down).
+the subtraction borrow from the next nibble (gptqmodel's own v1↔v2 conversion). v2 stores z.
+Act-order (desc_act): g_idx is a shuffled i // G; perm = stable argsort(g_idx) makes every group
+G contiguous columns again, so QuantLinear keeps codes in perm order and the perm beside them.
+AWQ layout: quant/awq.py. Names: gptqmodel's MoE naming `{prefix}.{l}.mlp.experts.{e}.{gate,
+up,down}_proj.*` and Mixtral's `{prefix}.{l}.block_sparse_moe.experts.{e}.{w1,w3,w2}.*`.
 """
 from __future__ import annotations
 
@@ -25,13 +26,243 @@ from pathlib import Path
 
 import torch
 
+from lynx_edge.quant.awq import unpack_awq
 from lynx_edge.quant.int4 import GROUP_SIZES, SYM_ZERO, Int4Experts
 
 V1_OFFSET = 0x11111111  # v1 stores every zero nibble minus one
+QUANT_TENSOR_SUFFIXES = ("qweight", "qzeros", "scales", "g_idx")
 NAMINGS = {  # naming → (expert path, (gate, up, down) module names)
     "qwen": ("mlp.experts", ("gate_proj", "up_proj", "down_proj")),
     "mixtral": ("block_sparse_moe.experts", ("w1", "w3", "w2")),
 }
+GPTQ_FORMATS = {"gptq": "gptq_v1", "gptq_v2": "gptq_v2"}  # checkpoint_format → zero_format
+
+
+class QuantConfigError(ValueError):
+    """An unsupported or malformed quantization config; the message is one line naming file and field."""
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    method: str  # "gptq" | "awq"
+    bits: int  # 4
+    group_size: int  # one of GROUP_SIZES
+    sym: bool
+    desc_act: bool
+    zero_format: str  # "gptq_v1" | "gptq_v2" | "awq"
+    modules_to_not_convert: tuple[str, ...] = ()  # AWQ: substrings of module names left 16-bit
+    dynamic_skip: tuple[str, ...] = ()  # gptqmodel `dynamic` "-:" regexes (re.match) left 16-bit
+    lm_head: bool = False  # gptqmodel: lm_head quantized too
+
+    def is_quantized(self, module: str) -> bool:
+        """Whether the config says `module` (e.g. "model.layers.0.mlp.gate") is stored 4-bit:
+        AWQ's substring rule (AutoAWQ exclude_layers_to_not_quantize, vLLM is_layer_skipped_awq)
+        and gptqmodel's negative `dynamic` regexes. The tensors present (qweight vs weight) are the
+        ground truth; this is the cross-check."""
+        if any(key in module for key in self.modules_to_not_convert):
+            return False
+        return not any(re.match(p, module) for p in self.dynamic_skip)
+
+
+def _find_quant_block(model_dir: Path, config: dict) -> tuple[dict, str, str] | None:
+    """(block, file path, field prefix for messages) or None for a 16-bit checkpoint.
+    quantize_config.json (AutoGPTQ / gptqmodel) first, then config.json's quantization_config
+    (transformers, optimum, AutoAWQ), then AutoAWQ's legacy quant_config.json."""
+    qpath = model_dir / "quantize_config.json"
+    if qpath.is_file():
+        return _read_json(qpath), str(qpath), ""
+    block = config.get("quantization_config")
+    if block is not None:
+        if not isinstance(block, dict):
+            raise QuantConfigError(f"{model_dir / 'config.json'}: quantization_config is not an object")
+        return block, str(model_dir / "config.json"), "quantization_config."
+    apath = model_dir / "quant_config.json"
+    if apath.is_file():
+        return {"quant_method": "awq", **_read_json(apath)}, str(apath), ""
+    return None
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise QuantConfigError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise QuantConfigError(f"{path}: expected a JSON object")
+    return data
+
+
+def read_quant_config(model_dir: str | Path, config: dict) -> QuantConfig | None:
+    """The checkpoint's 4-bit settings, None for a 16-bit checkpoint; QuantConfigError (one line
+    naming the file and the field) for anything lynx-edge cannot run."""
+    found = _find_quant_block(Path(model_dir), config)
+    if found is None:
+        return None
+    qc, path, pre = found
+
+    def bad(field: str, why: str) -> QuantConfigError:
+        return QuantConfigError(f"{path}: {pre}{field} = {qc.get(field)!r} {why}")
+
+    method = str(qc.get("quant_method", "gptq" if path.endswith("quantize_config.json") else "")).lower()
+    if method not in ("gptq", "awq"):
+        raise bad("quant_method", "is not supported; lynx-edge reads 4-bit GPTQ and AWQ (GEMM) checkpoints")
+    bits_key = "w_bit" if "w_bit" in qc and "bits" not in qc else "bits"
+    if qc.get(bits_key) != 4:
+        raise bad(bits_key, "is not supported; lynx-edge reads 4-bit GPTQ/AWQ only")
+    g_key = "q_group_size" if "q_group_size" in qc and "group_size" not in qc else "group_size"
+    if qc.get(g_key) not in GROUP_SIZES:
+        why = "(per-channel) is not supported" if qc.get(g_key) == -1 else "is not supported"
+        raise bad(g_key, f"{why}; group size must be one of {GROUP_SIZES}")
+    G = int(qc[g_key])
+    if method == "awq":
+        return _awq_config(qc, bad, G)
+    return _gptq_config(qc, bad, G, f"{path}: {pre}")
+
+
+def _awq_config(qc: dict, bad, G: int) -> QuantConfig:
+    version = str(qc.get("version", "gemm")).lower()
+    if version != "gemm":
+        raise bad("version", "is not supported; only AutoAWQ's GEMM packing is read (gemv/marlin/exllama differ)")
+    if qc.get("zero_point", True) is not True:
+        raise bad("zero_point", "is not supported; AutoAWQ GEMM checkpoints carry zero points")
+    if qc.get("backend") not in (None, "autoawq"):
+        raise bad("backend", "is not supported; only AutoAWQ-packed checkpoints are read")
+    skip = qc.get("modules_to_not_convert") or []
+    if not isinstance(skip, list) or not all(isinstance(s, str) for s in skip):
+        raise bad("modules_to_not_convert", "must be a list of module names")
+    return QuantConfig("awq", 4, G, False, False, "awq", tuple(skip))
+
+
+def _gptq_config(qc: dict, bad, G: int, where: str) -> QuantConfig:
+    fmt_key = "checkpoint_format" if "checkpoint_format" in qc else "format"
+    fmt = str(qc.get(fmt_key, "gptq")).lower()
+    if fmt not in GPTQ_FORMATS:
+        raise bad(fmt_key, "is not supported; GPTQ checkpoint formats read: gptq (v1), gptq_v2")
+    if qc.get("is_marlin_format"):
+        raise bad("is_marlin_format", "is not supported (Marlin-repacked weights); use the plain GPTQ checkpoint")
+    if str(qc.get("pack_dtype", "int32")).removeprefix("torch.") != "int32":
+        raise bad("pack_dtype", "is not supported; GPTQ words must be int32")
+    for flag in ("sym", "desc_act", "lm_head"):
+        if not isinstance(qc.get(flag, False), bool):
+            raise bad(flag, "must be true or false")
+    skip = []
+    dynamic = qc.get("dynamic") or {}
+    if not isinstance(dynamic, dict):
+        raise bad("dynamic", "must be an object of regex → overrides")
+    for pattern, override in dynamic.items():
+        if pattern.startswith("-:"):
+            skip.append(pattern[2:])
+            continue
+        base = {"bits": 4, "group_size": G, "sym": qc.get("sym", True), "desc_act": qc.get("desc_act", False)}
+        changed = {k: v for k, v in (override or {}).items() if k in base and v != base[k]}
+        if changed:
+            raise QuantConfigError(
+                f"{where}dynamic[{pattern!r}] overrides {changed} per module; "
+                "lynx-edge reads one bits/group_size/sym/desc_act per checkpoint"
+            )
+    return QuantConfig(
+        "gptq", 4, G, bool(qc.get("sym", True)), bool(qc.get("desc_act", False)), GPTQ_FORMATS[fmt],
+        (), tuple(skip), bool(qc.get("lm_head", False)),
+    )
+
+
+@dataclass
+class QuantLinear:
+    """One linear W [out, in] in lynx-edge's INT4 group layout, unpacked (one code per byte)."""
+
+    codes: torch.Tensor  # [out, in] uint8 0..15, columns in `perm` order when perm is not None
+    scales: torch.Tensor  # [in/G, out] fp16
+    zeros: torch.Tensor  # [in/G, out] uint8
+    perm: torch.Tensor | None = None  # [in] int64: W[:, perm] is what codes/scales/zeros describe
+
+    @property
+    def group_size(self) -> int:
+        return self.codes.shape[1] // self.scales.shape[0]
+
+    @property
+    def sym(self) -> bool:
+        return bool((self.zeros == SYM_ZERO).all())
+
+    def dequant(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """W [out, in] in the original column order: s·(q − z) in fp32 (exact), then cast."""
+        q = self.codes.float().unflatten(1, (self.scales.shape[0], -1))  # [out, in/G, G]
+        z = self.zeros.t().float()[..., None]  # [out, in/G, 1]
+        w = ((q - z) * self.scales.t().float()[..., None]).flatten(1)  # [out, in] in perm order
+        if self.perm is not None:
+            w = torch.empty_like(w).index_copy_(1, self.perm, w)  # column perm[j] ← column j
+        return w.to(dtype)
+
+
+def permute_out(ql: QuantLinear, perm_out: torch.Tensor) -> QuantLinear:
+    """The same linear with output rows reordered: dequant() becomes W[perm_out, :]. Exact; used
+    to absorb a down_proj's act-order perm over I into gate/up rows (I is internal to an expert)."""
+    p = perm_out.to(torch.long)
+    return QuantLinear(ql.codes[p].contiguous(), ql.scales[:, p].contiguous(), ql.zeros[:, p].contiguous(), ql.perm)
+
+
+def _scales_fp16(scales: torch.Tensor, name: str) -> torch.Tensor:
+    if not scales.is_floating_point():
+        raise ValueError(f"{name}.scales: expected a float tensor, got {scales.dtype}")
+    s = scales.to(torch.float16)
+    if scales.dtype != torch.float16 and not torch.equal(s.to(scales.dtype), scales):
+        raise ValueError(f"{name}.scales: {scales.dtype} values are not exactly representable in fp16")
+    return s
+
+
+def _shape(t: torch.Tensor, want: tuple[int, ...], name: str, part: str) -> None:
+    if tuple(t.shape) != want:
+        raise ValueError(f"{name}.{part}: shape {tuple(t.shape)}, expected {want} for this linear")
+
+
+def act_order_perm(g_idx: torch.Tensor, group_size: int, name: str = "?") -> torch.Tensor | None:
+    """g_idx [in] → None when it is i // G, else perm = stable argsort(g_idx) [in] int64, checked so
+    that g_idx[perm] == i // G (every group exactly G columns)."""
+    g = g_idx.to(torch.long).cpu()
+    natural = torch.arange(g.numel()) // group_size
+    if torch.equal(g, natural):
+        return None
+    perm = torch.argsort(g, stable=True)
+    if not torch.equal(g[perm], natural):
+        raise ValueError(f"{name}.g_idx: groups are not {group_size} columns each; not a GPTQ act-order g_idx")
+    return perm
+
+
+def linear_from_checkpoint(tensors: dict[str, torch.Tensor], qc: QuantConfig, name: str = "?") -> QuantLinear:
+    """{qweight, qzeros, scales[, g_idx]} of ONE linear as stored (GPTQ or AWQ) → QuantLinear.
+    Errors are one line naming the tensor."""
+    for part in ("qweight", "qzeros", "scales"):
+        if part not in tensors:
+            raise ValueError(f"{name}.{part}: missing from the checkpoint ({qc.method} needs qweight, qzeros, scales)")
+    qweight, qzeros, G = tensors["qweight"], tensors["qzeros"], qc.group_size
+    for part in ("qweight", "qzeros"):
+        if tensors[part].dtype != torch.int32 or tensors[part].dim() != 2:
+            raise ValueError(f"{name}.{part}: expected a 2-D int32 tensor, got {tensors[part].dtype} {tuple(tensors[part].shape)}")
+    if qc.method == "awq":
+        n_in, n_out = qweight.shape[0], 8 * qweight.shape[1]
+    else:
+        n_in, n_out = 8 * qweight.shape[0], qweight.shape[1]
+    if n_in % G:
+        raise ValueError(f"{name}.qweight: input dim {n_in} is not a multiple of group_size {G}")
+    scales = _scales_fp16(tensors["scales"], name)
+    _shape(scales, (n_in // G, n_out), name, "scales")
+    _shape(qzeros, (n_in // G, (n_out + 7) // 8), name, "qzeros")
+    perm = None
+    if qc.method == "awq":
+        if "g_idx" in tensors:
+            raise ValueError(f"{name}.g_idx: AWQ checkpoints have no g_idx")
+        codes, zeros = unpack_awq(qweight, qzeros)
+    else:
+        codes = unpack_qweight(qweight)
+        zeros = unpack_qzeros(qzeros, qc.zero_format == "gptq_v1")[:, :n_out].contiguous()
+        if "g_idx" in tensors:
+            _shape(tensors["g_idx"], (n_in,), name, "g_idx")
+            perm = act_order_perm(tensors["g_idx"], G, name)
+        if perm is not None:
+            codes = codes[:, perm].contiguous()  # column j of codes is input column perm[j]
+    return QuantLinear(codes, scales, zeros, perm)
+
+
+# ------------------------------------------------------------------ GPTQ words, legacy API
 
 
 @dataclass(frozen=True)
@@ -55,24 +286,19 @@ class GPTQConfig:
 
 
 def read_gptq_config(model_dir: str | Path) -> GPTQConfig:
-    """quantize_config.json, else config.json's quantization_config; refuses what we can't run."""
+    """Legacy: read_quant_config narrowed to GPTQ (ValueError for anything else)."""
     model_dir = Path(model_dir)
-    qc_path = model_dir / "quantize_config.json"
-    if qc_path.exists():
-        qc = json.loads(qc_path.read_text())
-    else:
-        qc = json.loads((model_dir / "config.json").read_text()).get("quantization_config") or {}
-    method = qc.get("quant_method", "gptq" if qc_path.exists() else None)
-    if method != "gptq":
-        raise ValueError(f"{model_dir}: not a GPTQ checkpoint (quant_method={method!r})")
-    if qc.get("bits") != 4:
-        raise ValueError(f"{model_dir}: only 4-bit GPTQ is supported, got bits={qc.get('bits')}")
-    if qc.get("group_size") not in GROUP_SIZES:
-        raise ValueError(f"{model_dir}: GPTQ group_size must be one of {GROUP_SIZES}, got {qc.get('group_size')}")
-    fmt = qc.get("checkpoint_format", qc.get("format", "gptq"))
-    if fmt not in ("gptq", "gptq_v2"):
-        raise ValueError(f"{model_dir}: unsupported GPTQ checkpoint_format {fmt!r}")
-    return GPTQConfig(qc["group_size"], bool(qc.get("sym", True)), bool(qc.get("desc_act", False)), fmt)
+    cfg_path = model_dir / "config.json"
+    config = _read_json(cfg_path) if cfg_path.is_file() else {}
+    qc = read_quant_config(model_dir, config)
+    if qc is None or qc.method != "gptq":
+        raise ValueError(f"{model_dir}: not a GPTQ checkpoint (quant_method={qc and qc.method!r})")
+    fmt = "gptq_v2" if qc.zero_format == "gptq_v2" else "gptq"
+    return GPTQConfig(qc.group_size, qc.sym, qc.desc_act, fmt)
+
+
+def _as_quant_config(cfg: GPTQConfig) -> QuantConfig:
+    return QuantConfig("gptq", 4, cfg.group_size, cfg.sym, cfg.desc_act, "gptq_v1" if cfg.v1 else "gptq_v2")
 
 
 def _to_int32(words: torch.Tensor) -> torch.Tensor:
@@ -115,20 +341,12 @@ def unpack_qzeros(qzeros: torch.Tensor, v1: bool = True) -> torch.Tensor:
 def gptq_to_codes(
     tensors: dict[str, torch.Tensor], cfg: GPTQConfig, name: str = "?"
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """{qweight, qzeros, scales[, g_idx]} of one linear → codes [out, in] uint8,
-    scales [in/G, out] fp16, zeros [in/G, out] uint8."""
-    codes = unpack_qweight(tensors["qweight"])
-    n_in, G = codes.shape[1], cfg.group_size
-    g_idx = tensors.get("g_idx")
-    if g_idx is not None and not torch.equal(g_idx.long().cpu(), torch.arange(n_in) // G):
-        raise ValueError(
-            f"{name}: act-order (desc_act) g_idx is not supported; re-quantize with desc_act=False"
-        )
-    scales = tensors["scales"].to(torch.float16)
-    zeros = unpack_qzeros(tensors["qzeros"], cfg.v1)[:, : scales.shape[1]]
-    if scales.shape != (n_in // G, codes.shape[0]):
-        raise ValueError(f"{name}: scales {tuple(scales.shape)} do not match group size {G}")
-    return codes, scales, zeros
+    """Legacy: one non-act-order GPTQ linear → codes [out, in] uint8, scales [in/G, out] fp16,
+    zeros [in/G, out] uint8 (act-order g_idx refused: use linear_from_checkpoint)."""
+    ql = linear_from_checkpoint(tensors, _as_quant_config(cfg), name)
+    if ql.perm is not None:
+        raise ValueError(f"{name}: act-order (desc_act) g_idx here is not supported; use linear_from_checkpoint")
+    return ql.codes, ql.scales, ql.zeros
 
 
 class TensorSource:
@@ -178,22 +396,27 @@ def read_gptq_experts(
     source: TensorSource | None = None, cfg: GPTQConfig | None = None,
 ) -> Int4Experts:
     """All experts of one MoE layer of a GPTQ checkpoint → Int4Experts (sym layout when every
-    zero is 8, else asymmetric)."""
-    cfg = cfg or read_gptq_config(model_dir)
+    zero is 8, else asymmetric). A down_proj act-order perm is absorbed into gate/up rows; an
+    act-order perm on gate/up (over the hidden dim, shared by all experts' input) is refused."""
+    qc = _as_quant_config(cfg or read_gptq_config(model_dir))
     src = source or TensorSource(model_dir)
     naming, E = detect_naming(src.keys(), layer, prefix)
-    mods = NAMINGS[naming][1]
-    parts: list[list[tuple[torch.Tensor, ...]]] = []
+    gu, dn = [], []
     for e in range(E):
         base = expert_prefix(layer, e, naming, prefix)
-        row = []
-        for m in mods:
-            names = ("qweight", "qzeros", "scales", "g_idx")
-            ts = {n: src.get(f"{base}.{m}.{n}") for n in names if f"{base}.{m}.{n}" in src.keys()}
-            row.append(gptq_to_codes(ts, cfg, f"{base}.{m}"))
-        parts.append(row)
-    # gate_up = [gate; up] along out: codes concatenate on dim 0, scales/zeros on dim 1
-    gu = tuple(torch.stack([torch.cat([p[0][i], p[1][i]], dim=min(i, 1)) for p in parts]) for i in range(3))
-    dn = tuple(torch.stack([p[2][i] for p in parts]) for i in range(3))
-    sym = bool((gu[2] == SYM_ZERO).all()) and bool((dn[2] == SYM_ZERO).all())
-    return Int4Experts.from_codes(gu, dn, cfg.group_size, sym)
+        lin = []
+        for m in NAMINGS[naming][1]:
+            keys = {n: f"{base}.{m}.{n}" for n in QUANT_TENSOR_SUFFIXES}
+            lin.append(linear_from_checkpoint({n: src.get(k) for n, k in keys.items() if k in src.keys()}, qc, f"{base}.{m}"))
+        gate, up, down = lin
+        for ql, m in ((gate, NAMINGS[naming][1][0]), (up, NAMINGS[naming][1][1])):
+            if ql.perm is not None:
+                raise ValueError(f"{base}.{m}: act-order (desc_act) g_idx over the hidden dim is not supported here")
+        if down.perm is not None:  # down reads h[perm]: produce h in that order
+            gate, up = permute_out(gate, down.perm), permute_out(up, down.perm)
+        gu.append((torch.cat([gate.codes, up.codes]), torch.cat([gate.scales, up.scales], 1), torch.cat([gate.zeros, up.zeros], 1)))
+        dn.append((down.codes, down.scales, down.zeros))
+    gu_t = tuple(torch.stack([p[i] for p in gu]) for i in range(3))
+    dn_t = tuple(torch.stack([p[i] for p in dn]) for i in range(3))
+    sym = bool((gu_t[2] == SYM_ZERO).all()) and bool((dn_t[2] == SYM_ZERO).all())
+    return Int4Experts.from_codes(gu_t, dn_t, qc.group_size, sym)

@@ -1,0 +1,64 @@
+"""AWQ checkpoints (AutoAWQ "gemm" packing, 4 bits) ↔ unpacked codes / zeros / scales.
+
+For one linear W [out, in], group size G (tensors as AutoAWQ's WQLinear_GEMM stores them):
+    qweight int32 [in, out/8]     8 output columns per word, in AWQ_ORDER
+    qzeros  int32 [in/G, out/8]   same packing as qweight, zeros stored as is (no −1 offset)
+    scales  fp16  [in/G, out]
+    Wᵀ[i, o] = (q[i, o] − z[i // G, o]) · s[i // G, o]
+Nibble k (bits 4k..4k+3) of word c holds output column 8c + AWQ_ORDER[k]. The layout is defined
+by AutoAWQ's packer (awq/modules/linear/gemm.py, WQLinear_GEMM.from_linear: `order_map =
+[0, 2, 4, 6, 1, 3, 5, 7]`, `qweight[:, col] |= intweight[:, col*8 + order_map[i]] << 4i`, the same
+loop for qzeros) and read back the same way by AutoAWQ's dequantize_gemm
+(awq/utils/packing_utils.py: AWQ_REVERSE_ORDER [0, 4, 1, 5, 2, 6, 3, 7]) and by vLLM's
+awq_dequantize / awq_gemm Triton kernels (vllm/model_executor/layers/quantization/awq_triton.py:
+shifts = reverse order · 4). It interleaves even and odd columns so the CUDA kernel can
+convert pairs of nibbles to fp16 with one bit trick; the reader only has to undo the order.
+"""
+from __future__ import annotations
+
+import torch
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble k of a word holds column AWQ_ORDER[k]
+AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # column j of a word sits in nibble AWQ_REVERSE_ORDER[j]
+
+
+def _to_int32(words: torch.Tensor) -> torch.Tensor:
+    """int64 words in [0, 2³²) → int32 with the same bits."""
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def pack_awq_words(vals: torch.Tensor) -> torch.Tensor:
+    """vals [rows, cols] (0..15, cols % 8 == 0) → int32 [rows, cols/8] in AutoAWQ's order."""
+    v = vals.to(torch.int64).unflatten(1, (-1, 8))  # [rows, cols/8, 8] natural column order
+    v = v[..., list(AWQ_ORDER)]  # nibble k takes column AWQ_ORDER[k]
+    shifts = 4 * torch.arange(8, device=v.device)
+    return _to_int32((v << shifts).sum(-1))
+
+
+def unpack_awq_words(words: torch.Tensor) -> torch.Tensor:
+    """int32 [rows, cols/8] → uint8 [rows, cols] in natural column order."""
+    w = words.to(torch.int64) % 2**32
+    nib = (w[..., None] >> (4 * torch.arange(8, device=w.device))) & 0xF  # [rows, cols/8, 8]
+    return nib[..., list(AWQ_REVERSE_ORDER)].flatten(1).to(torch.uint8)
+
+
+def pack_awq(
+    codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """codes [out, in] (0..15), zeros [in/G, out] (0..15), scales [in/G, out] →
+    {qweight [in, out/8] int32, qzeros [in/G, out/8] int32, scales [in/G, out] fp16}."""
+    return {
+        "qweight": pack_awq_words(codes.t()),
+        "qzeros": pack_awq_words(zeros),
+        "scales": scales.to(torch.float16).contiguous(),
+    }
+
+
+def unpack_awq(
+    qweight: torch.Tensor, qzeros: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """qweight [in, out/8], qzeros [in/G, out/8] → codes [out, in] uint8, zeros [in/G, out] uint8."""
+    return unpack_awq_words(qweight).t().contiguous(), unpack_awq_words(qzeros)
+
+
+__all__ = ["AWQ_ORDER", "AWQ_REVERSE_ORDER", "pack_awq", "pack_awq_words", "unpack_awq", "unpack_awq_words"]
