@@ -50,6 +50,7 @@ def test_awq_word_layout_is_autoawq_order():
     assert t["qweight"].shape == (32, 1) and t["qzeros"].shape == (1, 1)
     assert {v & 0xFFFFFFFF for v in t["qweight"].flatten().tolist()} == {0x75316420}
     assert (t["qzeros"].item() & 0xFFFFFFFF) == 0xFDB9ECA8  # zeros 8..15 in the same nibble order
+    assert [awq.AWQ_ORDER[j] for j in awq.AWQ_REVERSE_ORDER] == list(range(8))  # inverse permutations
     c, z = awq.unpack_awq(t["qweight"], t["qzeros"])
     assert torch.equal(c, codes) and torch.equal(z, zeros)
 
@@ -95,7 +96,7 @@ def test_awq_fixture_repacks_bit_for_bit_and_wrong_order_fails(monkeypatch):
         for part in ("qweight", "qzeros", "scales"):
             assert torch.equal(t[part], tensors[f"{mod}.{part}"]), (mod, part)
     # bug injection: GPTQ-style natural nibble order must not decode AWQ words
-    monkeypatch.setattr(awq, "AWQ_REVERSE_ORDER", tuple(range(8)))
+    monkeypatch.setattr(awq, "AWQ_ORDER", tuple(range(8)))
     bad = [m for m in expected if not torch.equal(_linear(tensors, qc, m).dequant(), expected[m])]
     assert len(bad) == len(expected)
 
@@ -103,8 +104,8 @@ def test_awq_fixture_repacks_bit_for_bit_and_wrong_order_fails(monkeypatch):
 def test_awq_fixture_names_and_modules_to_not_convert():
     """AutoAWQ's substring rule: "mlp.gate" keeps the routers and the dense gate_proj 16-bit."""
     _, qc, tensors, expected = _fixture("awq_tiny")
-    linears = {k.rsplit(".", 1)[0] for k in tensors if k.startswith("model.layers.") and k.endswith((".weight", ".qweight"))
-               and "norm" not in k}
+    linears = {k.rsplit(".", 1)[0] for k in tensors
+               if k.startswith("model.layers.") and k.endswith((".weight", ".qweight")) and "norm" not in k}
     for mod in linears:
         assert qc.is_quantized(mod) == (f"{mod}.qweight" in tensors) == (mod in expected), mod
     assert "model.layers.1.mlp.gate_proj.weight" in tensors and "model.layers.1.mlp.up_proj.qweight" in tensors
@@ -164,7 +165,8 @@ def test_read_gptq_experts_absorbs_down_perm(tmp_path):
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(1))
     for e in range(4):
         base = f"model.layers.0.mlp.experts.{e}"
-        parts = {m: _linear(out, formats._as_quant_config(cfg), f"{base}.{m}").dequant() for m in ("gate_proj", "up_proj", "down_proj")}
+        qc1 = formats._as_quant_config(cfg)
+        parts = {m: _linear(out, qc1, f"{base}.{m}").dequant() for m in ("gate_proj", "up_proj", "down_proj")}
         ref = (F.silu(x @ parts["gate_proj"].t()) * (x @ parts["up_proj"].t())) @ parts["down_proj"].t()
         gu, dn = packed.dequant_expert(e)
         h = F.silu(x @ gu[: gu.shape[0] // 2].t()) * (x @ gu[gu.shape[0] // 2:].t())

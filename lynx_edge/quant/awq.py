@@ -36,10 +36,13 @@ def pack_awq_words(vals: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_awq_words(words: torch.Tensor) -> torch.Tensor:
-    """int32 [rows, cols/8] → uint8 [rows, cols] in natural column order."""
-    w = words.to(torch.int64) % 2**32
-    nib = (w[..., None] >> (4 * torch.arange(8, device=w.device))) & 0xF  # [rows, cols/8, 8]
-    return nib[..., list(AWQ_REVERSE_ORDER)].flatten(1).to(torch.uint8)
+    """int32 [rows, cols/8] → uint8 [rows, cols] in natural column order, one nibble plane at a
+    time in int32 (the arithmetic shift's sign bits are masked off: small transients)."""
+    rows, n8 = words.shape
+    out = torch.empty(rows, n8, 8, dtype=torch.uint8, device=words.device)  # [rows, cols/8, 8]
+    for k in range(8):
+        out[..., AWQ_ORDER[k]] = ((words >> (4 * k)) & 0xF).to(torch.uint8)  # nibble k → column AWQ_ORDER[k]
+    return out.view(rows, 8 * n8)
 
 
 def pack_awq(
@@ -57,8 +60,16 @@ def pack_awq(
 def unpack_awq(
     qweight: torch.Tensor, qzeros: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """qweight [in, out/8], qzeros [in/G, out/8] → codes [out, in] uint8, zeros [in/G, out] uint8."""
-    return unpack_awq_words(qweight).t().contiguous(), unpack_awq_words(qzeros)
+    """qweight [in, out/8], qzeros [in/G, out/8] → codes [out, in] uint8, zeros [in/G, out] uint8.
+    The words are transposed first (8× fewer elements than the codes) and read as little-endian
+    bytes: byte b of a word holds nibbles 2b (low) and 2b + 1 (high), i.e. output columns
+    AWQ_ORDER[2b] and AWQ_ORDER[2b + 1]; each lands in whole output rows."""
+    b = qweight.t().contiguous().view(torch.uint8).view(qweight.shape[1], qweight.shape[0], 4)  # [out/8, in, 4]
+    codes = torch.empty(b.shape[0], 8, b.shape[1], dtype=torch.uint8, device=b.device)  # [out/8, 8, in]
+    for byte in range(4):
+        codes[:, AWQ_ORDER[2 * byte]] = b[..., byte] & 0xF
+        codes[:, AWQ_ORDER[2 * byte + 1]] = b[..., byte] >> 4
+    return codes.view(-1, b.shape[1]), unpack_awq_words(qzeros)
 
 
 __all__ = ["AWQ_ORDER", "AWQ_REVERSE_ORDER", "pack_awq", "pack_awq_words", "unpack_awq", "unpack_awq_words"]

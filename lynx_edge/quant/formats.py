@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +30,7 @@ import torch
 from lynx_edge.quant.awq import unpack_awq
 from lynx_edge.quant.int4 import GROUP_SIZES, SYM_ZERO, Int4Experts
 
+assert sys.byteorder == "little", "GPTQ/AWQ words are read as little-endian bytes"
 V1_OFFSET = 0x11111111  # v1 stores every zero nibble minus one
 QUANT_TENSOR_SUFFIXES = ("qweight", "qzeros", "scales", "g_idx")
 NAMINGS = {  # naming → (expert path, (gate, up, down) module names)
@@ -185,9 +187,9 @@ class QuantLinear:
 
     def dequant(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """W [out, in] in the original column order: s·(q − z) in fp32 (exact), then cast."""
-        q = self.codes.float().unflatten(1, (self.scales.shape[0], -1))  # [out, in/G, G]
-        z = self.zeros.t().float()[..., None]  # [out, in/G, 1]
-        w = ((q - z) * self.scales.t().float()[..., None]).flatten(1)  # [out, in] in perm order
+        w = self.codes.float()  # [out, in] in perm order; updated in place below
+        g = w.view(w.shape[0], self.scales.shape[0], -1)  # [out, in/G, G]
+        g.sub_(self.zeros.t().float()[..., None]).mul_(self.scales.t().float()[..., None])
         if self.perm is not None:
             w = torch.empty_like(w).index_copy_(1, self.perm, w)  # column perm[j] ← column j
         return w.to(dtype)
@@ -236,7 +238,8 @@ def linear_from_checkpoint(tensors: dict[str, torch.Tensor], qc: QuantConfig, na
     qweight, qzeros, G = tensors["qweight"], tensors["qzeros"], qc.group_size
     for part in ("qweight", "qzeros"):
         if tensors[part].dtype != torch.int32 or tensors[part].dim() != 2:
-            raise ValueError(f"{name}.{part}: expected a 2-D int32 tensor, got {tensors[part].dtype} {tuple(tensors[part].shape)}")
+            t = tensors[part]
+            raise ValueError(f"{name}.{part}: expected a 2-D int32 tensor, got {t.dtype} {tuple(t.shape)}")
     if qc.method == "awq":
         n_in, n_out = qweight.shape[0], 8 * qweight.shape[1]
     else:
@@ -314,10 +317,14 @@ def pack_qweight(codes: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_qweight(qweight: torch.Tensor) -> torch.Tensor:
-    """qweight int32 [in/8, out] → codes [out, in] uint8."""
-    shifts = (4 * torch.arange(8, device=qweight.device)).view(1, 8, 1)
-    q = (qweight.to(torch.int64)[:, None, :] >> shifts) & 0xF  # [in/8, 8, out]
-    return q.flatten(0, 1).t().contiguous().to(torch.uint8)
+    """qweight int32 [in/8, out] → codes [out, in] uint8. Transposed, the little-endian words are
+    bytes [out, in/2] with input 2j in the low nibble of byte j and 2j+1 in the high one (int4.py's
+    packed layout), so two uint8 passes unpack them."""
+    b = qweight.t().contiguous().view(torch.uint8)  # [out, in/2]
+    q = torch.empty(b.shape[0], 2 * b.shape[1], dtype=torch.uint8, device=b.device)
+    q[:, 0::2] = b & 0xF
+    q[:, 1::2] = b >> 4
+    return q
 
 
 def pack_qzeros(zeros: torch.Tensor, v1: bool = True) -> torch.Tensor:
@@ -406,15 +413,16 @@ def read_gptq_experts(
         base = expert_prefix(layer, e, naming, prefix)
         lin = []
         for m in NAMINGS[naming][1]:
-            keys = {n: f"{base}.{m}.{n}" for n in QUANT_TENSOR_SUFFIXES}
-            lin.append(linear_from_checkpoint({n: src.get(k) for n, k in keys.items() if k in src.keys()}, qc, f"{base}.{m}"))
+            keys = {n: f"{base}.{m}.{n}" for n in QUANT_TENSOR_SUFFIXES if f"{base}.{m}.{n}" in src.keys()}
+            lin.append(linear_from_checkpoint({n: src.get(k) for n, k in keys.items()}, qc, f"{base}.{m}"))
         gate, up, down = lin
         for ql, m in ((gate, NAMINGS[naming][1][0]), (up, NAMINGS[naming][1][1])):
             if ql.perm is not None:
                 raise ValueError(f"{base}.{m}: act-order (desc_act) g_idx over the hidden dim is not supported here")
         if down.perm is not None:  # down reads h[perm]: produce h in that order
             gate, up = permute_out(gate, down.perm), permute_out(up, down.perm)
-        gu.append((torch.cat([gate.codes, up.codes]), torch.cat([gate.scales, up.scales], 1), torch.cat([gate.zeros, up.zeros], 1)))
+        gu.append((torch.cat([gate.codes, up.codes]), torch.cat([gate.scales, up.scales], 1),
+                   torch.cat([gate.zeros, up.zeros], 1)))
         dn.append((down.codes, down.scales, down.zeros))
     gu_t = tuple(torch.stack([p[i] for p in gu]) for i in range(3))
     dn_t = tuple(torch.stack([p[i] for p in dn]) for i in range(3))
