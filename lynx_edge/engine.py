@@ -16,7 +16,7 @@ from typing import Iterator
 
 import torch
 
-from .config import ConfigError, ModelConfig
+from .config import ConfigError, GenerationConfig, ModelConfig
 from .hub import resolve_model
 from .kv_cache import KVCache
 from .loader import ProgressFn, load_weights
@@ -83,6 +83,8 @@ class Engine:
         self._session: list[int] = []  # tokens held in cache row 0 (reused across chat turns)
         self.model.routing.stats.record = config.record_routing
         self.last_stats: dict = {}
+        # eos ids and sampling defaults, as transformers reads them (GenerationConfig.from_dir)
+        self.generation_config = GenerationConfig.from_dir(model_dir) if model_dir else GenerationConfig()
         self.set_lynx(config.lynx)
 
     # construction -------------------------------------------------------------------------
@@ -121,7 +123,14 @@ class Engine:
         return cls(model, tokenizer, config, model_dir)
 
     def set_lynx(self, mode) -> None:
-        """Switch routing: "off" (exact), "lynx", "budget:m", … or a LynxConfig."""
+        """Switch routing: "off" (exact), "lynx", "budget:m", … or a LynxConfig.
+
+        A change of mode forgets the cached chat prefix, so the next turn prefills it again under
+        the new routing (prefill stays exact for the whole conversation)."""
+        key = "off" if mode in (None, "off") else repr(mode)
+        if key != getattr(self, "_lynx_key", None):
+            self._session = []
+        self._lynx_key = key
         spec = self.model.routing.spec
         if mode in (None, "off"):
             self.model.routing.route = ExactRouter(spec)
@@ -140,30 +149,51 @@ class Engine:
             self.lynx = self.model.routing.route
 
     # public API ---------------------------------------------------------------------------
-    def encode_prompt(self, prompt_or_messages) -> list[int]:
-        if isinstance(prompt_or_messages, str):
-            return self.tokenizer.encode(prompt_or_messages)
-        if isinstance(prompt_or_messages, list) and all(isinstance(m, dict) for m in prompt_or_messages):
-            return self.tokenizer.encode_chat(prompt_or_messages)
-        if isinstance(prompt_or_messages, list) and all(isinstance(t, int) for t in prompt_or_messages):
-            return list(prompt_or_messages)
+    def encode_prompt(self, prompt_or_messages, chat_template_kwargs: dict | None = None) -> list[int]:
+        """Text, chat messages (rendered with the chat template and `chat_template_kwargs`) or
+        token ids → ids; ids are checked against the vocabulary (a bad id is one clear error
+        here, never an IndexError or a device assert in the embedding)."""
+        p = prompt_or_messages
+        if isinstance(p, str):
+            return self.tokenizer.encode(p)
+        if isinstance(p, (list, tuple)) and len(p) == 0:
+            raise ContextError("empty prompt (no text, messages or token ids)")
+        if isinstance(p, (list, tuple)) and all(isinstance(m, dict) for m in p):
+            return self.tokenizer.encode_chat(list(p), **(chat_template_kwargs or {}))
+        if isinstance(p, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            V = self.cfg.vocab_size
+            for i, t in enumerate(p):
+                if not 0 <= t < V:
+                    raise ValueError(f"token id {t} at prompt position {i} is out of range (vocabulary of {V})")
+            return list(p)
         raise TypeError("prompt must be a string, a list of chat messages, or a list of token ids")
 
-    def stream(self, prompt_or_messages, truncate: bool = False, **sampling) -> Iterator[Chunk]:
+    def sampling_params(self, **sampling) -> SamplingParams:
+        """The caller's sampling keywords over the model's generation_config.json defaults."""
+        return SamplingParams.from_kwargs(defaults=self.generation_config.defaults, **sampling)
+
+    def stream(self, prompt_or_messages, truncate: bool = False, chat_template_kwargs: dict | None = None,
+               **sampling) -> Iterator[Chunk]:
         """Generate for one prompt (text, chat messages or token ids), yielding Chunks as tokens come.
 
         The KV cache of the previous call is reused for the longest common token prefix, so a chat
-        session never recomputes its history."""
-        sp = SamplingParams.from_kwargs(**sampling)
-        yield from self._generate([self._fit(self.encode_prompt(prompt_or_messages), sp, truncate)], sp, reuse=True)
+        session never recomputes its history. Sampling keywords the caller omits come from the
+        model's generation_config.json, then SamplingParams' defaults; `eos_token_id` (int or
+        list) replaces the model's end-of-sequence ids, as in transformers."""
+        sp = self.sampling_params(**sampling)
+        ids = self._fit(self.encode_prompt(prompt_or_messages, chat_template_kwargs), sp, truncate)
+        yield from self._generate([ids], sp, reuse=True)
 
     def generate(self, prompt_or_messages, **sampling) -> str:
         return "".join(c.text for c in self.stream(prompt_or_messages, **sampling))
 
-    def stream_batch(self, prompts: list, truncate: bool = False, **sampling) -> Iterator[Chunk]:
+    def stream_batch(self, prompts: list, truncate: bool = False, chat_template_kwargs: dict | None = None,
+                     **sampling) -> Iterator[Chunk]:
         """Decode many sequences together, one batch per step; chunks carry their sequence's index."""
-        sp = SamplingParams.from_kwargs(**sampling)
-        ids = [self._fit(self.encode_prompt(p), sp, truncate) for p in prompts]
+        sp = self.sampling_params(**sampling)
+        if not prompts:
+            return
+        ids = [self._fit(self.encode_prompt(p, chat_template_kwargs), sp, truncate) for p in prompts]
         yield from self._generate(ids, sp, reuse=False)
 
     def generate_batch(self, prompts: list, **sampling) -> list[str]:
@@ -171,6 +201,17 @@ class Engine:
         for c in self.stream_batch(prompts, **sampling):
             texts[c.index] += c.text
         return texts
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """The model's end-of-sequence ids as transformers' generate uses them: generation_config.json,
+        else config.json; the tokenizer's eos_token only when neither file names one."""
+        ids = self.generation_config.eos_token_ids
+        if ids is None:
+            ids = self.cfg.eos_token_ids
+        if not ids and self.tokenizer.eos_token_id is not None:
+            ids = (self.tokenizer.eos_token_id,)
+        return tuple(i for i in ids if 0 <= i < self.cfg.vocab_size)
 
     def reset(self) -> None:
         """Forget the cached conversation (the next stream() prefills from scratch)."""
@@ -184,7 +225,8 @@ class Engine:
             if not truncate:
                 raise ContextError(f"prompt of {len(ids)} tokens does not fit the context of {self.ctx} "
                                    "(raise ctx_size / --ctx-size, or pass truncate=True to keep its end)")
-            keep = max(1, self.ctx - max(1, min(sp.max_new_tokens, self.ctx // 2)))
+            want = self.ctx // 2 if sp.max_new_tokens is None else min(sp.max_new_tokens, self.ctx // 2)
+            keep = max(1, self.ctx - max(1, want))
             ids = ids[-keep:]
         return ids
 
@@ -199,10 +241,22 @@ class Engine:
     def _stop_ids(self, sp: SamplingParams) -> set[int]:
         ids = set(sp.stop_token_ids)
         if not sp.ignore_eos:
-            ids |= set(self.cfg.eos_token_ids)
-            if self.tokenizer.eos_token_id is not None:
-                ids.add(self.tokenizer.eos_token_id)
+            ids |= set(self.eos_token_ids if sp.eos_token_id is None else sp.eos_token_id)
         return ids
+
+    def _generators(self, sp: SamplingParams, batch: int, dev) -> list[torch.Generator] | None:
+        """One generator per sequence (see SamplingParams.seed); None for greedy."""
+        if not sp.do_sample:
+            return None
+        seeds = sp.seed if isinstance(sp.seed, (list, tuple)) else [sp.seed] * batch
+        if len(seeds) != batch:
+            raise ValueError(f"seed has {len(seeds)} entries for {batch} prompts")
+        gens = []
+        for b, seed in enumerate(seeds):
+            g = torch.Generator(device=dev)
+            g.manual_seed(int(seed) if seed is not None else (time.time_ns() + 7919 * b) % (2**63))
+            gens.append(g)
+        return gens
 
     def _prefill_all(self, prompts: list[list[int]], reuse: bool) -> torch.Tensor:
         kv = self._cache(len(prompts))
@@ -220,9 +274,14 @@ class Engine:
     def _generate(self, prompts: list[list[int]], sp: SamplingParams, reuse: bool) -> Iterator[Chunk]:
         dev = self.model.device
         stops = self._stop_ids(sp)
-        gen = torch.Generator(device=dev)
-        gen.manual_seed(sp.seed if sp.seed is not None else int(time.time_ns() % (2**63)))
+        gens = self._generators(sp, len(prompts), dev)
         seqs = [_Seq(ids=p, detok=Detokenizer(self.tokenizer)) for p in prompts]
+        if sp.max_new_tokens == 0:  # nothing to generate: no forward at all
+            self._reused = 0
+            for row in range(len(prompts)):
+                last = row == len(prompts) - 1
+                yield Chunk("", [], row, "length", self._summary(seqs, 0.0, 0.0, 0) if last else None)
+            return
         seen = None
         if sp.repetition_penalty != 1.0:
             seen = torch.zeros(len(prompts), self.cfg.vocab_size, dtype=torch.bool, device=dev)
@@ -238,7 +297,8 @@ class Engine:
         live = list(range(len(prompts)))
         t_prefill, n_decode, t_first = 0.0, 0, None
         while live:
-            tokens = select_tokens(logits, sp, seen[live] if seen is not None else None, gen)  # [B]
+            step_gens = [gens[r] for r in live] if gens is not None else None
+            tokens = select_tokens(logits, sp, seen[live] if seen is not None else None, step_gens)  # [B]
             chosen = tokens.tolist()  # the one host sync per step
             if t_first is None:
                 t_first = time.perf_counter()
@@ -250,8 +310,10 @@ class Engine:
                     seen[row, tok] = True
                 if chunk.finish_reason is None:
                     still.append(row)
-                elif reuse and row == 0:
-                    self._session += seqs[0].out[:-1]  # the last sampled token never ran through the model
+                elif reuse and row == 0 and self.lynx is None:
+                    # the last sampled token never ran through the model; with LYNX on, the answer's
+                    # K/V came from approximate decode routing, so the next turn prefills it exactly
+                    self._session += seqs[0].out[:-1]
                 if chunk.finish_reason is not None and not still and row == live[-1]:
                     chunk.stats = self._summary(seqs, t_prefill, time.perf_counter() - t_first, n_decode)
                     self.last_stats = chunk.stats
@@ -272,14 +334,15 @@ class Engine:
         s.pending += s.detok.push(tok)
         if sp.stop_strings:
             full = s.text + s.pending
-            for stop in sp.stop_strings:
-                at = full.find(stop, max(0, len(s.text) - len(stop)))
-                if at >= 0:
-                    s.finish = "stop"
-                    text = full[len(s.text):at]
-                    s.text += text
-                    return Chunk(text, [tok], row, "stop")
-        if len(s.out) >= sp.max_new_tokens or self.kv.lengths[row] + 1 >= self.ctx:
+            # cut at the earliest match in the text, whatever the order of the list
+            hits = [at for stop in sp.stop_strings if (at := full.find(stop, max(0, len(s.text) - len(stop)))) >= 0]
+            if hits:
+                s.finish = "stop"
+                text = full[len(s.text):min(hits)]
+                s.text += text
+                return Chunk(text, [tok], row, "stop")
+        limit = sp.max_new_tokens
+        if (limit is not None and len(s.out) >= limit) or self.kv.lengths[row] + 1 >= self.ctx:
             s.finish = "length"
         emit = s.pending if s.finish else _safe_emit(s.pending, sp.stop_strings)
         s.pending = s.pending[len(emit):]

@@ -76,7 +76,10 @@ def test_chat_template_matches_transformers(tiny_models):
     ]
     ours = Tokenizer(path)
     ref = AutoTokenizer.from_pretrained(path)
-    assert ours.apply_chat_template(msgs) == ref.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    for agp in (False, True):  # transformers' default is add_generation_prompt=False
+        assert ours.apply_chat_template(msgs, add_generation_prompt=agp) == \
+            ref.apply_chat_template(msgs, tokenize=False, add_generation_prompt=agp)
+    assert ours.apply_chat_template(msgs) == ref.apply_chat_template(msgs, tokenize=False)
     ref_ids = ref.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True)
     ref_ids = ref_ids["input_ids"] if isinstance(ref_ids, dict) or hasattr(ref_ids, "keys") else ref_ids
     assert ours.encode_chat(msgs) == list(ref_ids)

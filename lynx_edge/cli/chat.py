@@ -1,7 +1,9 @@
 """`lynx-edge chat [MODEL]`: streaming terminal chat with the model's chat template.
 
 The full message list is passed every turn; Engine.stream reuses the cached common prefix, so
-earlier turns are never prefilled again. Ctrl-C stops an answer and keeps the session.
+earlier turns are never prefilled again. Ctrl-C stops an answer and keeps the session. Models
+without a chat template chat in plain text (the transcript is the prompt). Sampling flags left out
+take the model's generation_config.json values (shown on stderr), as llama.cpp does.
 """
 from __future__ import annotations
 
@@ -11,8 +13,8 @@ import typer
 
 from . import ui
 from .common import engine_options, load_engine
-from .options import (CtxSize, Device, Dtype, Int4, Lynx, MaxTokens, Model, Offload, Profile, RepeatPenalty, Seed,
-                      Temp, TopK, TopP, sampling_kwargs)
+from .options import (ChatTemplateKwargs, CtxSize, Device, Dtype, Int4, Lynx, MaxTokens, Model, Offload, Profile,
+                      RepeatPenalty, Seed, Temp, TopK, TopP, VerbosePrompt, parse_json_object, sampling_kwargs)
 
 COMMANDS = {
     "/help": "show this help",
@@ -44,8 +46,13 @@ def read_message(read: Callable[[str], str] = ui.read_line) -> str:
 class ChatSession:
     """The conversation: messages, sampling, the engine, and the last turn's stats."""
 
-    def __init__(self, engine, system: str | None, sampling: dict):
+    def __init__(self, engine, system: str | None, sampling: dict, chat_template_kwargs: dict | None = None,
+                 verbose_prompt: bool = False):
         self.engine, self.sampling = engine, sampling
+        self.template_kwargs = dict(chat_template_kwargs or {})
+        self.verbose_prompt = verbose_prompt
+        # no chat template: plain-text chat, the running transcript is the prompt
+        self.plain = not getattr(engine.tokenizer, "chat_template", None)
         self.system = [{"role": "system", "content": system}] if system else []
         self.messages = list(self.system)
         self.last: dict = {}
@@ -59,7 +66,11 @@ class ChatSession:
         self.messages.append({"role": "user", "content": text})
         answer, stats = "", None
         try:
-            for chunk in self.engine.stream(self.messages, **self.sampling):
+            prompt = self.prompt()
+            if self.verbose_prompt:
+                ui.note(prompt if isinstance(prompt, str) else self.rendered(), stderr=True)
+            kwargs = {} if self.plain else {"chat_template_kwargs": self.template_kwargs}
+            for chunk in self.engine.stream(prompt, **kwargs, **self.sampling):
                 ui.write(chunk.text)
                 answer += chunk.text
                 stats = chunk.stats or stats
@@ -83,13 +94,30 @@ class ChatSession:
             ui.stats_line(stats, stderr=stats_to_stderr)
         return answer
 
+    def prompt(self):
+        """What Engine.stream gets: the messages, or the plain-text transcript without a template."""
+        if not self.plain:
+            return self.messages
+        text = ""
+        for m in self.messages:  # the model's answers continue the text they answered
+            text += m["content"] if m["role"] == "assistant" else ("\n" if text else "") + m["content"]
+        return text
+
+    def rendered(self) -> str:
+        """The prompt text the model sees this turn (for --verbose-prompt)."""
+        if self.plain:
+            return self.prompt()
+        return self.engine.tokenizer.apply_chat_template(self.messages, add_generation_prompt=True,
+                                                         **self.template_kwargs)
+
     def reset(self) -> None:
         self.messages = list(self.system)
         self.engine.reset()
         self.last = {}
 
     def show_stats(self) -> None:
-        context = len(self.engine.encode_prompt(self.messages)) if len(self.messages) > len(self.system) else 0
+        context = len(self.engine.encode_prompt(self.prompt(), None if self.plain else self.template_kwargs)) \
+            if len(self.messages) > len(self.system) else 0
         rows = {"turns": self.turns, "context tokens": f"{context} / {self.engine.ctx}",
                 "generated tokens": self.generated,
                 "lynx mode": self.engine.config.lynx}
@@ -141,12 +169,14 @@ def chat(
     model: Model = "demo",
     prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", help="answer one message and exit")] = None,
     system: Annotated[Optional[str], typer.Option("--system", help="system message")] = None,
-    temp: Temp = 0.7,
-    top_p: TopP = 0.95,
-    top_k: TopK = 40,
+    chat_template_kwargs: ChatTemplateKwargs = None,
+    verbose_prompt: VerbosePrompt = False,
+    temp: Temp = None,
+    top_p: TopP = None,
+    top_k: TopK = None,
     seed: Seed = None,
-    max_tokens: MaxTokens = 512,
-    repeat_penalty: RepeatPenalty = 1.0,
+    max_tokens: MaxTokens = None,
+    repeat_penalty: RepeatPenalty = None,
     lynx: Lynx = "off",
     offload: Offload = False,
     int4: Int4 = False,
@@ -156,10 +186,16 @@ def chat(
     device: Device = None,
 ) -> None:
     """Chat in the terminal (streaming; the KV cache is reused across turns)."""
-    sampling = sampling_kwargs(temp, top_p, top_k, seed, max_tokens, repeat_penalty)
+    template_kwargs = parse_json_object(chat_template_kwargs, "--chat-template-kwargs")
     opts = engine_options(lynx, offload, int4, profile, ctx_size)
     engine = load_engine(model, dtype, device, **opts)
-    session = ChatSession(engine, system, sampling)
+    gen = getattr(engine, "generation_config", None)
+    sampling, from_model = sampling_kwargs(temp, top_p, top_k, seed, max_tokens, repeat_penalty,
+                                           gen.defaults if gen is not None else None)
+    if from_model:
+        ui.note("sampling defaults from the model's generation_config.json: "
+                + " ".join(f"{k}={v}" for k, v in from_model.items()) + " (flags override)", stderr=True)
+    session = ChatSession(engine, system, sampling, template_kwargs, verbose_prompt)
     if prompt is not None:
         session.turn(prompt, stats_to_stderr=True)
         return

@@ -1,6 +1,7 @@
 """Options shared by several commands, as Annotated types (llama.cpp / transformers names)."""
 from __future__ import annotations
 
+import json
 from enum import Enum
 from typing import Annotated, Optional
 
@@ -20,13 +21,18 @@ Dtype = Annotated[Optional[str], typer.Option("--dtype", help="float32 | bfloat1
 Device = Annotated[Optional[str], typer.Option("--device", help="cuda | cpu (default: cuda when present)")]
 CtxSize = Annotated[Optional[int], typer.Option("--ctx-size", "-c", help="context length in tokens")]
 
-# sampling (llama.cpp names)
-Temp = Annotated[float, typer.Option("--temp", help="temperature; 0 = greedy")]
-TopP = Annotated[float, typer.Option("--top-p", help="nucleus sampling; 1.0 = off")]
-TopK = Annotated[int, typer.Option("--top-k", help="top-k sampling; 0 = off")]
+# sampling (llama.cpp names); None = the model's generation_config.json, else CHAT_FALLBACK
+Temp = Annotated[Optional[float], typer.Option("--temp", help="temperature; 0 = greedy [default: model's, else 0.7]")]
+TopP = Annotated[Optional[float], typer.Option("--top-p", help="nucleus sampling; 1.0 = off [default: model's, else 0.95]")]
+TopK = Annotated[Optional[int], typer.Option("--top-k", help="top-k sampling; 0 = off [default: model's, else 40]")]
 Seed = Annotated[Optional[int], typer.Option("--seed", "-s", help="sampling seed")]
-MaxTokens = Annotated[int, typer.Option("--max-tokens", "-n", help="tokens to generate per answer")]
-RepeatPenalty = Annotated[float, typer.Option("--repeat-penalty", help="repetition penalty; 1.0 = off")]
+MaxTokens = Annotated[Optional[int], typer.Option("--max-tokens", "-n", help="tokens to generate per answer [default: model's, else 512]")]
+RepeatPenalty = Annotated[Optional[float], typer.Option("--repeat-penalty", help="repetition penalty; 1.0 = off [default: model's, else 1.0]")]
+
+# chat prompt (llama.cpp names)
+ChatTemplateKwargs = Annotated[Optional[str], typer.Option(
+    "--chat-template-kwargs", help='JSON object passed to the chat template, e.g. \'{"enable_thinking": false}\'')]
+VerbosePrompt = Annotated[bool, typer.Option("--verbose-prompt", help="print each rendered prompt (stderr) before the answer")]
 
 # bench / eval
 BatchSizes = Annotated[str, typer.Option("--batch-size", "-b", help="comma-separated batch sizes, e.g. 1,4,16")]
@@ -54,12 +60,50 @@ def parse_sizes(text: str) -> list[int]:
     return sizes
 
 
-def sampling_kwargs(temp: float, top_p: float, top_k: int, seed: int | None, max_tokens: int,
-                    repeat_penalty: float = 1.0) -> dict:
-    """llama.cpp flags → transformers' generation names (temp 0 → greedy)."""
-    kw = {"max_new_tokens": max_tokens, "seed": seed, "repetition_penalty": repeat_penalty}
-    if temp > 0:
-        kw.update(do_sample=True, temperature=temp, top_p=top_p, top_k=top_k)
-    elif temp < 0:
+CHAT_FALLBACK = {"temperature": 0.7, "top_p": 0.95, "top_k": 40, "repetition_penalty": 1.0, "max_new_tokens": 512}
+
+
+def sampling_kwargs(temp: float | None, top_p: float | None, top_k: int | None, seed: int | None,
+                    max_tokens: int | None, repeat_penalty: float | None = None,
+                    model_defaults: dict | None = None) -> tuple[dict, dict]:
+    """llama.cpp flags → transformers' generation names. A flag left out takes the model's
+    generation_config.json value, else CHAT_FALLBACK (as llama.cpp reads a model's sampling
+    defaults). --temp 0 → greedy; a model that says do_sample=false is greedy unless --temp is given.
+    → (kwargs for Engine.stream, {name: value} of what came from the model)."""
+    model = dict(model_defaults or {})
+    flags = {"temperature": temp, "top_p": top_p, "top_k": top_k, "repetition_penalty": repeat_penalty,
+             "max_new_tokens": max_tokens}
+    kw, used = {"seed": seed}, {}
+    for name, flag in flags.items():
+        if flag is not None:
+            kw[name] = flag
+        elif name in model:
+            kw[name] = used[name] = model[name]
+        else:
+            kw[name] = CHAT_FALLBACK[name]
+    if temp is not None and temp < 0:
         raise typer.BadParameter("--temp must be ≥ 0")
-    return kw
+    if max_tokens is not None and max_tokens < 0:
+        raise typer.BadParameter("--max-tokens must be ≥ 0")
+    greedy = temp == 0 if temp is not None else (model.get("do_sample") is False or kw["temperature"] == 0)
+    if temp is None and "do_sample" in model:
+        used["do_sample"] = model["do_sample"]
+    kw["do_sample"] = not greedy
+    if greedy:  # sampling knobs are meaningless (and unchecked) without sampling
+        for name in ("temperature", "top_p", "top_k"):
+            kw.pop(name)
+            used.pop(name, None)
+    return kw, used
+
+
+def parse_json_object(text: str | None, flag: str) -> dict:
+    """A JSON-object option (e.g. --chat-template-kwargs) → dict; anything else is one clear line."""
+    if text is None:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise typer.BadParameter(f"{flag}: not valid JSON ({exc.msg} at column {exc.colno}): {text}") from None
+    if not isinstance(value, dict):
+        raise typer.BadParameter(f"{flag}: expected a JSON object such as {{\"enable_thinking\": false}}, got {text}")
+    return value

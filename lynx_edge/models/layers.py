@@ -112,10 +112,10 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, ab: AttnBatch, kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         B, T, _ = x.shape
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        if self.clip is not None:
-            q, k, v = (t.clamp(-self.clip, self.clip) for t in (q, k, v))
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip is not None:  # OLMoE clips after the q/k norm, as transformers does
+            q, k, v = (t.clamp(-self.clip, self.clip) for t in (q, k, v))
         q = q.view(B, T, self.H, self.hd).transpose(1, 2)  # [B, H, T, hd]
         k = k.view(B, T, self.Hkv, self.hd).transpose(1, 2)  # [B, Hkv, T, hd]
         v = v.view(B, T, self.Hkv, self.hd).transpose(1, 2)
