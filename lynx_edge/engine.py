@@ -28,6 +28,7 @@ from .tokenizer import Detokenizer, Tokenizer
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
+_DTYPES.update({t: t for t in set(_DTYPES.values())})  # torch dtypes too, as transformers accepts
 
 
 class ContextError(ValueError):
