@@ -83,7 +83,7 @@ def explain(exc: BaseException) -> tuple[str, str | None]:
     if name == "ProfileError":
         return msg, "`lynx-edge profile -o FILE` measures this machine"
     if name == "PlanError":
-        return msg, "lower --ctx-size / --batch-size, raise --gpu-budget, or try --int4"
+        return msg, "`lynx-edge info MODEL` with the same options shows the whole memory plan"
     if name == "TokenizerError" or (isinstance(exc, ConfigError) and ("config.json" in msg or "model_type" in msg)):
         return msg, "lynx-edge reads stock HF checkpoints of mixtral, qwen2_moe, qwen3_moe and olmoe"
     if name == "ContextError":
