@@ -5,12 +5,11 @@ I expert intermediate, V vocab.
 """
 from __future__ import annotations
 
-import json
 import socket
 from pathlib import Path
 from urllib.parse import urlparse
 
-from .config import ConfigError, ModelConfig
+from .config import ModelConfig
 from .hub import ALIASES, ModelNotFound, resolve_model
 
 _BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "int4": 0.5}
@@ -114,31 +113,16 @@ def _reachable(url: str, timeout: float = 3.0) -> bool:
         return False
 
 
-_QUANT_FILES = ("quantize_config.json", "quant_config.json")  # GPTQ (gptqmodel/AutoGPTQ), AutoAWQ
-
-
 def read_quant(where: str | Path, cfg: ModelConfig):
-    """The checkpoint's 4-bit format (plan.QuantInfo) from quantize_config.json / quant_config.json
-    in its directory, else config.json's quantization_config; None for a float checkpoint."""
+    """The checkpoint's 4-bit format as plan_memory takes it (offload.memory.QuantInfo), read by
+    the loader's own reader (quant.formats.read_quant_config: quantize_config.json, config.json's
+    quantization_config, AutoAWQ's quant_config.json); None for a float checkpoint. What the
+    loader would refuse is one line naming the file and field."""
     from .offload.memory import QuantInfo
+    from .quant.formats import read_quant_config
 
-    d = Path(where)
-    for name in _QUANT_FILES:
-        path = d / name
-        if path.is_file():
-            try:
-                qc = json.loads(path.read_text())
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise ConfigError(f"{path}: not valid JSON ({exc})") from None
-            if not isinstance(qc, dict):
-                raise ConfigError(f"{path}: expected a JSON object")
-            return QuantInfo.from_dict(qc, str(path))
-    qc = cfg.raw.get("quantization_config")
-    if qc is None:
-        return None
-    if not isinstance(qc, dict):
-        raise ConfigError(f"{d / 'config.json'}: quantization_config must be an object")
-    return QuantInfo.from_dict(qc, f"{d / 'config.json'}: quantization_config")
+    qc = read_quant_config(Path(where), cfg.raw)
+    return None if qc is None else QuantInfo(qc.method, qc.bits, qc.group_size, qc.sym)
 
 
 def checkpoint_bytes(where: str | Path) -> int | None:

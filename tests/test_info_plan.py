@@ -255,7 +255,7 @@ def test_gptq_checkpoint_experts_are_int4(memlock):
 @pytest.mark.parametrize("qc,field", [
     ({"quant_method": "gptq", "bits": 8, "group_size": 128}, "bits = 8"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 100}, "group_size = 100"),
-    ({"quant_method": "fp8"}, "quant_method 'fp8'"),
+    ({"quant_method": "fp8"}, "quant_method = 'fp8'"),
 ])
 def test_bad_quantization_config_is_one_line(tmp_path, qc, field):
     c = json.loads((QWEN3 / "config.json").read_text())
@@ -265,11 +265,14 @@ def test_bad_quantization_config_is_one_line(tmp_path, qc, field):
     assert r.exit_code == 1 and len(lines) == 1 and field in lines[0] and "quantization_config" in lines[0]
 
 
-def test_awq_config_is_read():
-    q = QuantInfo.from_dict({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"})
-    assert q == QuantInfo("awq", 4, 128, sym=False)
-    assert QuantInfo.from_dict({"w_bit": 4, "q_group_size": 64, "zero_point": False, "version": "GEMM"}) == \
-        QuantInfo("awq", 4, 64, sym=True)
+def test_awq_checkpoint_is_planned_as_int4(memlock):
+    r = info(FIX / "awq_tiny", "-o", "json", "--device", "cpu")
+    assert r.exit_code == 0, r.output
+    plan, c = json.loads(r.stdout)["memory"], json.loads((FIX / "awq_tiny" / "config.json").read_text())
+    qc = c["quantization_config"]
+    assert plan["mode"] == "awq-4bit" and plan["expert_format"] == "int4"
+    assert plan["expert_bytes"] == int4_block(c["hidden_size"], c["moe_intermediate_size"], qc["group_size"],
+                                              sym=not qc.get("zero_point", True))
 
 
 def test_make_plan_leaves_host_memory_to_the_memory_plan():

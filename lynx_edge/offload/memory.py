@@ -39,29 +39,13 @@ class PlanError(ConfigError):
 @dataclass(frozen=True)
 class QuantInfo:
     """A 4-bit checkpoint's expert format (GPTQ / AWQ): 0.5 B/param + fp16 scales per group
-    (+ a zero per group when asymmetric)."""
+    (+ a zero per group when asymmetric). quant.formats.QuantConfig has the same fields and can
+    be passed as is (modelinfo.read_quant converts one)."""
 
     method: str = "gptq"  # gptq | awq
     bits: int = 4
     group_size: int = 128
     sym: bool = True
-
-    @classmethod
-    def from_dict(cls, qc: dict, source: str = "quantization_config") -> "QuantInfo":
-        """quantize_config.json / quant_config.json / config.json's quantization_config → QuantInfo;
-        anything we cannot plan is one ConfigError line naming the field."""
-        method = str(qc.get("quant_method", qc.get("method", "gptq" if "desc_act" in qc else "awq"
-                                                    if "zero_point" in qc else None))).lower()
-        if method not in ("gptq", "awq"):
-            raise ConfigError(f"{source}: quant_method {method!r} is not supported (gptq or awq 4-bit)")
-        bits = qc.get("bits", qc.get("w_bit"))
-        if bits != 4:
-            raise ConfigError(f"{source}: bits = {bits!r}: only 4-bit checkpoints are supported")
-        group = qc.get("group_size", qc.get("q_group_size"))
-        if not isinstance(group, int) or isinstance(group, bool) or group not in (32, 64, 128):
-            raise ConfigError(f"{source}: group_size = {group!r} is not supported (32, 64 or 128)")
-        sym = not bool(qc.get("zero_point", True)) if method == "awq" else bool(qc.get("sym", True))
-        return cls(method, 4, group, sym)
 
 
 @dataclass
