@@ -42,7 +42,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(2)
     from lynx_edge import Engine
-    from lynx_edge.quant.model import quantize_model
+    from lynx_edge.quantize import quantize_model
 
     base = Engine.from_pretrained(args.model, device="cpu", dtype="float32")
     text = (base.model_dir / "heldout.txt").read_text(encoding="utf-8")

@@ -16,20 +16,16 @@ from typing import Iterator
 
 import torch
 
-from .config import ConfigError, GenerationConfig, ModelConfig
+from .config import GenerationConfig, ModelConfig
 from .hub import resolve_model
 from .kv_cache import KVCache
-from .loader import ProgressFn, load_weights
-from .models import FAMILIES, MoEForCausalLM
+from .build import LoadOptions, load_model
+from .loader import ProgressFn
+from .models import MoEForCausalLM
 from .routing import ExactRouter
 from .sampling import SamplingParams, select_tokens
 from .step import decode_step, prefill
 from .tokenizer import Detokenizer, Tokenizer
-
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16}
-_DTYPES.update({t: t for t in set(_DTYPES.values())})  # torch dtypes too, as transformers accepts
-
 
 class ContextError(ValueError):
     """A prompt that does not fit the context."""
@@ -37,7 +33,7 @@ class ContextError(ValueError):
 
 @dataclass
 class EngineConfig:
-    dtype: str | None = None  # None: bf16 on CUDA, fp32 on CPU
+    dtype: str | torch.dtype | None = None  # None: bf16 on CUDA; CPU: fp32 up to 2 GiB checkpoints (build.py)
     device: str | None = None  # None: cuda when present, else cpu
     ctx_size: int | None = None  # None: min(max_position_embeddings, 4096)
     lynx: str = "off"  # off | lynx | budget:m | … (see lynx.py)
@@ -90,37 +86,22 @@ class Engine:
 
     # construction -------------------------------------------------------------------------
     @classmethod
-    def from_pretrained(cls, path_or_repo: str | Path | None = "demo", dtype: str | None = None,
+    def from_pretrained(cls, path_or_repo: str | Path | None = "demo", dtype: str | torch.dtype | None = None,
                         device: str | None = None, progress: ProgressFn | None = None, **options) -> "Engine":
+        """Plan placement, build the model without weights, stream the checkpoint into place
+        (lynx_edge.build), in one pass; see EngineConfig for the options."""
         config = EngineConfig(dtype=dtype, device=device, **options)
         model_dir = resolve_model(path_or_repo)
         cfg = ModelConfig.from_file(model_dir / "config.json")
         tokenizer = Tokenizer(model_dir)
-        dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        if dtype is not None and dtype not in _DTYPES:
-            raise ConfigError(f"dtype {dtype!r} not supported; use one of float32, bfloat16, float16")
-        dt = _DTYPES[dtype] if dtype else (torch.bfloat16 if dev.type == "cuda" else torch.float32)
-        # Offloaded models are built in host memory; attach_offload moves the non-expert part over.
-        model = MoEForCausalLM(cfg, dt, torch.device("cpu") if config.offload else dev)
-        gptq = _prepare_int4(model, model_dir, config)
-        load_weights(model, model_dir, FAMILIES[cfg.model_type], progress, config.allow_pickle)
-        if gptq:
-            from .quant.model import load_gptq_experts
-
-            load_gptq_experts(model, model_dir)
-        elif config.int4 and not config.offload:
-            from .quant.model import quantize_experts_rtn
-
-            quantize_experts_rtn(model, config.int4_group)
+        offload = None
         if config.offload:
-            from .offload import OffloadOptions, attach_offload
-
-            ctx = config.ctx_size or min(cfg.max_position_embeddings, 4096)
-            attach_offload(model, OffloadOptions(device=str(dev), gpu_budget_gib=config.gpu_budget_gib,
-                                                 expert_slots=config.expert_slots, policy=config.policy,
-                                                 profile=config.profile, ctx=ctx,
-                                                 expert_format="int4" if config.int4 else "auto",
-                                                 int4_group=config.int4_group))
+            offload = dict(gpu_budget_gib=config.gpu_budget_gib, expert_slots=config.expert_slots,
+                           policy=config.policy, profile=config.profile)
+        opts = LoadOptions(device=device, dtype=dtype, offload=config.offload, int4=config.int4,
+                           int4_group=config.int4_group, allow_pickle=config.allow_pickle,
+                           ctx=config.ctx_size or min(cfg.max_position_embeddings, 4096), offload_options=offload)
+        model = load_model(model_dir, cfg, opts, progress)
         return cls(model, tokenizer, config, model_dir)
 
     def set_lynx(self, mode) -> None:
@@ -376,19 +357,6 @@ class Engine:
         if getattr(self.model, "offload", None) is not None:
             stats["offload"] = self.model.offload.stats()
         return stats
-
-
-def _prepare_int4(model, model_dir: Path, config: EngineConfig) -> bool:
-    """→ True for a GPTQ checkpoint (its experts are then loaded as INT4 after the rest)."""
-    from .quant.model import is_gptq_checkpoint, prepare_gptq
-
-    if not is_gptq_checkpoint(model_dir, model.cfg):
-        return False
-    if config.offload:
-        raise ConfigError(f"{model_dir}: offloading a GPTQ checkpoint is not supported yet; "
-                          "offload the 16-bit checkpoint with int4=True instead")
-    prepare_gptq(model)
-    return True
 
 
 def _safe_emit(pending: str, stop_strings: list[str]) -> str:

@@ -1,128 +1,40 @@
-"""Checkpoint → model: safetensors through mmap, one tensor at a time, straight into place.
+"""Checkpoint → model in one pass: each tensor streams from the mmap straight to its final home.
 
-Understands single-file and sharded (model.safetensors.index.json) checkpoints, the on-disk
-per-expert names (`experts.{e}.w1/w2/w3`, `experts.{e}.gate_proj/up_proj/down_proj`) and
-transformers' fused names (`experts.gate_up_proj` [E, 2I, D], `experts.down_proj` [E, D, I]).
-Experts land stacked as gate_up [E, 2I, D] (gate rows first) and down [E, D, I]. Only one
-checkpoint tensor is materialised at a time, so loading never holds two copies of the model.
-Pickle `.bin` checkpoints are refused unless the caller passes allow_pickle=True.
+The model is built without expert weights (its MoE blocks hold expert *sinks* chosen at build
+time: resident 16-bit, resident INT4, or the offload store). `load_weights` walks the checkpoint
+in file order and sends
+  - non-expert tensors into their parameters (on the device, cast to the model dtype);
+  - expert projections to `block.experts.load_part(e, part, w)` (w [out, in], a view of the
+    mmap) — the sink packs it (copy, RTN INT4, or into the pinned store) and nothing else of the
+    16-bit expert is kept;
+  - 4-bit linears (GPTQ / AWQ: qweight, qzeros, scales[, g_idx]) to
+    `block.experts.load_quant_part(e, part, QuantLinear)` for experts, or dequantised into the
+    parameter for attention / shared-expert / dense-MLP linears (counted at 16-bit in the plan).
+Names understood: on-disk per-expert (`experts.{e}.w1/w2/w3`, `experts.{e}.gate_proj/up_proj/
+down_proj`) and transformers' fused (`experts.gate_up_proj` [E, 2I, D], `experts.down_proj`
+[E, D, I]). Missing or wrong-shape tensors raise LoadError naming them.
 """
 from __future__ import annotations
 
-import json
 import re
-import struct
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Callable, Iterator
+from collections import defaultdict
+from typing import Callable
 
 import torch
-from safetensors import safe_open
+
+from .checkpoint import Checkpoint, LoadError, TensorRef
 
 ProgressFn = Callable[[int, int], None]  # (bytes done, bytes total)
 
-_ST_DTYPES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
-              "F8_E4M3": 1, "F8_E5M2": 1}
-_EXPERT_RE = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(\w+)\.weight$")
+QUANT_SUFFIXES = ("qweight", "qzeros", "scales", "g_idx")
+_EXPERT_RE = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(\w+)\.(weight|qweight|qzeros|scales|g_idx)$")
 _FUSED_RE = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+_QUANT_RE = re.compile(r"^(.*)\.(qweight|qzeros|scales|g_idx)$")
+_LAYER_RE = re.compile(r"^layers\.(\d+)\.")
 
 
-class LoadError(ValueError):
-    """A checkpoint that cannot be loaded; the message names the file or tensor."""
-
-
-@dataclass(frozen=True)
-class TensorRef:
-    name: str
-    file: Path
-    shape: tuple[int, ...]
-    nbytes: int
-
-
-def checkpoint_files(model_dir: Path, allow_pickle: bool = False) -> list[Path]:
-    """The weight files of a checkpoint directory, validated (sizes, headers) before any read."""
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as exc:
-            raise LoadError(f"{index}: not a valid safetensors index ({exc})") from None
-        files = [model_dir / f for f in sorted(set(weight_map.values()))]
-    elif (model_dir / "model.safetensors").is_file():
-        files = [model_dir / "model.safetensors"]
-    else:
-        files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        pickles = sorted(model_dir.glob("*.bin"))
-        if pickles and not allow_pickle:
-            raise LoadError(
-                f"{model_dir}: only pickle checkpoints ({pickles[0].name}); refusing to unpickle — "
-                "pass allow_pickle=True if you trust them, or convert to safetensors"
-            )
-        if pickles:
-            return pickles
-        raise LoadError(f"{model_dir}: no model weights (*.safetensors) found")
-    for f in files:
-        if not f.is_file():
-            raise LoadError(f"{f}: shard named in model.safetensors.index.json is missing")
-        _check_safetensors(f)
-    return files
-
-
-def _check_safetensors(path: Path) -> None:
-    """Catch truncated or corrupt files with a clear message before safetensors does."""
-    size = path.stat().st_size
-    with open(path, "rb") as fh:
-        head = fh.read(8)
-        if len(head) < 8:
-            raise LoadError(f"{path}: truncated safetensors file ({size} bytes)")
-        (n,) = struct.unpack("<Q", head)
-        if n > size - 8 or n > 100 << 20:
-            raise LoadError(f"{path}: corrupt safetensors header (length {n} for a {size}-byte file)")
-        try:
-            header = json.loads(fh.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise LoadError(f"{path}: corrupt safetensors header (not JSON)") from None
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-    if 8 + n + end > size:
-        raise LoadError(f"{path}: truncated safetensors file ({size} bytes, header promises {8 + n + end})")
-
-
-def iter_tensor_refs(files: list[Path]) -> Iterator[TensorRef]:
-    for f in files:
-        if f.suffix == ".bin":
-            sd = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
-            for k, v in sd.items():
-                yield TensorRef(k, f, tuple(v.shape), v.numel() * v.element_size())
-            continue
-        with safe_open(f, framework="pt") as st:
-            for k in st.keys():
-                sl = st.get_slice(k)
-                shape = tuple(sl.get_shape())
-                numel = 1
-                for s in shape:
-                    numel *= s
-                yield TensorRef(k, f, shape, numel * _ST_DTYPES.get(sl.get_dtype(), 4))
-
-
-class _Reader:
-    """Keeps one open handle per file; get() materialises one tensor (from the mmap)."""
-
-    def __init__(self):
-        self.handles: dict[Path, object] = {}
-
-    def get(self, ref: TensorRef) -> torch.Tensor:
-        h = self.handles.get(ref.file)
-        if h is None:
-            if ref.file.suffix == ".bin":
-                h = torch.load(ref.file, map_location="cpu", weights_only=True, mmap=True)
-            else:
-                h = safe_open(ref.file, framework="pt")
-            self.handles[ref.file] = h
-        return h[ref.name] if isinstance(h, dict) else h.get_tensor(ref.name)
-
-
-def _internal_name(name: str, renames) -> str:
+def internal_name(name: str, renames) -> str:
+    """A checkpoint name → this runtime's parameter name (family renames, no `model.` prefix)."""
     for old, new in renames:
         name = name.replace(old, new)
     if name.startswith("model."):
@@ -130,33 +42,129 @@ def _internal_name(name: str, renames) -> str:
     return "embed_tokens" if name == "embed_tokens.weight" else name
 
 
-def load_weights(model, model_dir: Path, family, progress: ProgressFn | None = None, allow_pickle: bool = False):
-    """Stream every checkpoint tensor into `model`'s preallocated parameters.
-
-    Raises LoadError for a missing tensor, a wrong shape or an unreadable file.
-    """
-    files = checkpoint_files(model_dir, allow_pickle)
-    params = dict(model.named_parameters())
-    refs = list(iter_tensor_refs(files))
-    total = sum(r.nbytes for r in refs) or 1
-    filled: set[str] = set()
-    expert_filled: dict[str, set] = {}
-    reader, done = _Reader(), 0
-    for ref in refs:
-        name = _internal_name(ref.name, family.RENAMES)
-        m = _EXPERT_RE.match(name)
+def expert_storage(ckpt: Checkpoint, family) -> dict[int, set[str]]:
+    """layer → how its experts are stored: {"dense"} / {"quant"} / both (a mixed layer)."""
+    kinds: dict[int, set[str]] = defaultdict(set)
+    for name in ckpt.names():
+        n = internal_name(name, family.RENAMES)
+        m = _EXPERT_RE.match(n)
         if m and m.group(3) in family.EXPERT_PARTS:
-            _load_expert(params, m, ref, reader, family.EXPERT_PARTS[m.group(3)], expert_filled)
-        elif (fm := _FUSED_RE.match(name)) is not None:
-            _load_fused(params, fm, ref, reader, filled)
-        elif name in params:
-            _copy(params[name], reader.get(ref), ref)
-            filled.add(name)
-        # else: tensors this runtime does not use (e.g. rotary_emb.inv_freq) are skipped.
-        done += ref.nbytes
+            kinds[_layer_of(m.group(1))].add("dense" if m.group(4) == "weight" else "quant")
+        elif _FUSED_RE.match(n):
+            kinds[_layer_of(n)].add("dense")
+    return dict(kinds)
+
+
+def _layer_of(name: str) -> int:
+    m = _LAYER_RE.match(name)
+    return int(m.group(1)) if m else -1
+
+
+class _Units:
+    """The checkpoint grouped into load units, in file order of their first tensor."""
+
+    def __init__(self, ckpt: Checkpoint, family, params: dict, experts: dict):
+        self.order: list[tuple] = []
+        quant: dict[tuple, dict[str, str]] = {}
+        for name in ckpt.names():
+            n = internal_name(name, family.RENAMES)
+            m = _EXPERT_RE.match(n)
+            if m and m.group(1) in experts and m.group(3) in family.EXPERT_PARTS:
+                prefix, e, part = m.group(1), int(m.group(2)), family.EXPERT_PARTS[m.group(3)]
+                if m.group(4) == "weight":
+                    self.order.append(("expert", prefix, e, part, name))
+                else:
+                    self._quant(quant, ("qexpert", prefix, e, part), m.group(4), name)
+            elif (fm := _FUSED_RE.match(n)) is not None:
+                self.order.append(("fused", fm.group(1), fm.group(2), name))
+            elif n in params:
+                self.order.append(("param", n, name))
+            elif (qm := _QUANT_RE.match(n)) is not None and qm.group(1) + ".weight" in params:
+                self._quant(quant, ("qlinear", qm.group(1) + ".weight"), qm.group(2), name)
+            # else: tensors this runtime does not use (rotary inv_freq, MTP heads, …) are skipped
+        self.quant = quant
+
+    def _quant(self, quant: dict, key: tuple, suffix: str, name: str) -> None:
+        if key not in quant:
+            quant[key] = {}
+            self.order.append(key)
+        quant[key][suffix] = name
+
+
+def load_weights(model, ckpt: Checkpoint, family, quant=None, progress: ProgressFn | None = None) -> None:
+    """Stream every tensor of `ckpt` into `model` (see module doc). quant: the checkpoint's
+    QuantConfig (lynx_edge.quant.formats) when it has 4-bit linears, else None."""
+    params = dict(model.named_parameters())
+    experts = {f"layers.{i}.mlp.experts": model.layers[i].mlp.experts for i in model.cfg.moe_layer_ids}
+    units = _Units(ckpt, family, params, experts)
+    total, done = ckpt.total_bytes or 1, 0
+    filled: set[str] = set()
+    got: dict[str, set] = defaultdict(set)  # expert prefix → {(e, part)}
+    for u in units.order:
+        kind = u[0]
+        if kind == "param":
+            _, n, name = u
+            _copy(params[n], ckpt.get(name), ckpt.refs[name])
+            filled.add(n)
+            names = [name]
+        elif kind == "expert":
+            _, prefix, e, part, name = u
+            _check_expert(experts[prefix], e, name, ckpt)
+            experts[prefix].load_part(e, part, _shaped(experts[prefix], part, ckpt.get(name), ckpt.refs[name]))
+            got[prefix].add((e, part))
+            names = [name]
+        elif kind == "fused":
+            _, prefix, which, name = u
+            names = [name]
+            _load_fused(experts.get(prefix), prefix, which, ckpt.get(name), ckpt.refs[name], got)
+        else:  # 4-bit linears
+            tensors = units.quant[u]
+            names = list(tensors.values())
+            ql = _quant_linear(ckpt, tensors, quant, u)
+            if kind == "qexpert":
+                _, prefix, e, part = u
+                _check_expert(experts[prefix], e, names[0], ckpt)
+                experts[prefix].load_quant_part(e, part, ql)
+                got[prefix].add((e, part))
+            else:
+                n = u[1]
+                _copy(params[n], ql.dequant(params[n].dtype), ckpt.refs[tensors["qweight"]])
+                filled.add(n)
+        done += sum(ckpt.refs[x].nbytes for x in names)
         if progress:
             progress(done, total)
-    _check_complete(model, params, filled, expert_filled, model_dir)
+    _check_complete(model, params, filled, experts, got, ckpt)
+    for sink in experts.values():
+        finish = getattr(sink, "finish_load", None)
+        if finish is not None:
+            finish()
+
+
+def _quant_linear(ckpt: Checkpoint, tensors: dict[str, str], quant, key):
+    label = tensors.get("qweight", next(iter(tensors.values())))
+    if quant is None:
+        raise LoadError(f"{ckpt.dir}: tensor {label} is 4-bit but the checkpoint has no quantization config "
+                        "(quantize_config.json or config.json quantization_config)")
+    from .quant.formats import linear_from_checkpoint
+
+    try:
+        return linear_from_checkpoint({s: ckpt.get(n) for s, n in tensors.items()}, quant, label.rsplit(".", 1)[0])
+    except (KeyError, ValueError) as exc:
+        raise LoadError(f"{ckpt.dir}: {exc}") from None
+
+
+def _check_expert(sink, e: int, name: str, ckpt: Checkpoint) -> None:
+    if e >= sink.num_experts:
+        raise LoadError(f"{ckpt.refs[name].file.name}: tensor {name} does not fit this model (expert {e} "
+                        f"of {sink.num_experts})")
+
+
+def _shaped(sink, part: str, w: torch.Tensor, ref: TensorRef) -> torch.Tensor:
+    D, I = sink.hidden, sink.inter
+    want = (D, I) if part == "down" else (I, D)
+    if tuple(w.shape) != want:
+        raise LoadError(f"{ref.file.name}: tensor {ref.name} has shape {tuple(w.shape)}, expected {want}")
+    return w
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, ref: TensorRef) -> None:
@@ -166,41 +174,35 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, ref: TensorRef) -> None:
         dst.copy_(src)
 
 
-def _load_expert(params, m, ref, reader, part, expert_filled):
-    prefix, e = m.group(1), int(m.group(2))
-    target = params.get(prefix + (".down" if part == "down" else ".gate_up"))
-    if target is None or e >= target.shape[0]:
-        raise LoadError(f"{ref.file.name}: tensor {ref.name} does not fit this model (expert {e})")
-    inter = target.shape[1] // 2 if part != "down" else None
-    dst = {"gate": lambda: target[e, :inter], "up": lambda: target[e, inter:], "down": lambda: target[e]}[part]()
-    _copy(dst, reader.get(ref), ref)
-    expert_filled.setdefault(prefix, set()).add((e, part))
-
-
-def _load_fused(params, m, ref, reader, filled):
-    key = m.group(1) + (".gate_up" if m.group(2) == "gate_up_proj" else ".down")
-    if key not in params:
+def _load_fused(sink, prefix: str, which: str, src: torch.Tensor, ref: TensorRef, got) -> None:
+    if sink is None:
         raise LoadError(f"{ref.file.name}: tensor {ref.name} does not fit this model")
-    src = reader.get(ref)
-    dst = params[key]
-    if src.shape != dst.shape and src.dim() == 3 and src.shape[1:] == dst.shape[1:][::-1]:
+    E, D, I = sink.num_experts, sink.hidden, sink.inter
+    want = (E, 2 * I, D) if which == "gate_up_proj" else (E, D, I)
+    if tuple(src.shape) != want and src.dim() == 3 and tuple(src.shape) == (want[0], want[2], want[1]):
         src = src.transpose(1, 2)  # some transformers versions store [E, in, out]
-    _copy(dst, src, ref)
-    filled.add(key)
+    if tuple(src.shape) != want:
+        raise LoadError(f"{ref.file.name}: tensor {ref.name} has shape {tuple(src.shape)}, expected {want}")
+    for e in range(E):
+        if which == "gate_up_proj":
+            sink.load_part(e, "gate", src[e, :I])
+            sink.load_part(e, "up", src[e, I:])
+            got[prefix] |= {(e, "gate"), (e, "up")}
+        else:
+            sink.load_part(e, "down", src[e])
+            got[prefix].add((e, "down"))
 
 
-def _check_complete(model, params, filled, expert_filled, model_dir):
-    E = model.cfg.num_experts
+def _check_complete(model, params, filled, experts, got, ckpt: Checkpoint) -> None:
+    for prefix, sink in experts.items():
+        have = got.get(prefix, set())
+        for e in range(sink.num_experts):
+            for p in ("gate", "up", "down"):
+                if (e, p) not in have:
+                    raise LoadError(f"{ckpt.dir}: missing tensor for {prefix}.{e} ({p} projection)")
     for name in params:
-        if name in filled:
-            continue
-        if name.endswith((".experts.gate_up", ".experts.down")):
-            prefix = name.rsplit(".", 1)[0]
-            got = expert_filled.get(prefix, set())
-            parts = ("down",) if name.endswith(".down") else ("gate", "up")
-            missing = [(e, p) for e in range(E) for p in parts if (e, p) not in got]
-            if not missing:
-                continue
-            e, p = missing[0]
-            raise LoadError(f"{model_dir}: missing tensor for {prefix}.{e} ({p} projection)")
-        raise LoadError(f"{model_dir}: missing tensor {name!r}")
+        if name not in filled and ".mlp.experts." not in name:
+            raise LoadError(f"{ckpt.dir}: missing tensor {name!r}")
+
+
+__all__ = ["Checkpoint", "LoadError", "ProgressFn", "expert_storage", "internal_name", "load_weights"]

@@ -101,7 +101,7 @@ def test_quantize_writes_a_loadable_gptq_checkpoint(tmp_path):
     from conftest import make_tiny
 
     from lynx_edge import Engine
-    from lynx_edge.quant.model import Int4MoEExperts
+    from lynx_edge.quant.experts import Int4MoEExperts
 
     src = make_tiny(tmp_path / "src", "qwen3_moe", moe_intermediate_size=32)
     r = invoke("quantize", src, "-o", tmp_path / "q", "-g", "32", "--method", "rtn")

@@ -8,7 +8,8 @@ from conftest import make_tiny
 
 from lynx_edge import Engine
 from lynx_edge.quant.int4 import dequantize_experts
-from lynx_edge.quant.model import Int4MoEExperts, quantize_model
+from lynx_edge.quant.experts import Int4MoEExperts
+from lynx_edge.quantize import quantize_model
 from lynx_edge.step import prefill
 
 @pytest.fixture(scope="module")

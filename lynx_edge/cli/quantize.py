@@ -19,7 +19,7 @@ def quantize(
 ) -> None:
     """Quantize a model's experts to INT4 (GPTQ or RTN) and save a GPTQ-format checkpoint."""
     from ..hub import resolve_model
-    from ..quant.model import quantize_model
+    from ..quantize import quantize_model
 
     src = resolve_model(model)
     text = calib.read_text(encoding="utf-8", errors="replace") if calib else None

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from ..kernels.moe_gemm import expert_mlp, moe_ref
+from ..kernels.moe_gemm import expert_mlp, fused_moe, moe_ref
 from ..routing import ExactRouter, RouteFn, RouterSpec, RoutingStats
 
 
@@ -155,19 +155,35 @@ class DenseMLP(nn.Module):
 
 
 class StackedExperts(nn.Module):
-    """All E experts of a layer resident as two stacked tensors; the default expert backend.
+    """All E experts of a layer resident as two stacked tensors in the model dtype.
 
-    Any object with the same `__call__(x [N, D], ids [N, K], weights [N, K]) -> [N, D]` can take
-    its place (offloaded or INT4 experts) without touching the model files.
+    An expert backend is any module with `__call__(x [N, D], ids [N, K], weights [N, K]) -> [N, D]`
+    that is also a load sink: `load_part(e, part, w)` takes one projection (part gate | up | down,
+    w [out, in] as the checkpoint stores it, a view of the file's mmap) and puts it in its final
+    home; `load_quant_part(e, part, QuantLinear)` takes a 4-bit one. The builder picks the backend
+    (resident 16-bit, INT4, offloaded) once per layer; the loader streams into it.
+    On CUDA (with Triton) the grouped GEMM kernel runs, elsewhere its torch reference.
     """
 
     def __init__(self, E: int, D: int, inter: int, dtype, device):
         super().__init__()
+        self.num_experts, self.hidden, self.inter = E, D, inter
         self.gate_up = _param(E, 2 * inter, D, dtype=dtype, device=device)  # [E, 2I, D]
         self.down = _param(E, D, inter, dtype=dtype, device=device)  # [E, D, I]
+        self._fn = fused_moe if torch.device(device).type == "cuda" else moe_ref  # fused_moe: Triton or its ref
+
+    def load_part(self, e: int, part: str, w: torch.Tensor) -> None:
+        I = self.inter
+        dst = self.down.data[e] if part == "down" else self.gate_up.data[e, : I] if part == "gate" \
+            else self.gate_up.data[e, I:]
+        dst.copy_(w)
+
+    def load_quant_part(self, e: int, part: str, ql) -> None:
+        # a 4-bit expert in a layer kept 16-bit (a mixed layer): exact dequantisation
+        self.load_part(e, part, ql.dequant(self.gate_up.dtype))
 
     def forward(self, x, ids, weights):
-        return moe_ref(x, ids, weights, self.gate_up, self.down)
+        return self._fn(x, ids, weights, self.gate_up, self.down)
 
 
 class RoutingContext:
@@ -190,12 +206,13 @@ class RoutingContext:
 
 
 class MoEBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, ctx: RoutingContext, dtype, device):
+    def __init__(self, cfg: ModelConfig, layer: int, ctx: RoutingContext, dtype, device, experts=None):
         super().__init__()
         D, E = cfg.hidden_size, cfg.num_experts
         self.layer, self.ctx = layer, ctx
         self.gate = Linear(E, D, False, dtype, device)  # the router
-        self.experts = StackedExperts(E, D, cfg.moe_intermediate_size, dtype, device)
+        # the expert backend, chosen by the builder (default: resident 16-bit)
+        self.experts = experts if experts is not None else StackedExperts(E, D, cfg.moe_intermediate_size, dtype, device)
         self.shared_expert = None
         if cfg.shared_expert_intermediate_size:
             self.shared_expert = DenseMLP(D, cfg.shared_expert_intermediate_size, dtype, device)

@@ -15,14 +15,14 @@ from .layers import Attention, AttnBatch, DenseMLP, Linear, MoEBlock, RMSNorm, R
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, i: int, ctx: RoutingContext, dtype, device):
+    def __init__(self, cfg: ModelConfig, i: int, ctx: RoutingContext, dtype, device, experts=None):
         super().__init__()
         D = cfg.hidden_size
         self.input_layernorm = RMSNorm(D, cfg.rms_norm_eps, dtype, device)
         self.self_attn = Attention(cfg, i, dtype, device)
         self.post_attention_layernorm = RMSNorm(D, cfg.rms_norm_eps, dtype, device)
         if cfg.moe_layers[i]:
-            self.mlp = MoEBlock(cfg, i, ctx, dtype, device)
+            self.mlp = MoEBlock(cfg, i, ctx, dtype, device, experts(i) if experts else None)
         else:
             self.mlp = DenseMLP(D, cfg.intermediate_size, dtype, device)
         self.is_moe = cfg.moe_layers[i]
@@ -34,13 +34,14 @@ class DecoderLayer(nn.Module):
 
 
 class MoEForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, experts=None):
+        """experts: layer → the expert backend of that MoE layer (None: resident 16-bit)."""
         super().__init__()
         self.cfg, self.dtype, self.device = cfg, dtype, device
         spec = RouterSpec(cfg.num_experts, cfg.top_k, cfg.norm_topk_prob, int(bool(cfg.shared_expert_intermediate_size)))
         self.routing = RoutingContext(spec)
         self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.routing, dtype, device) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.routing, dtype, device, experts) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.vocab_size, cfg.hidden_size, False, dtype, device)
         self.rope = Rope(cfg, device)

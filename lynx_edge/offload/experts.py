@@ -39,8 +39,19 @@ class OffloadedExperts(nn.Module):
                 start += n
         return groups
 
-    def _mlp(self, x: torch.Tensor, slot: int) -> torch.Tensor:
-        gu, dn = self.rt.fmt.weights(self.rt.pool[slot], x.dtype)
+    # -- load sink: experts stream from the checkpoint straight into the host store ----------
+    num_experts = property(lambda self: self.rt.num_experts)
+    hidden = property(lambda self: self.rt.cfg.hidden_size)
+    inter = property(lambda self: self.rt.cfg.moe_intermediate_size)
+
+    def load_part(self, e: int, part: str, w: torch.Tensor) -> None:
+        self.rt.store.write_part(self.layer, e, part, w)
+
+    def load_quant_part(self, e: int, part: str, ql) -> None:
+        self.rt.store.write_quant_part(self.layer, e, part, ql)
+
+    def _mlp(self, x: torch.Tensor, e: int, slot: int) -> torch.Tensor:
+        gu, dn = self.rt.fmt.weights(self.rt.slot_block(self.layer, e, slot), x.dtype)
         return expert_mlp(x, gu, dn)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -73,11 +84,11 @@ class OffloadedExperts(nn.Module):
         xh = rt.cpu.gather(x, cpu_jobs)  # before any expert kernel, so the read-back does not wait on them
         for e in sorted(hits):  # 2. resident experts: launched before the CPU work so they overlap
             rt.transfer.wait(slots[e])  # a prefetched expert may still be in flight
-            ys[e] = self._mlp(x[groups[e][0]], slots[e])
+            ys[e] = self._mlp(x[groups[e][0]], e, slots[e])
         ys.update(rt.cpu.compute(layer, xh, cpu_jobs, x.device))  # 3. host experts (blocks the host only)
         for e in sorted(set(slots) - set(hits)):  # 4. fetched experts, each when its copy lands
             rt.transfer.wait(slots[e])
-            ys[e] = self._mlp(x[groups[e][0]], slots[e])
+            ys[e] = self._mlp(x[groups[e][0]], e, slots[e])
         self._waves(x, bypass, groups, ys)  # 5. bypassed experts through the scratch slots
         rt.transfer.mark_used(slots.values())
         rt.cache.release()
@@ -95,7 +106,7 @@ class OffloadedExperts(nn.Module):
                 rt.fetch(self.layer, e, s)
             for e, s in wave:
                 rt.transfer.wait(s)
-                ys[e] = self._mlp(x[groups[e][0]], s)
+                ys[e] = self._mlp(x[groups[e][0]], e, s)
             rt.transfer.mark_used([s for _, s in wave])
 
 

@@ -58,19 +58,24 @@ class ResidencyRoute:
 class OffloadRuntime:
     """Owns the store, cache, device slot pool, transfer, CPU experts and cost model; counters."""
 
-    def __init__(self, model, plan: Plan, opts: OffloadOptions, store: HostExpertStore, profile):
-        cfg = model.cfg
-        self.model, self.plan, self.opts, self.store, self.profile = model, plan, opts, store, profile
-        self.device, self.fmt = model.device, store.fmt
+    def __init__(self, cfg, device: torch.device, plan: Plan, opts: OffloadOptions, store: HostExpertStore, profile):
+        self.cfg, self.plan, self.opts, self.store, self.profile = cfg, plan, opts, store, profile
+        self.device, self.fmt = torch.device(device), store.fmt
+        self.model = None  # bind() once the model is built
         self.num_experts, self.top_k = cfg.num_experts, cfg.top_k
         self.moe_layers = cfg.moe_layer_ids
         self.first_layer = self.moe_layers[0]
         self.prefetch = opts.prefetch
         S, R = plan.expert_slots, plan.scratch_slots
         self.cache = ExpertCache(S, plan.policy)
-        self.pool = torch.empty(S + R, store.nbytes, dtype=torch.uint8, device=self.device)  # [S + R, nbytes]
+        # On a CPU device the experts are computed in place from the host store: the "slots" are
+        # bookkeeping only, never a second copy. pin="on" keeps the copy path on CPU (it stands in
+        # for the device in tests of pinned/staged transfers).
+        self.in_place = self.device.type == "cpu" and opts.pin != "on"
+        n_pool = 0 if self.in_place else S + R
+        self.pool = torch.empty(n_pool, store.nbytes, dtype=torch.uint8, device=self.device)  # [S + R, nbytes]
         self.scratch = list(range(S, S + R))
-        self.transfer = Transfer(store, self.pool)
+        self.transfer = Transfer(store, self.pool, copy=not self.in_place)
         self.cpu = CpuExperts(store)
         self.cost = CostModel(profile, store.nbytes, 6.0 * cfg.hidden_size * cfg.moe_intermediate_size,
                               pinned=not store.pin_failed and store.pin_limit is None, cpu_mode=opts.cpu_compute)
@@ -78,12 +83,23 @@ class OffloadRuntime:
         # decisive vote: always critical whatever B, so it predicts what residency-aware LYNX fetches
         E, K = cfg.num_experts, cfg.top_k
         self.crit_ratio = (K / E) ** 0.25 if E > K else 0.0
-        self._gates = {a: model.layers[b].mlp.gate for a, b in zip(self.moe_layers, self.moe_layers[1:])}
+        self._gates: dict = {}
         self._mask: dict[int, tuple[int, torch.Tensor]] = {}
         self._prefetched: set[tuple[int, int]] = set()
         self.route: ResidencyRoute | None = None
-        self._saved_route = model.routing.route
+        self._saved_route = None
         self.reset_stats()
+
+    def bind(self, model) -> None:
+        """Attach to the built model: its routers (for prefetch) and routing context."""
+        self.model = model
+        self._gates = {a: model.layers[b].mlp.gate for a, b in zip(self.moe_layers, self.moe_layers[1:])}
+        self._saved_route = model.routing.route
+        model.offload = self
+
+    def slot_block(self, layer: int, e: int, slot: int) -> torch.Tensor:
+        """The bytes expert (layer, e) is computed from: its device slot, or in place on a CPU device."""
+        return self.store.block(layer, e) if self.in_place else self.pool[slot]
 
     # -- counters --------------------------------------------------------------------------
     def reset_stats(self) -> None:
@@ -200,20 +216,37 @@ class OffloadRuntime:
         self.model.offload = None
 
 
+def make_runtime(cfg, opts: OffloadOptions, dtype: torch.dtype, device, profile=None, fmt=None,
+                 device_bytes_in_use: int = 0, host_extra: int = 0) -> OffloadRuntime:
+    """Plan placement and allocate the (pinned) host store and device slots — before any weight
+    is read; the builder then streams experts into `rt.store` and calls `rt.bind(model)`."""
+    dev = torch.device(device)
+    prof = profile or (load_profile(opts.profile) if opts.profile else detect_profile(dev))
+    plan = make_plan(cfg, opts, dtype, dev, prof, host_available=psutil.virtual_memory().available + host_extra,
+                     device_bytes_in_use=device_bytes_in_use)
+    fmt = fmt or expert_format(opts.expert_format, dtype, cfg.hidden_size, cfg.moe_intermediate_size, opts.int4_group)
+    want_pin = opts.pin == "on" or (opts.pin == "auto" and dev.type == "cuda")
+    store = HostExpertStore(fmt, cfg.num_experts, want_pin, plan.pin_limit_bytes, opts.staging_slots)
+    for i in cfg.moe_layer_ids:
+        store.ensure_layer(i)  # exact-size (pinned) buffers now, filled as the checkpoint streams
+    return OffloadRuntime(cfg, dev, plan, opts, store, prof)
+
+
 def attach_offload(model, options: OffloadOptions | None = None, profile=None) -> OffloadRuntime:
-    """Offload `model`'s experts (see module doc) → the runtime (also kept as model.offload)."""
+    """Offload an already loaded model's experts (see module doc) → the runtime (also kept as
+    model.offload). Engine.from_pretrained(offload=True) streams into the store instead."""
     opts = options or OffloadOptions()
     if getattr(model, "offload", None) is not None:
         raise RuntimeError("offload is already attached to this model")
     dev = torch.device(opts.device) if opts.device else model.device
-    prof = profile or (load_profile(opts.profile) if opts.profile else detect_profile(dev))
     cfg = model.cfg
     blocks = [model.layers[i].mlp for i in cfg.moe_layer_ids]
     on_host = sum(p.numel() * p.element_size() for b in blocks for p in b.experts.parameters() if p.device.type == "cpu")
     on_dev = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type == "cuda")
+    fmt = expert_format(opts.expert_format, model.dtype, cfg.hidden_size, cfg.moe_intermediate_size, opts.int4_group)
+    prof = profile or (load_profile(opts.profile) if opts.profile else detect_profile(dev))
     plan = make_plan(cfg, opts, model.dtype, dev, prof, host_available=psutil.virtual_memory().available + on_host,
                      device_bytes_in_use=on_dev)
-    fmt = expert_format(opts.expert_format, model.dtype, cfg.hidden_size, cfg.moe_intermediate_size, opts.int4_group)
     want_pin = opts.pin == "on" or (opts.pin == "auto" and dev.type == "cuda")
     store = HostExpertStore(fmt, cfg.num_experts, want_pin, plan.pin_limit_bytes, opts.staging_slots)
     for i, block in zip(cfg.moe_layer_ids, blocks):
@@ -224,17 +257,21 @@ def attach_offload(model, options: OffloadOptions | None = None, profile=None) -
         model.device = dev
     if dev.type == "cuda":
         torch.cuda.empty_cache()
-    rt = OffloadRuntime(model, plan, opts, store, prof)
+    rt = OffloadRuntime(cfg, dev, plan, opts, store, prof)
     for i, block in zip(cfg.moe_layer_ids, blocks):
         block.experts = OffloadedExperts(rt, i)
+    rt.bind(model)
+    _install_route(rt, opts)
+    return rt
+
+
+def _install_route(rt: OffloadRuntime, opts: OffloadOptions) -> None:
     try:
         rt.set_lynx(opts.lynx)
     except ImportError as exc:
         if opts.lynx is not None:
             raise
         warnings.warn(f"residency-aware LYNX unavailable ({exc}); routing left as it was", RuntimeWarning)
-    model.offload = rt
-    return rt
 
 
-__all__ = ["OffloadRuntime", "ResidencyRoute", "attach_offload"]
+__all__ = ["OffloadRuntime", "ResidencyRoute", "attach_offload", "make_runtime"]

@@ -10,6 +10,7 @@ pageable and copies go through a small pinned staging ring, with a warning.
 from __future__ import annotations
 
 import warnings
+import weakref
 
 import torch
 
@@ -43,6 +44,18 @@ class DenseFormat:
         _typed(dst, 0, self.gu_shape, self.dtype).copy_(gate_up)
         _typed(dst, self.dn_off, self.dn_shape, self.dtype).copy_(down)
 
+    def write_part(self, block: torch.Tensor, part: str, w: torch.Tensor) -> None:
+        """block uint8 [nbytes] ← one projection w [out, in] (gate | up | down), cast in the copy."""
+        I = self.inter
+        if part == "down":
+            _typed(block, self.dn_off, self.dn_shape, self.dtype).copy_(w)
+        else:
+            gu = _typed(block, 0, self.gu_shape, self.dtype)
+            (gu[:I] if part == "gate" else gu[I:]).copy_(w)
+
+    def write_quant_part(self, block: torch.Tensor, part: str, ql) -> None:
+        self.write_part(block, part, ql.dequant(self.dtype))  # a 4-bit expert kept 16-bit: exact
+
     def weights(self, block: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """block uint8 [nbytes] → (gate_up [2I, D], down [D, I]); views when dtype matches."""
         gu = _typed(block, 0, self.gu_shape, self.dtype)
@@ -60,6 +73,21 @@ class Int4Format:
         self.layout = Int4Layout(hidden, inter, group, sym)
         self.nbytes = self.layout.nbytes
 
+    def _view(self, block: torch.Tensor):
+        from ..quant.int4 import Int4Experts
+
+        return Int4Experts(block.view(1, -1), self.layout)
+
+    def write_part(self, block: torch.Tensor, part: str, w: torch.Tensor) -> None:
+        from ..quant.int4 import quantize_part
+
+        quantize_part(self._view(block), 0, part, w)
+
+    def write_quant_part(self, block: torch.Tensor, part: str, ql) -> None:
+        from ..quant.experts import write_quant
+
+        write_quant(self._view(block), 0, part, ql)
+
     def pack_into(self, dst: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> None:
         from ..quant.int4 import quantize_experts
 
@@ -72,20 +100,33 @@ class Int4Format:
         return Int4Experts(block.view(1, -1), self.layout).dequant_expert(0, dtype)
 
 
-def expert_format(name: str, dtype: torch.dtype, hidden: int, inter: int, group: int = 128):
+def expert_format(name: str, dtype: torch.dtype, hidden: int, inter: int, group: int = 128, sym: bool = True):
     """"auto" (the model's dtype), bf16, fp16, fp32 or int4 → a format object."""
     if name == "auto":
         name = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
     if name == "int4":
-        return Int4Format(hidden, inter, group)
+        return Int4Format(hidden, inter, group, sym)
     if name not in _DENSE:
         raise ValueError(f"expert format {name!r} is unknown (use auto, bf16, fp16, fp32, int4)")
     return DenseFormat(name, hidden, inter)
 
 
 def _alloc_pinned(shape: tuple[int, ...]) -> torch.Tensor:
-    """Page-locked host memory (raises where the OS/driver refuses; tests monkeypatch this)."""
-    return torch.empty(shape, dtype=torch.uint8, pin_memory=True)
+    """Page-locked host memory of exactly prod(shape) bytes (raises where the OS/driver refuses;
+    tests monkeypatch this). `pin_memory=True` would go through PyTorch's caching host allocator,
+    which rounds every block up to a power of two (pytorch issue 150517: Mixtral's 84 GiB of bf16
+    experts would pin 128 GiB); instead the pageable buffer is registered with cudaHostRegister,
+    and unregistered when the buffer is freed."""
+    buf = torch.empty(shape, dtype=torch.uint8)
+    if buf.numel() == 0:
+        return buf
+    cudart = torch.cuda.cudart()
+    ptr, size = buf.data_ptr(), buf.numel()
+    err = cudart.cudaHostRegister(ptr, size, 0)
+    if int(err) != 0:
+        raise RuntimeError(f"cudaHostRegister of {size / 2**30:.2f} GiB failed ({err})")
+    weakref.finalize(buf, cudart.cudaHostUnregister, ptr)
+    return buf
 
 
 class HostExpertStore:
@@ -158,6 +199,20 @@ class HostExpertStore:
         if buf is None:
             buf = self.layers[layer] = self._alloc(layer)
         buf.copy_(data)
+
+    def ensure_layer(self, layer: int) -> torch.Tensor:
+        """The layer's buffer uint8 [E, nbytes], allocated (and pinned) on first use."""
+        buf = self.layers.get(layer)
+        if buf is None:
+            buf = self.layers[layer] = self._alloc(layer)
+        return buf
+
+    def write_part(self, layer: int, e: int, part: str, w: torch.Tensor) -> None:
+        """Stream one projection of expert (layer, e) straight into its block (load sink)."""
+        self.fmt.write_part(self.ensure_layer(layer)[e], part, w)
+
+    def write_quant_part(self, layer: int, e: int, part: str, ql) -> None:
+        self.fmt.write_quant_part(self.ensure_layer(layer)[e], part, ql)
 
     def block(self, layer: int, e: int) -> torch.Tensor:
         return self.layers[layer][e]

@@ -29,8 +29,9 @@ class _NullEvent:
 
 
 class Transfer:
-    def __init__(self, store, pool: torch.Tensor):
+    def __init__(self, store, pool: torch.Tensor, copy: bool = True):
         self.store, self.pool = store, pool  # pool uint8 [S, nbytes] on the device
+        self.copy = copy  # False: a CPU device computes from the store in place (fetches only count)
         self.cuda = pool.device.type == "cuda"
         self.stream = torch.cuda.Stream(pool.device) if self.cuda else None
         n = pool.shape[0]
@@ -49,6 +50,11 @@ class Transfer:
 
     def fetch(self, layer: int, e: int, slot: int) -> int:
         """Start copying expert (layer, e) into pool[slot] → bytes moved."""
+        if not self.copy:
+            n = self.store.nbytes
+            self.copies += 1
+            self.bytes_h2d += n  # what a device would have moved (the CPU reads it in place)
+            return n
         src, dst = self.store.block(layer, e), self.pool[slot]
         staged = not self.store.pinned.get(layer, False) and self.store.staging is not None
         with self._ctx():
@@ -76,13 +82,15 @@ class Transfer:
 
     def wait(self, slot: int) -> None:
         """The compute stream waits for pool[slot]'s fill (no host block)."""
+        if not self.copy:
+            return
         ev = self.ready[slot]
         if self.cuda and ev is not None:
             torch.cuda.current_stream(self.pool.device).wait_event(ev)
 
     def mark_used(self, slots) -> None:
         """Kernels reading these slots have been issued on the compute stream."""
-        if not self.cuda:
+        if not self.cuda or not self.copy:
             return
         ev = torch.cuda.Event()
         ev.record(torch.cuda.current_stream(self.pool.device))

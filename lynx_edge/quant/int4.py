@@ -41,6 +41,7 @@ def quantize_rtn(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Round-to-nearest. w [..., N, Kin] → codes [..., N, Kin] uint8, scales [..., Kin/G, N] fp16,
     zeros [..., Kin/G, N] uint8 (all 8 when sym)."""
+    w = w.float()  # once: group_params and quantize_with reuse it
     s, z = group_params(w, group_size, sym)
     return quantize_with(w, s, z, group_size), s, z
 
@@ -76,14 +77,17 @@ def quantize_with(
 ) -> torch.Tensor:
     """Codes [..., N, Kin] uint8 of w [..., N, Kin] for given scales/zeros [..., Kin/G, N]."""
     g = w.float().unflatten(-1, (-1, group_size))  # [..., N, Kin/G, G]
-    q = torch.round(g / _per_group(scales)) + _per_group(zeros)
-    return q.clamp_(0, 15).to(torch.uint8).flatten(-2)
+    q = g / _per_group(scales)  # in-place from here: one temporary of w's size
+    q.round_().add_(_per_group(zeros)).clamp_(0, 15)
+    return q.to(torch.uint8).flatten(-2)
 
 
 def pack(q: torch.Tensor) -> torch.Tensor:
     """Codes [..., N, Kin] (0..15) → bytes [..., N, Kin/2] uint8, even column in the low nibble."""
-    q = q.to(torch.uint8)
-    return q[..., 0::2] | (q[..., 1::2] << 4)
+    q = q.to(torch.uint8).contiguous()
+    # little-endian int16 pairs: q[2j] in bits 0-3, q[2j+1] in bits 8-11 → one byte, no strided ops
+    v = q.view(torch.int16)
+    return ((v | (v >> 4)) & 0xFF).to(torch.uint8)
 
 
 def unpack(p: torch.Tensor) -> torch.Tensor:
@@ -245,6 +249,47 @@ def quantize_experts(
     )
 
 
+def write_part(
+    packed: Int4Experts, e: int, part: str, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
+) -> None:
+    """Write one projection of expert e in place: part gate | up ([I, D] codes, rows [:I] / [I:]
+    of gate_up) or down ([D, I]); scales/zeros [Kin/G, N]. A symmetric layout stores no zeros,
+    so it needs every zero to be 8 (ValueError otherwise). Works on any device (host → device
+    copies of one projection)."""
+    if packed.sym and not bool((zeros == SYM_ZERO).all()):
+        raise ValueError("asymmetric zero points in a symmetric INT4 layout")
+    dev = packed.data.device
+    q, s, z = pack(codes).to(dev), scales.to(dev, torch.float16), zeros.to(dev, torch.uint8)
+    if part == "down":
+        packed.dn_q[e].copy_(q)
+        packed.dn_s[e].copy_(s)
+        if not packed.sym:
+            packed.dn_z[e].copy_(z)
+        return
+    I = packed.inter
+    rows = slice(0, I) if part == "gate" else slice(I, 2 * I)
+    packed.gu_q[e, rows].copy_(q)
+    packed.gu_s[e, :, rows].copy_(s)
+    if not packed.sym:
+        packed.gu_z[e, :, rows].copy_(z)
+
+
+def quantize_part(
+    packed: Int4Experts, e: int, part: str, w: torch.Tensor, chunk_rows: int = 2048
+) -> None:
+    """RTN-quantise one 16/32-bit projection w [out, in] into expert e's block (write_part).
+    Works through `chunk_rows` output rows at a time so the fp32 temporaries stay small."""
+    G, sym = packed.group_size, packed.sym
+    if w.shape[0] <= chunk_rows:
+        write_part(packed, e, part, *quantize_rtn(w, G, sym))
+        return
+    codes, scales, zeros = [], [], []
+    for r0 in range(0, w.shape[0], chunk_rows):
+        c, s_, z_ = quantize_rtn(w[r0 : r0 + chunk_rows], G, sym)
+        codes.append(c), scales.append(s_), zeros.append(z_)
+    write_part(packed, e, part, torch.cat(codes), torch.cat(scales, 1), torch.cat(zeros, 1))
+
+
 def dequantize_experts(
     packed: Int4Experts, dtype=torch.float32
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -268,5 +313,6 @@ def int4_moe_ref(
 
 __all__ = [
     "GROUP_SIZES", "Int4Experts", "Int4Layout", "dequant", "dequantize_experts", "group_params",
-    "int4_moe_ref", "pack", "quantize_experts", "quantize_rtn", "quantize_with", "unpack",
+    "int4_moe_ref", "pack", "quantize_experts", "quantize_part", "quantize_rtn", "quantize_with", "unpack",
+    "write_part",
 ]

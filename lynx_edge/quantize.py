@@ -1,11 +1,9 @@
-"""INT4 experts in a model: the expert backend, RTN at load, GPTQ checkpoints in and out.
+"""`lynx-edge quantize`: GPTQ (or RTN) the experts of a checkpoint and write a GPTQ checkpoint.
 
-- `Int4MoEExperts`: the MoE block's expert backend over one Int4Experts buffer; Triton on
-  CUDA, the torch reference (dequantise the active experts only) elsewhere.
-- `quantize_experts_rtn(model)`: replace every layer's experts by RTN INT4 (Engine int4=True).
-- `load_gptq_experts(model, dir)`: experts straight from a GPTQ checkpoint (no dequantised copy).
-- `quantize_model(src, out)`: GPTQ (or RTN) the experts of a checkpoint, calibrated on text, and
-  write a GPTQ checkpoint; non-expert weights stay in 16-bit.
+`quantize_model(src, out)` calibrates on text, quantizes every MoE layer's experts and writes a
+GPTQ-format checkpoint (v1 zeros) that Engine.from_pretrained loads as INT4; non-expert weights
+stay 16-bit. (INT4 at load — `int4=True` — and reading GPTQ/AWQ checkpoints live in build.py,
+loader.py and quant/experts.py.)
 Glossary: T tokens, D hidden, E experts, K top-k, I expert intermediate, G group size.
 """
 from __future__ import annotations
@@ -18,60 +16,13 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..kernels.moe_gemm import fused_moe_int4
-from .formats import read_gptq_config, read_gptq_experts
-from .gptq import quantize_experts_gptq, write_gptq_checkpoint
-from .int4 import GROUP_SIZES, Int4Experts, quantize_experts
-
-
-class Int4MoEExperts(nn.Module):
-    """Experts of one layer as INT4 (one contiguous block per expert)."""
-
-    def __init__(self, packed: Int4Experts | None):
-        super().__init__()
-        self.packed = packed
-
-    def forward(self, x, ids, weights):  # x [T, D], ids/weights [T, K] → [T, D]
-        return fused_moe_int4(x, ids, weights, self.packed)
-
-
-def group_size_for(cfg, wanted: int = 128) -> int:
-    """The largest supported group ≤ wanted that divides both D and I (the two input dims)."""
-    for g in sorted(GROUP_SIZES, reverse=True):
-        if g <= wanted and cfg.hidden_size % g == 0 and cfg.moe_intermediate_size % g == 0:
-            return g
-    raise ValueError(f"no INT4 group size divides hidden {cfg.hidden_size} and expert intermediate "
-                     f"{cfg.moe_intermediate_size}")
+from .quant.experts import group_size_for
+from .quant.gptq import quantize_experts_gptq, write_gptq_checkpoint
+from .quant.int4 import Int4Experts, quantize_experts
 
 
 def _moe_blocks(model):
     return [(i, model.layers[i].mlp) for i in model.cfg.moe_layer_ids]
-
-
-def quantize_experts_rtn(model, group_size: int = 128, sym: bool = True) -> None:
-    """Round-to-nearest INT4 for every layer's experts, in place, one layer at a time."""
-    G = group_size_for(model.cfg, group_size)
-    for _, block in _moe_blocks(model):
-        ex = block.experts
-        packed = quantize_experts(ex.gate_up.data, ex.down.data, G, sym).to(model.device)
-        block.experts = Int4MoEExperts(packed)  # the 16/32-bit experts are freed here
-
-
-def is_gptq_checkpoint(model_dir: Path, cfg) -> bool:
-    qc = cfg.raw.get("quantization_config") or {}
-    return qc.get("quant_method") == "gptq" or (model_dir / "quantize_config.json").is_file()
-
-
-def prepare_gptq(model) -> None:
-    """Before loading a GPTQ checkpoint: experts come from qweight/scales, not from .weight tensors."""
-    for _, block in _moe_blocks(model):
-        block.experts = Int4MoEExperts(None)
-
-
-def load_gptq_experts(model, model_dir: Path) -> None:
-    cfg = read_gptq_config(model_dir)
-    for i, block in _moe_blocks(model):
-        block.experts = Int4MoEExperts(read_gptq_experts(model_dir, i, cfg=cfg).to(model.device))
 
 
 class _Capture(nn.Module):
@@ -96,14 +47,14 @@ def quantize_model(src, out_dir, method: str = "gptq", group_size: int = 128, sy
 
     Calibration text defaults to the first quarter of the model's heldout.txt (the rest is left
     for evaluation). Experts that see no calibration token fall back to RTN."""
-    from ..engine import Engine
-    from ..loader import checkpoint_files, iter_tensor_refs, _Reader
+    from .checkpoint import Checkpoint
+    from .engine import Engine
 
     if method not in ("gptq", "rtn"):
         raise ValueError(f"method must be gptq or rtn, got {method!r}")
     eng = Engine.from_pretrained(src, device="cpu", dtype="float32")
     model, cfg = eng.model, eng.cfg
-    G = group_size_for(cfg, group_size)
+    G = group_size_for(cfg.hidden_size, cfg.moe_intermediate_size, group_size)
     caps = {}
     if method == "gptq":
         for i, block in _moe_blocks(model):
@@ -120,13 +71,12 @@ def quantize_model(src, out_dir, method: str = "gptq", group_size: int = 128, sy
         if progress:
             progress(n + 1, len(blocks))
     # non-expert tensors: copied from the source checkpoint, 16-bit
-    files = checkpoint_files(eng.model_dir)
-    reader, extra = _Reader(), {}
-    for ref in iter_tensor_refs(files):
-        if ".experts." in ref.name:
+    ckpt, extra = Checkpoint(eng.model_dir), {}
+    for name in ckpt.names():
+        if ".experts." in name:
             continue
-        t = reader.get(ref)
-        extra[ref.name] = t.to(torch.bfloat16) if t.dtype == torch.float32 else t
+        t = ckpt.get(name)
+        extra[name] = t.to(torch.bfloat16) if t.dtype == torch.float32 else t.clone()
     config = json.loads((eng.model_dir / "config.json").read_text())
     naming = "mixtral" if cfg.model_type == "mixtral" else "qwen"
     out = write_gptq_checkpoint(out_dir, layers, naming=naming, config=config, extra_tensors=extra)
@@ -144,7 +94,7 @@ def _calibrate(eng, text: str | None, tokens: int, window: int) -> None:
         full = held.read_text(encoding="utf-8", errors="replace")
         text = full[: len(full) // 4]
     ids = eng.tokenizer.encode(text, add_special_tokens=False)[:tokens]
-    from ..step import prefill
+    from .step import prefill
 
     for s in range(0, max(1, len(ids) - 1), window):
         chunk = ids[s : s + window]
@@ -159,5 +109,4 @@ def _gptq_layer(ex, rows: dict[int, list[torch.Tensor]], G: int, sym: bool) -> I
     return quantize_experts_gptq(ex.gate_up.data, ex.down.data, x_in, None, G, sym)
 
 
-__all__ = ["Int4MoEExperts", "group_size_for", "is_gptq_checkpoint", "load_gptq_experts", "prepare_gptq",
-           "quantize_experts_rtn", "quantize_model"]
+__all__ = ["quantize_model"]

@@ -1,0 +1,172 @@
+"""Load a checkpoint in one pass: plan placement → build without weights → stream into place.
+
+    model = load_model(model_dir, cfg, LoadOptions(device="cuda", dtype=None, offload=True, int4=True))
+
+1. Placement is decided from config.json, the checkpoint's tensor names and the options alone:
+   the dtype, where non-expert weights live (the device), and for every MoE layer its expert
+   backend — resident 16-bit (`StackedExperts`), resident INT4 (`Int4MoEExperts`), or the
+   offload store (`OffloadedExperts` over a pinned host store) — and the INT4 layout (RTN groups
+   for `int4=True`, the checkpoint's own group/symmetry for GPTQ and AWQ).
+2. The model is built with those backends, non-expert parameters allocated empty on the device,
+   experts as empty INT4 blocks or store buffers: no 16-bit expert is ever materialised.
+3. `loader.load_weights` streams each tensor from the safetensors mmap into its home.
+Peak anonymous memory during the load is the final footprint plus one projection's fp32
+temporaries (RTN) — see benchmarks/load_memory.py. Glossary: E experts, D hidden, I intermediate.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .checkpoint import Checkpoint
+from .config import ConfigError, ModelConfig
+from .loader import ProgressFn, expert_storage, load_weights
+from .models import FAMILIES, MoEForCausalLM
+from .models.layers import StackedExperts
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+# On a CPU the model is widened to fp32 (fast matmuls without native bf16) only while that costs
+# little memory; a bigger 16-bit checkpoint stays 16-bit so it is not doubled in RAM.
+CPU_FP32_MAX_BYTES = 2 << 30
+
+
+@dataclass
+class LoadOptions:
+    device: str | None = None  # None: cuda when present, else cpu
+    dtype: str | torch.dtype | None = None  # None: bf16 on CUDA; on CPU see default_dtype
+    offload: bool = False
+    int4: bool = False
+    int4_group: int = 128
+    allow_pickle: bool = False
+    ctx: int = 4096  # for the offload plan's KV share
+    offload_options: dict | None = None  # OffloadOptions fields (budget, slots, policy, profile…)
+
+
+def resolve_device(device: str | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device 'cuda' asked for, but CUDA is not available in this torch build")
+    return dev
+
+
+def resolve_dtype(dtype, device: torch.device, cfg: ModelConfig, ckpt_bytes: int) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise ConfigError(f"dtype {dtype} not supported; use torch.float32, torch.bfloat16 or torch.float16")
+        return dtype
+    if dtype is not None:
+        if dtype not in DTYPES:
+            raise ConfigError(f"dtype {dtype!r} not supported; use one of float32, bfloat16, float16")
+        return DTYPES[dtype]
+    return default_dtype(device, cfg, ckpt_bytes)
+
+
+def default_dtype(device: torch.device, cfg: ModelConfig, ckpt_bytes: int) -> torch.dtype:
+    """bf16 on CUDA. On CPU: fp32 while the checkpoint is ≤ 2 GiB (widening is cheap, and fp32
+    matmuls beat bf16 ones on CPUs without native bf16), else the checkpoint's own 16-bit dtype."""
+    if device.type == "cuda":
+        return torch.bfloat16
+    ckpt = DTYPES.get(str(cfg.torch_dtype or "bfloat16"), torch.bfloat16)
+    if ckpt == torch.float32 or ckpt_bytes <= CPU_FP32_MAX_BYTES:
+        return torch.float32
+    return ckpt
+
+
+@dataclass
+class Placement:
+    """What the builder decided (kept on the model as model.placement, shown by bench/info)."""
+
+    device: str
+    dtype: str
+    experts: str  # bf16 | fp16 | fp32 | int4
+    where: str  # device | host (offload)
+    int4_group: int | None = None
+    int4_sym: bool | None = None
+    quant_method: str | None = None  # gptq | awq for a 4-bit checkpoint
+    dense_layers: tuple[int, ...] = ()  # mixed layers kept 16-bit (a 4-bit checkpoint with 16-bit experts)
+
+
+def load_model(model_dir: Path, cfg: ModelConfig, opts: LoadOptions, progress: ProgressFn | None = None):
+    """→ MoEForCausalLM with every weight in place (and model.offload when offloading)."""
+    from .quant.formats import read_quant_config
+
+    dev = resolve_device(opts.device)
+    family = FAMILIES[cfg.model_type]
+    ckpt = Checkpoint(model_dir, opts.allow_pickle)
+    try:
+        qc = read_quant_config(model_dir, cfg.raw)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    dt = resolve_dtype(opts.dtype, dev, cfg, ckpt.total_bytes)
+    D, I = cfg.hidden_size, cfg.moe_intermediate_size
+    storage = expert_storage(ckpt, family)
+    int4 = qc is not None or opts.int4
+    if qc is not None:
+        group, sym = qc.group_size, qc.sym
+    elif opts.int4:
+        from .quant.experts import group_size_for
+
+        group, sym = group_size_for(D, I, opts.int4_group), True
+    else:
+        group = sym = None
+    mixed = tuple(i for i in cfg.moe_layer_ids if qc is not None and storage.get(i, set()) >= {"dense", "quant"})
+    name = "int4" if int4 else {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dt]
+    placement = Placement(dev.type, str(dt).replace("torch.", ""), name, "host" if opts.offload else "device",
+                          group, sym, qc.method if qc is not None else None, mixed if not opts.offload else ())
+    rt = None
+    if opts.offload:
+        rt = _offload_runtime(cfg, opts, dt, dev, name, group, sym, mixed)
+    experts = _backends(cfg, dt, dev, int4, group, sym, mixed, rt)
+    model = MoEForCausalLM(cfg, dt, dev, experts=experts)
+    load_weights(model, ckpt, family, qc, progress)
+    ckpt.close()
+    model.placement = placement
+    if rt is not None:
+        from .offload.runtime import _install_route
+
+        rt.bind(model)
+        _install_route(rt, rt.opts)
+    return model
+
+
+def _backends(cfg: ModelConfig, dt, dev, int4: bool, group, sym, mixed, rt):
+    """layer → its expert backend (a load sink), chosen once here."""
+    D, I, E = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
+
+    def make(layer: int):
+        if rt is not None:
+            from .offload.experts import OffloadedExperts
+
+            return OffloadedExperts(rt, layer)
+        if int4 and layer not in mixed:
+            from .quant.experts import Int4MoEExperts
+
+            return Int4MoEExperts.empty(E, D, I, group, sym, dev)
+        return StackedExperts(E, D, I, dt, dev)
+
+    return make
+
+
+def _offload_runtime(cfg, opts: LoadOptions, dt, dev, name, group, sym, mixed):
+    from .offload import OffloadOptions
+    from .offload.runtime import make_runtime
+    from .offload.store import expert_format
+
+    if mixed:
+        warnings.warn(f"layers {list(mixed)} of this 4-bit checkpoint keep some experts 16-bit; offloaded "
+                      "as INT4 they are RTN-quantised (approximate)", RuntimeWarning, stacklevel=3)
+    extra = dict(opts.offload_options or {})
+    oo = OffloadOptions(device=str(dev), ctx=opts.ctx, expert_format="int4" if name == "int4" else "auto",
+                        int4_group=group or 128, **extra)
+    fmt = expert_format(oo.expert_format, dt, cfg.hidden_size, cfg.moe_intermediate_size, group or 128,
+                        sym if sym is not None else True)
+    return make_runtime(cfg, oo, dt, dev, fmt=fmt)
+
+
+__all__ = ["DTYPES", "LoadOptions", "Placement", "default_dtype", "load_model", "resolve_device", "resolve_dtype"]

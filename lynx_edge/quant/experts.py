@@ -1,0 +1,66 @@
+"""INT4 experts of one MoE layer, resident on the model's device: the expert backend and load sink.
+
+Built empty (one uint8 buffer [E, nbytes] in lynx_edge.quant.int4's layout) before any weight is
+read; the loader streams each projection into it — 16-bit ones are RTN-quantised as they arrive
+(`int4=True`), 4-bit ones from GPTQ / AWQ checkpoints are copied in as codes, scales and zeros —
+so no 16-bit copy of the experts ever exists. Forward: the fused INT4 Triton kernel on CUDA, its
+torch reference (dequantise the active experts only) elsewhere.
+Glossary: N tokens, D hidden, E experts, K top-k, I expert intermediate, G group size.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..kernels.moe_gemm import fused_moe_int4
+from .int4 import GROUP_SIZES, Int4Experts, Int4Layout, quantize_part, write_part
+
+
+def group_size_for(hidden: int, inter: int, wanted: int = 128) -> int:
+    """The largest supported group ≤ wanted that divides both D and I (the two input dims)."""
+    for g in sorted(GROUP_SIZES, reverse=True):
+        if g <= wanted and hidden % g == 0 and inter % g == 0:
+            return g
+    raise ValueError(f"no INT4 group size divides hidden {hidden} and expert intermediate {inter}")
+
+
+def write_quant(packed: Int4Experts, e: int, part: str, ql, name: str = "expert") -> None:
+    """A checkpoint's 4-bit projection (QuantLinear) → expert e's block, exactly."""
+    if ql.perm is not None:
+        raise ValueError(f"{name}: act-order (desc_act) expert weights are not supported yet; "
+                         "re-quantize with desc_act=False")
+    G = packed.group_size
+    if ql.scales.shape[0] * G != ql.codes.shape[1]:
+        raise ValueError(f"{name}: group size {ql.codes.shape[1] // max(1, ql.scales.shape[0])} does not "
+                         f"match the layer's INT4 layout (group {G})")
+    write_part(packed, e, part, ql.codes, ql.scales, ql.zeros)
+
+
+class Int4MoEExperts(nn.Module):
+    """Experts of one layer as INT4 (one contiguous block per expert)."""
+
+    def __init__(self, packed: Int4Experts):
+        super().__init__()
+        self.packed = packed
+        self.num_experts, self.hidden, self.inter = packed.num_experts, packed.hidden, packed.inter
+
+    @classmethod
+    def empty(cls, E: int, D: int, I: int, group: int, sym: bool, device) -> "Int4MoEExperts":
+        layout = Int4Layout(D, I, group, sym)
+        return cls(Int4Experts(torch.empty(E, layout.nbytes, dtype=torch.uint8, device=device), layout))
+
+    def extra_repr(self) -> str:
+        p = self.packed
+        return f"E={p.num_experts}, D={p.hidden}, I={p.inter}, int4 group={p.group_size}, sym={p.sym}"
+
+    def load_part(self, e: int, part: str, w: torch.Tensor) -> None:
+        quantize_part(self.packed, e, part, w)
+
+    def load_quant_part(self, e: int, part: str, ql) -> None:
+        write_quant(self.packed, e, part, ql, f"expert {e} {part}")
+
+    def forward(self, x, ids, weights):  # x [N, D], ids/weights [N, K] → [N, D]
+        return fused_moe_int4(x, ids, weights, self.packed)
+
+
+__all__ = ["Int4MoEExperts", "group_size_for", "write_quant"]

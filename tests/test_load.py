@@ -1,0 +1,173 @@
+"""The one-pass load (lynx_edge.build): backends chosen at build time, tensors streamed into place.
+
+References: RTN INT4 streamed per projection must be bit-identical to quantising the stacked
+16-bit experts at once (quant.int4.quantize_experts); offloaded stores hold the same bytes;
+peak anonymous memory stays within the promised bound (benchmarks/load_memory.py in a
+subprocess); pinning registers exactly the store's bytes.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import make_tiny
+from lynx_edge import Engine
+from lynx_edge.build import LoadOptions, default_dtype, load_model
+from lynx_edge.config import ModelConfig
+from lynx_edge.loader import LoadError
+from lynx_edge.models.layers import StackedExperts
+from lynx_edge.offload import store as store_mod
+from lynx_edge.quant.experts import Int4MoEExperts
+from lynx_edge.quant.int4 import quantize_experts
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def q3(tmp_path_factory) -> Path:
+    """qwen3_moe whose D and I are multiples of 32 (an INT4 group)."""
+    return make_tiny(tmp_path_factory.mktemp("load") / "q3", "qwen3_moe", moe_intermediate_size=64)
+
+
+def _load(path, **kw):
+    cfg = ModelConfig.from_file(path / "config.json")
+    return load_model(path, cfg, LoadOptions(device="cpu", dtype="float32", **kw))
+
+
+def test_streamed_rtn_equals_batch_rtn(q3):
+    dense, q = _load(q3), _load(q3, int4=True)
+    for i in dense.cfg.moe_layer_ids:
+        ref, got = dense.layers[i].mlp.experts, q.layers[i].mlp.experts
+        assert isinstance(ref, StackedExperts) and isinstance(got, Int4MoEExperts)
+        want = quantize_experts(ref.gate_up.data, ref.down.data, got.packed.group_size, True)
+        assert torch.equal(got.packed.data, want.data)
+
+
+def test_offload_int4_store_holds_the_same_blocks(q3):
+    q = _load(q3, int4=True)
+    off = _load(q3, int4=True, offload=True, offload_options=dict(profile="cpu-only", expert_slots=4))
+    rt = off.offload
+    for i in q.cfg.moe_layer_ids:
+        assert torch.equal(rt.store.layers[i], q.layers[i].mlp.experts.packed.data)
+    assert off.placement.experts == "int4" and off.placement.where == "host"
+
+
+def test_cpu_offload_serves_from_the_store_without_a_second_copy(q3):
+    ref = Engine.from_pretrained(q3, device="cpu", dtype="float32")
+    eng = Engine.from_pretrained(q3, device="cpu", dtype="float32", offload=True, expert_slots=3, profile="cpu-only")
+    rt = eng.model.offload
+    assert rt.in_place and rt.pool.numel() == 0
+    prompts = ["def f(x):", "import os"]
+    want = ref.generate_batch(prompts, max_new_tokens=6, ignore_eos=True)
+    assert eng.generate_batch(prompts, max_new_tokens=6, ignore_eos=True) == want
+    s = eng.last_stats["offload"]
+    assert s["misses"] > 0 and s["bytes_h2d"] == s["copies"] * rt.store.nbytes  # counted, not copied
+
+
+def test_fused_and_per_expert_checkpoints_load_the_same(q3, tmp_path):
+    """transformers' fused expert tensors [E, 2I, D] / [E, D, I] stream through the same sinks."""
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(str(q3 / "model.safetensors"))
+    cfg = json.loads((q3 / "config.json").read_text())
+    E, L = cfg.get("num_experts") or cfg["num_local_experts"], cfg["num_hidden_layers"]
+    fused = {k: v for k, v in sd.items() if ".experts." not in k}
+    for i in range(L):
+        p = f"model.layers.{i}.mlp.experts"
+        fused[f"{p}.gate_up_proj"] = torch.stack(
+            [torch.cat([sd[f"{p}.{e}.gate_proj.weight"], sd[f"{p}.{e}.up_proj.weight"]]) for e in range(E)])
+        fused[f"{p}.down_proj"] = torch.stack([sd[f"{p}.{e}.down_proj.weight"] for e in range(E)])
+    dst = tmp_path / "fused"
+    dst.mkdir()
+    save_file(fused, str(dst / "model.safetensors"))
+    (dst / "config.json").write_text(json.dumps(cfg))
+    a, b = _load(q3, int4=True), _load(dst, int4=True)
+    for i in a.cfg.moe_layer_ids:
+        assert torch.equal(a.layers[i].mlp.experts.packed.data, b.layers[i].mlp.experts.packed.data)
+
+
+def test_missing_expert_projection_is_named(q3, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(str(q3 / "model.safetensors"))
+    del sd["model.layers.1.mlp.experts.3.up_proj.weight"]
+    dst = tmp_path / "broken"
+    dst.mkdir()
+    save_file(sd, str(dst / "model.safetensors"))
+    (dst / "config.json").write_text((q3 / "config.json").read_text())
+    for kw in ({}, {"int4": True}):
+        with pytest.raises(LoadError, match=r"layers\.1\.mlp\.experts\.3 \(up projection\)"):
+            _load(dst, **kw)
+
+
+def test_default_cpu_dtype_widens_only_small_checkpoints():
+    cfg = ModelConfig.from_dict(json.loads((ROOT / "lynx_edge/demo/config.json").read_text()))
+    cpu = torch.device("cpu")
+    assert default_dtype(cpu, cfg, 30 << 20) == torch.float32  # the demo: widening is cheap
+    assert default_dtype(cpu, cfg, 20 << 30) == torch.bfloat16  # a 20 GB bf16 checkpoint stays bf16
+    assert default_dtype(torch.device("cuda"), cfg, 1) == torch.bfloat16
+
+
+class _FakeCudart:
+    """Stands in for torch.cuda.cudart(): records cudaHostRegister sizes, optionally refuses."""
+
+    def __init__(self, fail_after: int | None = None):
+        self.registered, self.fail_after = [], fail_after
+
+    def cudaHostRegister(self, ptr, size, flags):
+        if self.fail_after is not None and len(self.registered) >= self.fail_after:
+            return 2  # cudaErrorMemoryAllocation
+        self.registered.append(size)
+        return 0
+
+    def cudaHostUnregister(self, ptr):
+        return 0
+
+
+def test_pinning_registers_exactly_the_store(monkeypatch):
+    fake = _FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    fmt = store_mod.expert_format("bf16", torch.bfloat16, 64, 96)
+    st = store_mod.HostExpertStore(fmt, 5, want_pin=True)
+    for layer in range(3):
+        st.ensure_layer(layer)
+    exact = 5 * fmt.nbytes
+    assert fake.registered == [exact] * 3 and st.pinned_bytes == 3 * exact
+    assert exact & (exact - 1)  # not a power of two: pin_memory=True would have rounded it up
+    assert st.staging is None
+
+
+def test_pinning_failure_falls_back_to_pageable_with_one_warning(monkeypatch):
+    fake = _FakeCudart(fail_after=1)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    fmt = store_mod.expert_format("bf16", torch.bfloat16, 64, 96)
+    st = store_mod.HostExpertStore(fmt, 5, want_pin=True)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        for layer in range(3):
+            st.ensure_layer(layer)
+    assert st.pinned == {0: True, 1: False, 2: False} and st.pin_failed
+    assert st.staging is not None  # the pinned staging ring carries the pageable layers' copies
+    assert sum("pinning host memory failed" in str(x.message) for x in w) == 1
+
+
+def test_load_peak_memory_within_bound(tmp_path):
+    """Peak anonymous memory ≤ (final footprint + one layer's bf16 experts) × 1.1, every mode."""
+    out = tmp_path / "lm.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks/load_memory.py"), "--layers", "3", "--experts", "16",
+           "--hidden", "256", "--inter", "512", "--modes", "plain,int4,offload-int4,gptq", "--dir", str(tmp_path),
+           "--out", str(out), "--threads", "1"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    rows = {x["mode"]: x for x in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"plain", "int4", "offload-int4", "gptq"}
+    for mode, x in rows.items():
+        assert x["peak_anon"] <= x["bound"], (mode, x)
+    # INT4 keeps about a quarter of bf16 (a sixth of the fp32 the CPU default widens this one to)
+    assert rows["int4"]["footprint"] < 0.5 * rows["plain"]["footprint"]
