@@ -4,7 +4,11 @@ Per MoE layer and decode step: bin each token's top-k choices by their logit gap
 (AffinityBinning), score experts over the batch S(e) = Σ B^bin, keep the critical set
 C = {S ≥ B^-j} ∪ rank-0s ∪ prefill experts, and remap the other slots to each token's next-best
 expert in C (∪ GPU-resident experts when offloading). Gate weights keep the token's top-k mass.
-Modes: off | lynx | budget:m | lynx-mass:τ. Glossary: T tokens, E experts, K top-k, B decode tokens.
+Modes: off | lynx | budget:m | lynx-mass:τ. Host syncs: none while routing (the phase comes from
+the host, mixed masks stay on the device); only the offload `fetch` list reads back.
+LynxRouter runs the Triton kernel (kernels/lynx_route.py) on CUDA where the shape fits, this
+reference elsewhere; kernel_args() is the glue from RouterSpec + LynxConfig to its scalars.
+Glossary: T tokens, E experts, K top-k, B decode tokens.
 """
 from __future__ import annotations
 
@@ -15,7 +19,9 @@ from typing import Callable, Optional
 
 import torch
 
-from .routing import RouterSpec, exact_route
+from .kernels import lynx_route as _kernel
+from .kernels.moe_gemm import expert_table
+from .routing import RouterSpec, rank_experts
 
 _MODES = ("off", "lynx", "budget", "lynx-mass")
 # What "on" means: the best trade-off measured on the demo model (benchmarks/results/lynx_sweep.md):
@@ -119,12 +125,14 @@ class LynxResult:
     """ids [T, K] int64, weights [T, K] fp32, vec [7] float64 stats (see _STATS; 0-dim views as
     properties, on the logits' device so no host sync), fetch: experts to bring over PCIe
     (used \\ resident, sorted int64) when `resident` was given, else None. displaced_mass sums,
-    over decode tokens, the original softmax prob of the experts remapped away."""
+    over decode tokens, the original softmax prob of the experts remapped away. table: the
+    expert-major table for moe_gemm (fused_moe(..., table=...)) when the Triton kernel routed."""
 
     ids: torch.Tensor
     weights: torch.Tensor
     vec: torch.Tensor
     fetch: Optional[torch.Tensor] = None
+    table: Optional[dict] = None
 
     def stats(self) -> dict[str, float]:
         return dict(zip(_STATS, self.vec.tolist()))  # one host sync
@@ -134,25 +142,35 @@ for _i, _name in enumerate(_STATS):  # LynxResult.unique_after etc.: views into 
     setattr(LynxResult, _name, property(lambda self, i=_i: self.vec[i]))
 
 
-def _any_vote(ids: torch.Tensor, mask: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """bool [E]: experts e with some (t, s) where ids[t, s] == e and mask[t, s] (no host sync)."""
+def _any_vote(ids: torch.Tensor, mask: Optional[torch.Tensor], num_experts: int) -> torch.Tensor:
+    """bool [E]: experts e with some (t, s) where ids[t, s] == e and mask[t, s] (None: all)."""
     cnt = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
-    return cnt.scatter_add_(0, ids.reshape(-1), mask.reshape(-1).long()) > 0
+    src = torch.ones_like(ids) if mask is None else mask.expand_as(ids).long()
+    return cnt.scatter_add_(0, ids.reshape(-1), src.reshape(-1)) > 0
 
 
 def _levels(z: torch.Tensor, ids: torch.Tensor, alpha: float, beta: int) -> torch.Tensor:
-    """z [B, E] logits, ids [B, K] → ⌊α·gap⌋ clamped to [0, β] (bin = −level), int64 [B, K]."""
+    """z [T, E] logits, ids [T, K] → ⌊α·gap⌋ clamped to [0, β] (bin = −level), int64 [T, K]."""
     zk = z.gather(1, ids)
     gap = (zk[:, :1] - zk).clamp_min(0)  # ≥ 0 even if softmax rounding reordered near-ties
     return torch.floor(gap * alpha).clamp(0, beta).long()
 
 
-def _scores(lv: torch.Tensor, ids: torch.Tensor, num_experts: int, base: int, beta: int):
-    """S(e)·base^β = Σ base^(β − level): integer-valued, so sums, thresholds and ties are exact."""
-    exact = base ** (beta + 1) < 2**62  # else float64: rounding only near ties
-    dt = torch.int64 if exact else torch.float64
-    votes = torch.pow(base if exact else float(base), (beta - lv).to(dt))  # no H2D copy
-    s = torch.zeros(num_experts, dtype=dt, device=lv.device)
+def _exact_ints(rows: int, beta: int) -> bool:
+    """Scores stay exact int64 while base^(β+1) < 2^62 for any base ≤ max(rows, 2)."""
+    return max(rows, 2) ** (beta + 1) < 2**62
+
+
+def _scores(lv, ids, num_experts: int, base, beta: int, exact: bool, voters=None):
+    """S(e)·base^β = Σ base^(β − level): integer-valued, so sums, thresholds and ties are exact.
+    base: int or 0-dim int64 tensor (B counted on the device); voters [T, 1] bool or None (all)."""
+    if exact:
+        votes = torch.pow(base, (beta - lv))  # int64, no H2D copy
+    else:  # float64: rounding only near ties
+        votes = torch.pow(base.double() if torch.is_tensor(base) else float(base), (beta - lv).double())
+    if voters is not None:
+        votes = votes * voters
+    s = torch.zeros(num_experts, dtype=votes.dtype, device=lv.device)
     return s.scatter_add_(0, ids.reshape(-1), votes.reshape(-1))
 
 
@@ -161,32 +179,28 @@ def _rank(score: torch.Tensor) -> torch.Tensor:
     return torch.sort(score, descending=True, stable=True).indices
 
 
-def _critical(score, lv, ids_d, needed, base, cfg: LynxConfig, pooled: bool) -> torch.Tensor:
-    """bool [E]: critical set C. lv, ids_d [B, K] of decode tokens; needed [E]: prefill experts."""
-    E = score.numel()
-    if not pooled:  # lone votes: a choice is critical iff its bin ≥ −j (as one vote is, for any B)
-        crit = _any_vote(ids_d, lv <= cfg.j, E)
-    elif cfg.kind == "budget":  # keep the m best-scoring experts (that anyone chose)
-        crit = torch.zeros(E, dtype=torch.bool, device=score.device)
+def _pooled_critical(score, base, cfg: LynxConfig) -> torch.Tensor:
+    """bool [E]: the batch vote's critical set, before needed/rank-0 experts are added."""
+    if cfg.kind == "budget":  # keep the m best-scoring experts (that anyone chose)
+        crit = torch.zeros(score.shape, dtype=torch.bool, device=score.device)
         crit[_rank(score)[: cfg.arg]] = True
-        crit &= score > 0
-    else:  # S(e) ≥ B^−j, in units of B^−β; j ≥ β admits every vote
-        thr = base ** max(cfg.beta - cfg.j, 0)  # python int: exact, may exceed int64
-        crit = score >= (thr if score.dtype == torch.int64 else float(thr))
-    crit |= needed
-    if cfg.protect_top1:
-        crit[ids_d[:, 0]] = True
-    return crit
+        return crit & (score > 0)
+    # S(e) ≥ B^−j, in units of B^−β; j ≥ β admits every vote
+    e = max(cfg.beta - cfg.j, 0)
+    thr = torch.pow(base, e) if torch.is_tensor(base) else base**e  # python int: exact
+    if score.dtype != torch.int64:
+        thr = thr.double() if torch.is_tensor(thr) else float(thr)
+    return score >= thr
 
 
-def _mass_keep(p: torch.Tensor, ids_d: torch.Tensor, allowed: torch.Tensor, tau: float):
-    """lynx-mass:τ. p, ids_d [B, K] (p = original probs, sorted desc). Each token drops its
+def _mass_keep(p: torch.Tensor, ids: torch.Tensor, allowed: torch.Tensor, tau: float):
+    """lynx-mass:τ. p, ids [T, K] (p = original probs, sorted desc). Each token drops its
     lowest-affinity non-allowed slots only while their summed prob ≤ τ·(its top-k prob mass);
     the other slots are kept, and their experts join the allowed set. Returns bool [E]."""
-    drop = ~allowed[ids_d]
+    drop = ~allowed[ids]
     tail = (p * drop).flip(1).cumsum(1).flip(1)  # mass of droppable slots at this rank and below
-    budget = tau * p.sum(1, keepdim=True) * (1 + 1e-6)  # slack: τ = 1 is exactly `lynx`
-    return _any_vote(ids_d, drop & (tail > budget), allowed.numel())
+    budget = tau * p.sum(1, keepdim=True) * _kernel.MASS_SLACK  # slack: τ = 1 is exactly `lynx`
+    return _any_vote(ids, drop & (tail > budget), allowed.numel())
 
 
 def _pad(allowed: torch.Tensor, score: torch.Tensor, k: int) -> torch.Tensor:
@@ -197,45 +211,57 @@ def _pad(allowed: torch.Tensor, score: torch.Tensor, k: int) -> torch.Tensor:
     return allowed | torch.zeros_like(allowed).scatter_(0, order, add)
 
 
-def _remap(z: torch.Tensor, ids: torch.Tensor, drop: torch.Tensor, allowed: torch.Tensor):
-    """z [B, E], ids/drop [B, K], allowed [E] → new ids [B, K]. Survivors keep their slot; the
-    i-th dropped slot (in slot order) gets the token's i-th best allowed expert it did not choose,
-    by logit, ties → lower id. Needs |allowed| ≥ K so every token has enough candidates."""
-    B, K = ids.shape
-    chosen = torch.zeros_like(z, dtype=torch.bool).scatter_(1, ids, True)
-    order = torch.sort(z, dim=1, descending=True, stable=True).indices  # [B, E]
+def _remap(order: torch.Tensor, ids: torch.Tensor, drop: torch.Tensor, allowed: torch.Tensor):
+    """order [T, E] (rank_experts), ids/drop [T, K], allowed [E] → new ids [T, K]. Survivors keep
+    their slot; the i-th dropped slot (in slot order) gets the token's i-th best allowed expert
+    it did not choose, by the tie rule. Needs |allowed| ≥ K so every token has enough candidates."""
+    T, K = ids.shape
+    chosen = torch.zeros(order.shape, dtype=torch.bool, device=ids.device).scatter_(1, ids, True)
     cand = (allowed.unsqueeze(0) & ~chosen).gather(1, order)  # candidates in affinity order
     rank = cand.long().cumsum(1) - 1
     rank = torch.where(cand & (rank < K), rank, K)  # non-candidates → spare column K
-    fill = torch.zeros(B, K + 1, dtype=ids.dtype, device=ids.device).scatter_(1, rank, order)
+    fill = torch.zeros(T, K + 1, dtype=ids.dtype, device=ids.device).scatter_(1, rank, order)
     gap_no = (drop.long().cumsum(1) - 1).clamp_min(0)  # which gap of its token this slot is
     return torch.where(drop, fill.gather(1, gap_no), ids)
 
 
-def _reweight(probs_d, new, w0_d, changed, norm: bool) -> torch.Tensor:
+def _reweight(probs, new, w0, changed, norm: bool) -> torch.Tensor:
     """Original softmax probs of the new experts, rescaled to the original top-k mass M(t)."""
-    p = probs_d.gather(1, new)
+    p = probs.gather(1, new)
     denom = p.sum(1, keepdim=True)
     w = torch.where(denom > 0, p / denom.clamp_min(torch.finfo(p.dtype).tiny), 1.0 / new.shape[1])
     if not norm:
-        w = w * w0_d.sum(1, keepdim=True)  # M(t) = Σ original top-k probs; 1 when renormalised
-    return torch.where(changed.unsqueeze(1), w, w0_d)  # untouched tokens stay bit-exact
+        w = w * w0.sum(1, keepdim=True)  # M(t) = Σ original top-k probs; 1 when renormalised
+    return torch.where(changed.unsqueeze(1), w, w0)  # untouched tokens stay bit-exact
 
 
-def _result(E, ids0, ids, weights, isd, drop_mass, n_drop, resident) -> LynxResult:
-    u0 = _any_vote(ids0, torch.ones_like(ids0, dtype=torch.bool), E).sum()
-    used = _any_vote(ids, torch.ones_like(ids, dtype=torch.bool), E)
-    n_dec = isd.sum()
-    vec = torch.stack([torch.full((), ids.shape[0], device=ids.device), n_dec,
-                       n_dec * ids.shape[1], u0, used.sum(), n_drop, drop_mass]).double()
-    fetch = None if resident is None else torch.nonzero(used & ~resident).squeeze(1)
+def _const(values: list, dev: torch.device) -> torch.Tensor:
+    """A small fp64 constant on dev without a blocking H2D copy (which would sync a CUDA stream)."""
+    if dev.type == "cpu":
+        return torch.tensor(values, dtype=torch.float64)
+    return torch.stack([torch.full((), float(v), dtype=torch.float64, device=dev) for v in values])
+
+
+def _result(E, ids0, ids, weights, n_dec, drop_mass, n_drop, resident) -> LynxResult:
+    """n_dec: python number (host phase) or 0-dim tensor; no host sync except `fetch`."""
+    dev, (T, K) = ids.device, ids.shape
+    u0 = _any_vote(ids0, None, E).sum()
+    used = _any_vote(ids, None, E)
+    if not torch.is_tensor(n_dec):
+        n_dec = torch.full((), float(n_dec), dtype=torch.float64, device=dev)
+    full = lambda v: torch.full((), float(v), device=dev)  # noqa: E731
+    vec = torch.stack([full(T), n_dec.double(), n_dec.double() * K, u0.double(), used.sum().double(),
+                       (n_drop if torch.is_tensor(n_drop) else full(n_drop)).double(),
+                       (drop_mass if torch.is_tensor(drop_mass) else full(drop_mass)).double()])
+    fetch = None if resident is None else torch.nonzero(used & ~resident).squeeze(1)  # host sync
     return LynxResult(ids, weights, vec, fetch)
 
 
-def lynx_select(logits: torch.Tensor, is_decode: torch.Tensor, spec: RouterSpec,
+def lynx_select(logits: torch.Tensor, is_decode: "bool | torch.Tensor", spec: RouterSpec,
                 cfg: Optional[LynxConfig] = None, layer: int = 0,
                 resident: Optional[torch.Tensor] = None) -> LynxResult:
-    """logits [T, E] fp32, is_decode [T] bool, resident [E] bool (on GPU / fetched this step).
+    """logits [T, E] fp32; is_decode: a bool (every token has that phase: host decisions) or a
+    [T] bool tensor (mixed or unknown: read on the device only); resident [E] bool (on GPU).
 
     Only decode tokens are remapped; prefill tokens keep exact routing and their experts count
     as needed. Residency (offload): resident experts are free remap targets (C ∪ resident) and
@@ -243,51 +269,97 @@ def lynx_select(logits: torch.Tensor, is_decode: torch.Tensor, spec: RouterSpec,
     with `resident` each choice is judged alone: it is critical iff its bin ≥ −j (what one
     vote scores in any batch); a non-critical, non-resident slot (rank-0 excepted if protected)
     moves to the token's best unchosen expert in C ∪ resident. Without `resident` such small
-    batches stay exact. Host syncs: nonzero(is_decode) (free if it is on the CPU) and `fetch`.
+    batches stay exact. No host sync (no .item(), nonzero or Python branch on device values)
+    except `fetch` when resident is given.
     """
     cfg = cfg or LynxConfig()
     E, K = spec.num_experts, spec.top_k
-    ids0, w0 = exact_route(logits, spec)
-    dev = logits.device
-    if logits.shape[0] == 1 and resident is None:
+    T, dev = logits.shape[0], logits.device
+    host = isinstance(is_decode, bool)
+    isd = None if host else is_decode.reshape(-1).to(dev, torch.bool, non_blocking=True)
+    res = None if resident is None else resident.to(dev, torch.bool, non_blocking=True)
+    z = logits.float()
+    order = rank_experts(z)  # [T, E] the tie rule, shared by top-k and the remap
+    ids0 = order[:, :K]
+    probs = torch.softmax(z, dim=-1, dtype=torch.float32)
+    p0 = probs.gather(1, ids0)  # [T, K] original top-k probs
+    w0 = p0 / p0.sum(1, keepdim=True) if spec.norm_topk_prob else p0
+    if T == 1 and res is None:
         # One token, no residency: nothing to pool, stats are constants (the chat hot path;
         # skips ~20 small ops per layer).
-        d = float(bool(is_decode.reshape(-1)[0]))
-        vec = torch.tensor([1.0, d, d * K, K, K, 0.0, 0.0], dtype=torch.float64, device=dev)
+        if host:
+            d = float(is_decode)
+            return LynxResult(ids0, w0, _const([1.0, d, d * K, K, K, 0.0, 0.0], dev), None)
+        vec = _const([1.0, 0, 0, K, K, 0, 0], dev) + isd.double() * _const([0, 1, K, 0, 0, 0, 0], dev)
         return LynxResult(ids0, w0, vec, None)
-    # non_blocking: a blocking H2D copy would synchronise the stream (masks usually live on CPU)
-    isd = is_decode.reshape(-1).to(dev, torch.bool, non_blocking=True)
-    res = None if resident is None else resident.to(dev, torch.bool, non_blocking=True)
-    zero = torch.zeros((), device=dev)
-    if cfg.kind == "off" or layer in cfg.skip_layers or E <= K or logits.shape[0] == 0:
-        return _result(E, ids0, ids0, w0, isd, zero, zero, res)
-    # The one host sync per call (free if is_decode lives on the CPU, as the scheduler has it).
-    dec = torch.nonzero(is_decode.reshape(-1)).squeeze(1).to(dev, non_blocking=True)
-    B = dec.numel()
-    pooled = B >= max(cfg.min_batch, 2)  # B = 1 pooled would make every S(e) = 1
-    if B == 0 or not (pooled or res is not None):
-        return _result(E, ids0, ids0, w0, isd, zero, zero, res)
-    pure = B == logits.shape[0]  # all decode (the common case): skip the row gathers
-    rows = (lambda x: x) if pure else (lambda x: x.index_select(0, dec))  # noqa: E731
-    z, ids_d = rows(logits).float(), rows(ids0)  # [B, E], [B, K]
-    probs_d = torch.softmax(z, dim=-1, dtype=torch.float32)
-    lv = _levels(z, ids_d, cfg.alpha_for(E, K), cfg.beta)
-    base = B if pooled else 2  # unpooled: order (for padding) by Σ 2^bin
-    score = _scores(lv, ids_d, E, base, cfg.beta)
-    needed = _any_vote(ids0, ~isd.unsqueeze(1).expand_as(ids0), E)  # prefill experts are needed
-    allowed = _critical(score, lv, ids_d, needed, base, cfg, pooled)
-    if res is not None:
-        allowed = allowed | res  # resident experts are free remap targets
+    n_dec = (T if is_decode else 0) if host else isd.sum()
+    if cfg.kind == "off" or layer in cfg.skip_layers or E <= K or T == 0 or is_decode is False:
+        return _result(E, ids0, ids0, w0, n_dec, 0.0, 0.0, res)
+    mb = max(cfg.min_batch, 2)  # B = 1 pooled would make every S(e) = 1
+    if host:  # all decode: B = T known here
+        pooled = T >= mb
+        if not (pooled or res is not None):
+            return _result(E, ids0, ids0, w0, n_dec, 0.0, 0.0, res)
+        base, voters, needed = (T if pooled else 2), None, None
+    else:  # mixed: B, pooled and the base stay on the device
+        pooled = n_dec >= mb
+        base, voters = torch.where(pooled, n_dec, 2), isd.unsqueeze(1)
+        needed = _any_vote(ids0, ~voters, E)  # prefill experts are needed
+    lv = _levels(z, ids0, cfg.alpha_for(E, K), cfg.beta)
+    score = _scores(lv, ids0, E, base, cfg.beta, _exact_ints(T, cfg.beta), voters)
+    # a prefill row's own choices are all `needed`, so lone votes and rank-0s need no row mask
+    lone = (lambda: _any_vote(ids0, lv <= cfg.j, E)) if res is not None else None  # noqa: E731
+    if host:
+        crit = _pooled_critical(score, base, cfg) if pooled else lone()
+    else:
+        crit = _pooled_critical(score, base, cfg)
+        crit = crit if lone is None else torch.where(pooled, crit, lone())
+    if needed is not None:
+        crit = crit | needed
+    if cfg.protect_top1:
+        crit = crit | _any_vote(ids0[:, :1], None, E)
+    allowed = crit if res is None else crit | res  # resident experts are free remap targets
     if cfg.kind == "lynx-mass":
-        allowed = allowed | _mass_keep(probs_d.gather(1, ids_d), ids_d, allowed, cfg.arg)
+        allowed = allowed | _mass_keep(p0, ids0, allowed, cfg.arg)
     allowed = _pad(allowed, score, K)
-    drop = ~allowed[ids_d]  # [B, K]
-    new = _remap(z, ids_d, drop, allowed)
-    w_d = _reweight(probs_d, new, rows(w0), drop.any(1), spec.norm_topk_prob)
-    ids = new if pure else ids0.index_copy(0, dec, new)
-    weights = w_d if pure else w0.index_copy(0, dec, w_d)
-    drop_mass = (probs_d.gather(1, ids_d) * drop).sum()
-    return _result(E, ids0, ids, weights, isd, drop_mass, drop.sum(), res)
+    drop = ~allowed[ids0]  # [T, K]; a prefill row never drops (its experts are needed)
+    if not host and res is None:
+        drop = drop & pooled  # below min_batch nothing moves (a device bool: no sync)
+    new = _remap(order, ids0, drop, allowed)
+    weights = _reweight(probs, new, w0, drop.any(1), spec.norm_topk_prob)
+    return _result(E, ids0, new, weights, n_dec, (p0 * drop).sum(), drop.sum(), res)
+
+
+_KERNEL_MODE = {"off": _kernel.OFF, "lynx": _kernel.LYNX, "budget": _kernel.BUDGET,
+                "lynx-mass": _kernel.MASS}
+
+
+def kernel_args(spec: RouterSpec, cfg: LynxConfig, layer: int = 0) -> dict:
+    """RouterSpec + LynxConfig → lynx_route's plain arguments for one layer (the glue)."""
+    E, K = spec.num_experts, spec.top_k
+    off = cfg.kind == "off" or layer in cfg.skip_layers or E <= K
+    return dict(top_k=K, norm=spec.norm_topk_prob, mode=_kernel.OFF if off else _KERNEL_MODE[cfg.kind],
+                alpha=1.0 if off else cfg.alpha_for(E, K), beta=cfg.beta, j=cfg.j,
+                tau=float(cfg.arg) if cfg.kind == "lynx-mass" else 1.0,
+                m=min(int(cfg.arg), E) if cfg.kind == "budget" else 0,
+                protect=cfg.protect_top1, min_batch=cfg.min_batch)
+
+
+def lynx_route_ref(logits, is_decode, spec: RouterSpec, cfg: "LynxConfig | str | None" = None,
+                   layer: int = 0):
+    """Torch reference of kernels.lynx_route, in its output format: lynx_select +
+    moe_gemm.expert_table → (ids, weights, active, counts, token_table, stats)."""
+    cfg = LynxConfig.parse(cfg) if cfg is not None else LynxConfig()
+    r = lynx_select(logits, is_decode, spec, cfg, layer)
+    T, K = r.ids.shape
+    A = min(T * K, spec.num_experts)
+    i32 = dict(dtype=torch.int32, device=logits.device)
+    if T == 0:
+        return r.ids, r.weights, torch.empty(0, **i32), torch.zeros(2, **i32), torch.empty(0, **i32), r.vec
+    tab = expert_table(r.ids, spec.num_experts)
+    active = torch.where(torch.arange(A, device=logits.device) < tab["num_act"], tab["act_e"], -1)
+    counts = torch.cat([tab["num_act"], tab["act_start"]])
+    return r.ids, r.weights, active.to(torch.int32), counts, tab["slot"], r.vec
 
 
 class LynxTelemetry:
@@ -341,23 +413,47 @@ class LynxTelemetry:
 class LynxRouter:
     """Routing hook: route(logits [T, E], is_decode [T], layer) → (ids [T, K], weights [T, K]).
 
-    resident: optional layer → bool [E] (or None) callback from the offload cache; the result of
-    the latest call (with its fetch list) is kept in `last` for the MoE block that asked.
+    Runs the Triton kernel (one launch, no host sync, plus the GEMM's expert-major table in
+    `last.table`) when `use_triton` and the shape fits, lynx_select otherwise. use_triton is
+    decided once: at construction from `device`, else at the first call from the logits' device.
+    begin_step(is_decode) gives the phase of the next forward from the host (a Python bool);
+    with it, all-prefill forwards skip LYNX and all-decode ones take their branches on the host.
+    resident: optional layer → bool [E] (or None) callback from the offload cache (torch path);
+    the result of the latest call (with its fetch list) is kept in `last` for the MoE block.
     """
 
     def __init__(self, spec: RouterSpec, cfg: "LynxConfig | str" = "lynx",
                  telemetry: Optional[LynxTelemetry] = None,
-                 resident: Optional[Callable[[int], Optional[torch.Tensor]]] = None):
+                 resident: Optional[Callable[[int], Optional[torch.Tensor]]] = None,
+                 device: "torch.device | str | None" = None):
         self.spec, self.cfg = spec, LynxConfig.parse(cfg)
         self.telemetry = telemetry if telemetry is not None else LynxTelemetry()
         self.resident = resident
         self.last: Optional[LynxResult] = None
+        self.phase: Optional[bool] = None  # of the forward in progress, from begin_step
+        self.use_triton: Optional[bool] = None if device is None else _kernel.available(device)
+        self._args: dict[int, dict] = {}  # layer → kernel_args
 
-    def begin_step(self) -> None:
+    def begin_step(self, is_decode: Optional[bool] = None) -> None:
+        self.phase = None if is_decode is None else bool(is_decode)
         self.telemetry.begin_step()
 
     def __call__(self, logits: torch.Tensor, is_decode: torch.Tensor, layer: int):
         res = self.resident(layer) if self.resident is not None else None
-        self.last = r = lynx_select(logits, is_decode, self.spec, self.cfg, layer, res)
+        if self.use_triton is None:
+            self.use_triton = _kernel.available(logits.device)
+        phase = is_decode if self.phase is None else self.phase
+        T, E = logits.shape
+        a = self._args.get(layer)
+        if a is None:
+            a = self._args[layer] = kernel_args(self.spec, self.cfg, layer)
+        if (self.use_triton and res is None and phase is not False
+                and _kernel.fits(T, E, a["top_k"], a["mode"], a["beta"])):
+            mask = is_decode if torch.is_tensor(is_decode) else torch.full((T,), bool(phase), device=logits.device)
+            ids, w, active, counts, table, vec = _kernel.lynx_route(logits, mask, **a)
+            r = LynxResult(ids, w, vec, None, _kernel.gemm_table(active, counts, table, a["top_k"]))
+        else:
+            r = lynx_select(logits, phase, self.spec, self.cfg, layer, res)
+        self.last = r
         self.telemetry.record(layer, r)
         return r.ids, r.weights

@@ -5,8 +5,15 @@ A routing function has the signature
     route(logits [T, E] fp32, is_decode [T] bool, layer: int) -> (ids [T, K] int64, weights [T, K] fp32)
 
 `exact_route` reproduces each HF family's own router (softmax → top-k → optional renorm),
-bit-for-bit with transformers. LYNX (lynx.py) and offload plug in by replacing the function
-on the Engine, never by touching model files. Glossary: T tokens, E experts, K top-k.
+bit-for-bit with transformers whenever the top-k probabilities are distinct. LYNX (lynx.py) and
+offload plug in by replacing the function on the Engine, never by touching model files.
+
+Tie rule (one rule for exact_route, lynx_select and the Triton kernel kernels/lynx_route.py):
+experts rank by router logit, highest first, and equal logits rank by expert id, lowest first;
+so a row with fewer than K finite logits (−inf masked) takes the lowest ids among its −inf
+ones, each once. torch.topk promises no order among equal values (on CPU it returned [4, 7, 1]
+for four tied experts 1, 2, 4, 7), so exact_route ranks with a stable sort of the logits.
+Glossary: T tokens, E experts, K top-k.
 """
 from __future__ import annotations
 
@@ -32,10 +39,17 @@ class RouteFn(Protocol):
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
+def rank_experts(logits: torch.Tensor) -> torch.Tensor:
+    """logits [T, E] → expert ids [T, E] by the tie rule: logit descending, then id ascending."""
+    return torch.sort(logits, dim=-1, descending=True, stable=True).indices
+
+
 def exact_route(logits: torch.Tensor, spec: RouterSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact top-k routing as transformers does it. logits [T, E] → ids [T, K], weights [T, K] fp32."""
+    """Exact top-k routing as transformers does it. logits [T, E] → ids [T, K], weights [T, K] fp32.
+    Softmax is monotone, so the top-k by logit are the top-k by probability (ties: module doc)."""
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    weights, ids = torch.topk(probs, spec.top_k, dim=-1)
+    ids = rank_experts(logits)[..., : spec.top_k]
+    weights = probs.gather(-1, ids)
     if spec.norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return ids, weights

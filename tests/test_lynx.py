@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lynx_edge.lynx import (
-    LynxConfig, LynxRouter, LynxTelemetry, _critical, _levels, _scores, lynx_select,
+    LynxConfig, LynxRouter, LynxTelemetry, _levels, _pooled_critical, _scores, lynx_select,
 )
 from lynx_edge.routing import RouterSpec, exact_route
 
@@ -45,11 +45,14 @@ def test_hand_bins_scores_critical():
     assert cfg.alpha_for(6, 2) == pytest.approx(4 / math.log(3))
     lv = _levels(Z, ids0, cfg.alpha_for(6, 2), 4)
     assert lv.tolist() == [[0, 0], [0, 1], [0, 2], [0, 4]]  # bins = −levels
-    s = _scores(lv, ids0, 6, 4, 4)  # S·4^4: e0 = 1+1, e1 = 1+1+1, e2 = 4^-1, e3 = 4^-2, e4 = 4^-4
+    s = _scores(lv, ids0, 6, 4, 4, exact=True)  # S·4^4: e0 = 1+1, e1 = 1+1+1, e2 = 4^-1, e3 = 4^-2, e4 = 4^-4
     assert s.tolist() == [512, 768, 64, 16, 1, 0]
-    needed = torch.zeros(6, dtype=torch.bool)
-    crit = _critical(s, lv, ids0, needed, 4, cfg, pooled=True)  # S ≥ 4^-1
+    crit = _pooled_critical(s, 4, cfg)  # S ≥ 4^-1
     assert crit.tolist() == [True, True, True, False, False, False]
+    # the same with B counted on the device (mixed-phase path): a 0-dim base, one voter masked out
+    s_dev = _scores(lv, ids0, 6, torch.tensor(4), 4, exact=True, voters=torch.tensor([[1], [1], [1], [0]]).bool())
+    assert s_dev.tolist() == [512, 512, 64, 16, 0, 0]  # t3 (e1 at level 0, e4) no longer votes
+    assert _pooled_critical(s_dev, torch.tensor(4), cfg).tolist() == crit.tolist()
 
 
 @pytest.mark.parametrize("norm", [False, True])
@@ -360,3 +363,129 @@ def test_router_and_telemetry():
     assert torch.equal(ids, exact_route(z, spec)[0]) and torch.equal(w, exact_route(z, spec)[1])
     assert off.telemetry.summary()["reduction_pct"] == 0.0
     assert LynxTelemetry().summary()["decode_layer_steps"] == 0
+
+
+# ------------------------------------------------------------ tie rule and host syncs
+
+
+def test_tie_rule_exact_route_and_lynx():
+    """One tie rule (routing.py): rank by logit, equal logits → lower id; a row with fewer than
+    K finite logits takes the lowest −inf ids, each once. torch.topk has no such rule."""
+    z = torch.tensor([[0.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 1.0],
+                      [-math.inf, 2.0, -math.inf, -math.inf, -math.inf, -math.inf, -math.inf, -math.inf]])
+    ids, w = exact_route(z, RouterSpec(8, 3, norm_topk_prob=True))
+    assert ids.tolist() == [[1, 2, 4], [1, 0, 2]]
+    assert w[0].tolist() == [pytest.approx(1 / 3)] * 3 and w[1].tolist() == [1.0, 0.0, 0.0]
+    g = torch.Generator().manual_seed(0)
+    zt = torch.randint(-2, 3, (16, 16), generator=g).float()  # many exact ties, B = 16
+    spec = RouterSpec(16, 4, norm_topk_prob=False)
+    for mode in ("off", "lynx", "budget:5", "lynx-mass:0.5"):
+        r = lynx_select(zt, True, spec, LynxConfig.parse(mode))
+        ids, w = _ref(zt, torch.ones(16, dtype=torch.bool), spec, LynxConfig.parse(mode), None)
+        assert torch.equal(r.ids, ids), mode  # the pure-Python reference breaks ties by id too
+        assert all(len(set(row)) == 4 for row in r.ids.tolist())
+
+
+def test_host_phase_equals_device_mask():
+    """A Python-bool phase (host decisions) gives the same result as the mask on the device."""
+    g = torch.Generator().manual_seed(3)
+    z = torch.randn(12, 32, generator=g) * 2
+    spec = RouterSpec(32, 4, norm_topk_prob=True)
+    for mode in ("lynx", "budget:6", "lynx-mass:0.2,j=0", "lynx,min_batch=16"):
+        cfg = LynxConfig.parse(mode)
+        for phase in (True, False):
+            a = lynx_select(z, phase, spec, cfg)
+            b = lynx_select(z, torch.full((12,), phase), spec, cfg)
+            assert torch.equal(a.ids, b.ids) and torch.equal(a.weights, b.weights), (mode, phase)
+            torch.testing.assert_close(a.vec, b.vec, rtol=0, atol=1e-6)
+
+
+_SYNC_OPS = {"_local_scalar_dense", "nonzero", "unique", "_unique", "_unique2", "unique_dim",
+             "unique_consecutive", "masked_select", "item"}
+
+
+class _SyncCounter(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts ops that need a device → host read (on CUDA each one is a sync): .item(), bool(t),
+    nonzero, unique, masked_select (+ tolist/numpy, patched: they bypass the dispatcher)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name.split("::")[-1]
+        if name in _SYNC_OPS:
+            self.ops.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def _count_syncs(monkeypatch, fn):
+    counter = _SyncCounter()
+    for meth in ("tolist", "numpy"):
+        orig = getattr(torch.Tensor, meth)
+
+        def spy(self, *a, _orig=orig, _m=meth, **k):
+            counter.ops.append(_m)
+            return _orig(self, *a, **k)
+        monkeypatch.setattr(torch.Tensor, meth, spy)
+    with counter:
+        out = fn()
+    monkeypatch.undo()
+    return counter.ops, out
+
+
+@pytest.mark.parametrize("mode", ["off", "lynx", "budget:4", "lynx-mass:0.2,j=0"])
+def test_routing_has_no_host_sync(monkeypatch, mode):
+    """Decode (host phase from begin_step), prefill, one-token and mixed-mask (phase unknown)
+    routing calls read nothing back from the device."""
+    g = torch.Generator().manual_seed(0)
+    spec = RouterSpec(16, 4, norm_topk_prob=True)
+    router = LynxRouter(spec, mode, device="cpu")
+    mixed = torch.arange(8) % 3 != 0
+    calls = [(True, torch.ones(8, dtype=torch.bool)), (False, torch.zeros(8, dtype=torch.bool)),
+             (True, torch.ones(1, dtype=torch.bool)), (None, mixed), (None, mixed[:1])]
+    for phase, mask in calls:
+        z = torch.randn(mask.numel(), 16, generator=g)
+        router.begin_step(phase)
+        ops, (ids, w) = _count_syncs(monkeypatch, lambda: router(z, mask, 0))
+        assert ops == [], (phase, mask.numel(), ops)
+        ref = lynx_select(z, mask, spec, LynxConfig.parse(mode))  # same result as the mask path
+        assert torch.equal(ids, ref.ids) and torch.equal(w, ref.weights)
+    ops, _ = _count_syncs(monkeypatch, lambda: exact_route(torch.randn(8, 16), spec))
+    assert ops == []
+    ops, _ = _count_syncs(monkeypatch, lambda: torch.randn(3).nonzero().tolist())
+    assert ops == ["nonzero", "tolist"]  # the counter does see syncs
+
+
+def test_decode_step_routing_has_no_host_sync(monkeypatch):
+    """Through the step code: a tiny MoEForCausalLM with a LynxRouter, prefill two rows then a
+    decode step for both; no routing call reads back from the device."""
+    from lynx_edge import step
+    from lynx_edge.config import ModelConfig
+    from lynx_edge.kv_cache import KVCache
+    from lynx_edge.models import MoEForCausalLM
+
+    cfg = ModelConfig.from_dict(dict(
+        model_type="qwen3_moe", vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, max_position_embeddings=64, rms_norm_eps=1e-6, num_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True, tie_word_embeddings=False))
+    torch.manual_seed(0)
+    model = MoEForCausalLM(cfg, torch.float32, torch.device("cpu"))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    router = LynxRouter(model.routing.spec, "lynx", device="cpu")
+    seen: list = []
+
+    def counted(logits, is_decode, layer):
+        ops, out = _count_syncs(monkeypatch, lambda: router(logits, is_decode, layer))
+        seen.append((router.phase, ops))
+        return out
+    counted.begin_step = router.begin_step  # RoutingContext hands the host phase through
+    model.routing.route = counted
+    kv = KVCache(cfg, 2, 32, torch.float32, torch.device("cpu"))
+    for row in (0, 1):
+        step.prefill(model, kv, row, [1, 2, 3, 4 + row])
+    step.decode_step(model, kv, [0, 1], torch.tensor([5, 6]))
+    assert [ops for _, ops in seen] == [[]] * 6
+    assert [ph for ph, _ in seen][-2:] == [True, True]  # the decode step's phase came from the host

@@ -10,9 +10,11 @@ expert-major (no host sync); kernel 1 computes silu(gate)·up per active expert 
 kernel 2 the down projection times the routing weight into a per-slot buffer [S, T·K, D]
 (S = split-K), kernel 3 sums each token's S·K rows in a fixed order (deterministic, no atomics).
 Grids are sized for A = min(T·K, E); programs past the active count exit at once. INT4 weights
-(lynx_edge.quant.int4 layout) are dequantised in registers. The routing kernel may pass its own
-expert-major table (`table=`, format of expert_table); `expert_slots` maps expert ids to rows of
-an offload slot buffer. Block sizes come from shapes only (_config); plan_launches exposes the
+(lynx_edge.quant.int4 layout) are dequantised in registers; `x_perm` reads x through a per-expert
+column permutation (act-order GPTQ). The routing kernel may pass its own expert-major table
+(`table=`, format of expert_table); `expert_slots` maps expert ids to rows of an offload slot
+buffer. Loop bounds are constexprs (D, I, K, split sizes: fixed per model and block config) or a
+`while` over an expert's rows, never arguments or loaded values (Triton 3.6's interpreter). Block sizes come from shapes only (_config); plan_launches exposes the
 exact launches so tests compile them for sm_80/89/90 without a GPU. Set LYNX_TRITON_INTERPRET=1
 (or TRITON_INTERPRET=1) before importing this module to run the kernels on CPU tensors.
 """
@@ -91,9 +93,14 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def triton_usable(device: torch.device) -> bool:
+    """Whether Triton kernels run on `device`: CUDA, or any device under the interpreter."""
+    return triton is not None and (device.type == "cuda" or _interpreting())
+
+
 def use_triton(x: torch.Tensor) -> bool:
     """Triton on CUDA tensors, or on CPU tensors under the interpreter; torch otherwise."""
-    return triton is not None and (x.is_cuda or _interpreting())
+    return triton_usable(x.device)
 
 
 def expert_table(ids: torch.Tensor, num_experts: int) -> dict[str, torch.Tensor]:
@@ -124,44 +131,54 @@ def expert_table(ids: torch.Tensor, num_experts: int) -> dict[str, torch.Tensor]
 if triton is not None:
 
     @triton.jit
+    def _x_cols(xcol, perm_base, cols, x_mask, PERM: tl.constexpr):
+        """X[rows, cols] as [len(cols), BM]; with PERM the columns go through perm (act-order)."""
+        if PERM:
+            cols = tl.load(perm_base + cols)  # gate-up only: cols < D always
+        return tl.load(xcol + cols[:, None], mask=x_mask[None, :], other=0.0)
+
+    @triton.jit
     def _tile_matmul(
         acc, x_ptr, x_rows, x_mask, stride_x,  # acc [BN, BM] fp32; x rows [BM] of a row-major matrix
-        w_base, s_base, z_base, offs_n, n_mask, k_lo, k_hi, stride_wn, stride_sg,
-        BLOCK_K: tl.constexpr, GROUP: tl.constexpr, INT4: tl.constexpr, SYM: tl.constexpr,
-        USE_DOT: tl.constexpr, PREC: tl.constexpr,
+        w_base, s_base, z_base, offs_n, n_mask, k_lo, k_end, stride_wn, stride_sg, perm_base,
+        N_K: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, INT4: tl.constexpr,
+        SYM: tl.constexpr, USE_DOT: tl.constexpr, PREC: tl.constexpr, PERM: tl.constexpr,
     ):
-        """acc += W[offs_n, k_lo:k_hi] @ X[x_rows, k_lo:k_hi]ᵀ. Tokens sit on the small (column)
-        side; dense W rows are [.., Kin] elements, INT4 rows [.., Kin/2] bytes (low nibble = even k)
-        with one scale (and zero) row per K step: BLOCK_K divides GROUP."""
+        """acc += W[offs_n, k] @ X[x_rows, perm(k)]ᵀ over k ∈ [k_lo, min(k_lo + N_K, k_end)).
+        Tokens sit on the small (column) side; dense W rows are [.., Kin] elements, INT4 rows
+        [.., Kin/2] bytes (low nibble = even k) with one scale (and zero) row per K step: BLOCK_K
+        divides GROUP, N_K and k_end, so a step is wholly in or out. N_K is a constexpr: Triton
+        3.6's interpreter rejects loop bounds that are arguments or loaded values."""
         xcol = x_ptr + x_rows[None, :] * stride_x  # [1, BM]
-        if INT4:
-            for k0 in range(k_lo, k_hi, BLOCK_K):
+        for kk in range(0, N_K, BLOCK_K):
+            k0 = k_lo + kk
+            kin = k0 < k_end  # scalar: the last split-K range may be short
+            wm = n_mask[:, None] & kin
+            xm = x_mask & kin
+            if INT4:
                 offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # byte columns of this step  [HALF]
-                b = tl.load(w_base + offs_n[:, None] * stride_wn + offs_b[None, :],
-                            mask=n_mask[:, None], other=0)  # [BN, HALF] uint8
-                g = k0 // GROUP
-                s = tl.load(s_base + g * stride_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+                b = tl.load(w_base + offs_n[:, None] * stride_wn + offs_b[None, :], mask=wm, other=0)
+                g = k0 // GROUP  # [BN, HALF] uint8 above; one scale (zero) row per step
+                s = tl.load(s_base + g * stride_sg + offs_n, mask=n_mask & kin, other=0.0).to(tl.float32)
                 if SYM:
                     zs = -8.0 * s
                 else:
-                    zs = -tl.load(z_base + g * stride_sg + offs_n, mask=n_mask, other=0).to(tl.float32) * s
+                    zs = -tl.load(z_base + g * stride_sg + offs_n, mask=n_mask & kin, other=0).to(tl.float32) * s
                 # s·(q − z) as one FMA per weight: q·s + (−z·s)
                 lo = (b & 0xF).to(tl.float32) * s[:, None] + zs[:, None]  # even k  [BN, HALF]
                 hi = (b >> 4).to(tl.float32) * s[:, None] + zs[:, None]  # odd k
-                xe = tl.load(xcol + 2 * offs_b[:, None], mask=x_mask[None, :], other=0.0)  # [HALF, BM]
-                xo = tl.load(xcol + 2 * offs_b[:, None] + 1, mask=x_mask[None, :], other=0.0)
+                xe = _x_cols(xcol, perm_base, 2 * offs_b, xm, PERM)  # [HALF, BM]
+                xo = _x_cols(xcol, perm_base, 2 * offs_b + 1, xm, PERM)
                 if USE_DOT:
                     acc = tl.dot(lo.to(xe.dtype), xe, acc, input_precision=PREC)
                     acc = tl.dot(hi.to(xo.dtype), xo, acc, input_precision=PREC)
                 else:
                     acc += tl.sum(lo[:, :, None] * xe.to(tl.float32)[None, :, :], axis=1)
                     acc += tl.sum(hi[:, :, None] * xo.to(tl.float32)[None, :, :], axis=1)
-        else:
-            for k0 in range(k_lo, k_hi, BLOCK_K):
+            else:
                 offs_k = k0 + tl.arange(0, BLOCK_K)
-                w = tl.load(w_base + offs_n[:, None] * stride_wn + offs_k[None, :],
-                            mask=n_mask[:, None], other=0.0)  # [BN, BK]
-                xt = tl.load(xcol + offs_k[:, None], mask=x_mask[None, :], other=0.0)  # [BK, BM]
+                w = tl.load(w_base + offs_n[:, None] * stride_wn + offs_k[None, :], mask=wm, other=0.0)
+                xt = _x_cols(xcol, perm_base, offs_k, xm, PERM)  # [BK, BM]
                 if USE_DOT:
                     acc = tl.dot(w, xt, acc, input_precision=PREC)
                 else:
@@ -170,13 +187,17 @@ if triton is not None:
 
     @triton.jit
     def _gate_up_kernel(
-        x_ptr, h_ptr, w_ptr, s_ptr, z_ptr, tok_ptr, act_e_ptr, act_start_ptr, num_act_ptr,
-        D, I, stride_x, stride_we, stride_wn, stride_se, stride_ze, stride_sg,
+        x_ptr, h_ptr, w_ptr, s_ptr, z_ptr, tok_ptr, act_e_ptr, act_start_ptr, num_act_ptr, perm_ptr,
+        stride_x, stride_we, stride_wn, stride_se, stride_ze, stride_sg, stride_pe,
+        D: tl.constexpr, I: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
         INT4: tl.constexpr, SYM: tl.constexpr, USE_DOT: tl.constexpr, PREC: tl.constexpr,
+        PERM: tl.constexpr,
     ):
         """h[row, n] = silu(x[tok]·gateₙ)·(x[tok]·upₙ) for one (active expert, I-tile). Gate and
-        up rows form one [2·BN, D] tile (one K loop, twice the bytes in flight per step)."""
+        up rows form one [2·BN, D] tile (one K loop, twice the bytes in flight per step). PERM:
+        x's columns are read through perm[e] (act-order GPTQ: the expert computes W·x[perm[e]]).
+        D and I are constexprs (fixed per model): loop bounds the 3.6 interpreter accepts."""
         pid_a = tl.program_id(0)
         if pid_a >= tl.load(num_act_ptr):
             return  # grid is sized for the worst case; inactive experts' bytes are never read
@@ -191,23 +212,27 @@ if triton is not None:
         w_base = w_ptr + e * stride_we
         s_base = s_ptr + e * stride_se
         z_base = z_ptr + e * stride_ze
-        for m0 in range(start, end, BLOCK_M):  # one pass when BLOCK_M ≥ tokens of this expert
+        m0 = start
+        while m0 < end:  # row blocks of this expert; one pass when BLOCK_M ≥ its tokens
             rows = m0 + tl.arange(0, BLOCK_M)
             r_mask = rows < end
             tok = tl.load(tok_ptr + rows, mask=r_mask, other=0)
             acc = tl.zeros((2 * BLOCK_N, BLOCK_M), dtype=tl.float32)
             acc = _tile_matmul(acc, x_ptr, tok, r_mask, stride_x, w_base, s_base, z_base, rows_w,
-                               n2 < I, 0, D, stride_wn, stride_sg, BLOCK_K, GROUP, INT4, SYM, USE_DOT, PREC)
+                               n2 < I, 0, D, stride_wn, stride_sg, perm_ptr + e * stride_pe,
+                               D, BLOCK_K, GROUP, INT4, SYM, USE_DOT, PREC, PERM)
             # [2BN, BM] → [BN, BM, 2] → gate, up
             g, u = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N, BLOCK_M)), (1, 2, 0)))
             h = g / (1.0 + tl.exp(-g)) * u  # [BN, BM]
             tl.store(h_ptr + rows[None, :] * I + offs_n[:, None], h.to(h_ptr.dtype.element_ty),
                      mask=n_mask[:, None] & r_mask[None, :])
+            m0 += BLOCK_M
 
     @triton.jit
     def _down_kernel(
         h_ptr, out_ptr, w_ptr, s_ptr, z_ptr, slot_ptr, rw_ptr, act_e_ptr, act_start_ptr, num_act_ptr,
-        D, I, TK, SPLIT_LEN, stride_we, stride_wn, stride_se, stride_ze, stride_sg,
+        TK, stride_we, stride_wn, stride_se, stride_ze, stride_sg,
+        D: tl.constexpr, I: tl.constexpr, SPLIT_LEN: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
         INT4: tl.constexpr, SYM: tl.constexpr, USE_DOT: tl.constexpr, PREC: tl.constexpr,
     ):
@@ -222,32 +247,34 @@ if triton is not None:
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < D
         pid_k = tl.program_id(2)
-        k_lo = pid_k * SPLIT_LEN
-        k_hi = tl.minimum(k_lo + SPLIT_LEN, I)
         w_base = w_ptr + e * stride_we
         s_base = s_ptr + e * stride_se
         z_base = z_ptr + e * stride_ze
         out_base = out_ptr + pid_k.to(tl.int64) * TK * D
-        for m0 in range(start, end, BLOCK_M):
+        m0 = start
+        while m0 < end:
             rows = m0 + tl.arange(0, BLOCK_M)
             r_mask = rows < end
             acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
             acc = _tile_matmul(acc, h_ptr, rows, r_mask, I, w_base, s_base, z_base, offs_n, n_mask,
-                               k_lo, k_hi, stride_wn, stride_sg, BLOCK_K, GROUP, INT4, SYM, USE_DOT, PREC)
+                               pid_k * SPLIT_LEN, I, stride_wn, stride_sg, slot_ptr,
+                               SPLIT_LEN, BLOCK_K, GROUP, INT4, SYM, USE_DOT, PREC, False)
             slot = tl.load(slot_ptr + rows, mask=r_mask, other=0)
             rw = tl.load(rw_ptr + slot, mask=r_mask, other=0.0)
             tl.store(out_base + slot[None, :] * D + offs_n[:, None], acc * rw[None, :],
                      mask=n_mask[:, None] & r_mask[None, :])
+            m0 += BLOCK_M
 
     @triton.jit
-    def _finalize_kernel(part_ptr, y_ptr, D, TK, K, SPLIT, BLOCK_D: tl.constexpr):
+    def _finalize_kernel(part_ptr, y_ptr, TK, D: tl.constexpr, K: tl.constexpr, SPLIT: tl.constexpr,
+                         BLOCK_D: tl.constexpr):
         """y[t] = Σ_split Σ_k part[split, t·K + k] in that fixed order, cast to y's dtype."""
         t = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
         mask = offs < D
         acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
-        for s in range(0, SPLIT):
-            for k in range(0, K):
+        for s in tl.static_range(SPLIT):
+            for k in tl.static_range(K):
                 acc += tl.load(part_ptr + (s * TK + t * K + k) * D + offs, mask=mask, other=0.0)
         tl.store(y_ptr + t * D + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
@@ -294,11 +321,12 @@ def _config(T: int, A: int, D: int, I: int, dtype, group: int | None, split_k: i
 
 
 def plan_launches(x, ids, weights, num_experts, D, I, gu, dn, group, sym, split_k=None, table=None,
-                  sms=None) -> tuple[list, torch.Tensor]:
+                  sms=None, x_perm=None) -> tuple[list, torch.Tensor]:
     """The three launches of one MoE call, [(kernel, grid, args, constexprs)], and the output
     [T, D] they fill: gate-up+SiLU·mul → down·routing weight → fixed-order sum over (split, k).
-    gu/dn = (w, s, z): dense w [E, N, Kin] (s, z unused) or the INT4 views of Int4Experts.
-    Separate from running them so tests can compile exactly these for a GPU target."""
+    gu/dn = (w, s, z): dense w [E, N, Kin] (s, z unused) or the INT4 views of Int4Experts;
+    x_perm [E, D] int32 or None (gate-up reads x through it). Separate from running them so tests
+    can compile exactly these for a GPU target."""
     T, K = ids.shape
     TK = T * K
     tab = table if table is not None else expert_table(ids, num_experts)
@@ -312,16 +340,19 @@ def plan_launches(x, ids, weights, num_experts, D, I, gu, dn, group, sym, split_
     rw = weights.reshape(-1).float().contiguous()  # [T·K], indexed by slot
     table_args = (tab["act_e"], tab["act_start"], tab["num_act"])
     (w1, s1, z1), (w2, s2, z2) = gu, dn
+    perm = x_perm if x_perm is not None else tab["tok"]  # a dummy pointer when PERM is off
     return [
         (_gate_up_kernel, (A, _cdiv(I, cfg["gu"]["BLOCK_N"])),
-         (x, h, w1, s1, z1, tab["tok"], *table_args, D, I, x.stride(0),
-          w1.stride(0), w1.stride(1), s1.stride(0), z1.stride(0), s1.stride(1)),
-         dict(cfg["gu"], SYM=sym)),
+         (x, h, w1, s1, z1, tab["tok"], *table_args, perm, x.stride(0),
+          w1.stride(0), w1.stride(1), s1.stride(0), z1.stride(0), s1.stride(1),
+          perm.stride(0) if x_perm is not None else 0),
+         dict(cfg["gu"], D=D, I=I, SYM=sym, PERM=x_perm is not None)),
         (_down_kernel, (A, _cdiv(D, cfg["dn"]["BLOCK_N"]), cfg["SPLIT"]),
-         (h, part, w2, s2, z2, tab["slot"], rw, *table_args, D, I, TK, cfg["SPLIT_LEN"],
+         (h, part, w2, s2, z2, tab["slot"], rw, *table_args, TK,
           w2.stride(0), w2.stride(1), s2.stride(0), z2.stride(0), s2.stride(1)),
-         dict(cfg["dn"], SYM=sym)),
-        (_finalize_kernel, (T, _cdiv(D, 1024)), (part, y, D, TK, K, cfg["SPLIT"]), dict(BLOCK_D=1024)),
+         dict(cfg["dn"], D=D, I=I, SPLIT_LEN=cfg["SPLIT_LEN"], SYM=sym)),
+        (_finalize_kernel, (T, _cdiv(D, 1024)), (part, y, TK),
+         dict(D=D, K=K, SPLIT=cfg["SPLIT"], BLOCK_D=1024)),
     ], y
 
 
@@ -350,7 +381,7 @@ def fused_moe(
     E, two_i, D = gate_up.shape
     I = two_i // 2
     if not use_triton(x) or D % 16 or I % 16 or gate_up.dtype != x.dtype:
-        return moe_ref(x, ids, weights, gate_up, down)
+        return moe_ref(x, ids, weights, gate_up, down)  # one host sync (the active experts)
     gate_up, down, x = gate_up.contiguous(), down.contiguous(), x.contiguous()
     return _launch(x, ids, weights, E, D, I, (gate_up,) * 3, (down,) * 3, None, True, split_k, table)
 
@@ -364,15 +395,24 @@ def fused_moe_int4(
     expert_slots: torch.Tensor | None = None,
     table: dict[str, torch.Tensor] | None = None,
     split_k: int | None = None,
+    x_perm: torch.Tensor | None = None,  # [E, D] int32: act-order input permutation per expert
 ) -> torch.Tensor:
-    """fused_moe on INT4 experts, dequantised in registers; reference: dequantise active experts."""
+    """fused_moe on INT4 experts, dequantised in registers; reference: dequantise active experts.
+    x_perm (act-order GPTQ with the permutation kept): expert e's gate-up reads x[:, x_perm[e]],
+    i.e. its packed columns are in quantisation order. Indexed like the packed experts (slot
+    rows when expert_slots is given)."""
     if expert_slots is not None:
         ids = expert_slots[ids]
     if not use_triton(x):
-        fetch = lambda e: packed.dequant_expert(e, x.dtype)  # noqa: E731
+        def fetch(e: int):
+            gu, dn = packed.dequant_expert(e, x.dtype)
+            if x_perm is not None:  # W_q · x[perm] = (W_q scattered back to x's column order) · x
+                gu = torch.empty_like(gu).index_copy_(1, x_perm[e].long(), gu)
+            return gu, dn
         return moe_ref_lazy(x, ids, weights, packed.num_experts, fetch)
     sym = packed.sym
     gu = (packed.gu_q, packed.gu_s, packed.gu_q if sym else packed.gu_z)  # z unused when sym
     dn = (packed.dn_q, packed.dn_s, packed.dn_q if sym else packed.dn_z)
+    perm = None if x_perm is None else x_perm.to(device=x.device, dtype=torch.int32).contiguous()
     return _launch(x.contiguous(), ids, weights, packed.num_experts, packed.hidden, packed.inter,
-                   gu, dn, packed.group_size, sym, split_k, table)
+                   gu, dn, packed.group_size, sym, split_k, table, None, perm)
