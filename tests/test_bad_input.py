@@ -169,3 +169,59 @@ def test_unknown_sampling_argument(tiny_models):
     eng = Engine.from_pretrained(tiny_models["olmoe"])
     with pytest.raises(TypeError, match="temprature"):
         eng.generate("def", temprature=0.5)
+
+
+# prompts and generation arguments (issue 11 item 6): one clear error, or the documented result
+def test_bad_token_ids_named(tiny_models):
+    eng = Engine.from_pretrained(tiny_models["olmoe"])
+    V = eng.cfg.vocab_size
+    for bad in (-1, V):
+        for call in (lambda: eng.generate([5, bad], max_new_tokens=2),
+                     lambda: eng.generate_batch([[5], [bad]], max_new_tokens=2)):
+            with pytest.raises(ValueError) as e:
+                call()
+            assert f"token id {bad} " in _one_line(e)
+
+
+def test_empty_prompts(tiny_models):
+    eng = Engine.from_pretrained(tiny_models["olmoe"])
+    for empty in ([], "", ()):
+        with pytest.raises(ContextError, match="empty prompt"):
+            eng.generate(empty, max_new_tokens=2)
+    assert eng.generate_batch([], max_new_tokens=2) == []
+    assert list(eng.stream_batch([], max_new_tokens=2)) == []
+
+
+def test_max_new_tokens_zero_and_none(tiny_models):
+    eng = Engine.from_pretrained(tiny_models["olmoe"], ctx_size=24)
+    chunks = list(eng.stream("def", max_new_tokens=0))
+    assert [c.token_ids for c in chunks] == [[]] and chunks[-1].finish_reason == "length"
+    assert chunks[-1].stats["completion_tokens"] == 0
+    assert eng.generate_batch(["def", "import"], max_new_tokens=0) == ["", ""]
+    ids = eng.tokenizer.encode("def add(a, b):")
+    out = [t for c in eng.stream(ids, max_new_tokens=None, ignore_eos=True) for t in c.token_ids]
+    assert len(ids) + len(out) == 24  # until the context is full
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        eng.generate("def", max_new_tokens=-1)
+
+
+def test_bad_stop_strings_and_eos_ids(tiny_models):
+    eng = Engine.from_pretrained(tiny_models["olmoe"])
+    for bad in ([""], ["x", ""]):
+        with pytest.raises(ValueError, match="stop_strings") as e:
+            eng.generate("def", max_new_tokens=2, stop_strings=bad)
+        _one_line(e)
+    with pytest.raises(ValueError, match="eos_token_id"):
+        eng.generate("def", max_new_tokens=2, eos_token_id="2")
+    with pytest.raises(ValueError, match="seed has 1 entries for 2 prompts"):
+        eng.generate_batch(["a", "b"], max_new_tokens=2, do_sample=True, seed=[1])
+
+
+def test_bad_generation_config_named(model_copy):
+    (model_copy / "generation_config.json").write_text('{"eos_token_id": [1, 2')
+    with pytest.raises(ConfigError) as e:
+        Engine.from_pretrained(model_copy)
+    assert "generation_config.json" in _one_line(e)
+    (model_copy / "generation_config.json").write_text('{"temperature": "hot"}')
+    with pytest.raises(ConfigError, match="temperature"):
+        Engine.from_pretrained(model_copy)

@@ -107,3 +107,52 @@ def test_chat_session_reuses_cache(tiny_models):
     assert chunks[-1].stats["cached_prompt_tokens"] >= len(eng.encode_prompt(msgs[:1])) + 3
     fresh = Engine.from_pretrained(tiny_models["qwen3_moe"])
     assert "".join(c.text for c in chunks) == fresh.generate(msgs, max_new_tokens=4)
+
+
+def test_several_stop_strings_cut_at_the_earliest_match(tiny_models):
+    eng = Engine.from_pretrained(tiny_models["mixtral"])
+    chunks = list(eng.stream("def", max_new_tokens=24, ignore_eos=True))
+    full = "".join(c.text for c in chunks)
+    # two stops completed by the same token: the list order must not decide
+    at = 0
+    for c in chunks:
+        if len(c.text) >= 4 and full.find(c.text[:2]) == at:
+            break
+        at += len(c.text)
+    else:
+        raise AssertionError(f"no chunk of 4+ characters in {full!r}")
+    same = [c.text[-2:], c.text[:2]]
+    cases = [same, same[::-1], [full[8:11], full[2:4]], [full[2:4], full[8:11]]]
+    for stops in cases:
+        want = full[: min(full.find(s) for s in stops)]
+        got = list(eng.stream("def", max_new_tokens=24, ignore_eos=True, stop_strings=stops))
+        assert "".join(c.text for c in got) == want and got[-1].finish_reason == "stop", stops
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(tiny_models):
+    """One generator per sequence (vLLM's per-request seed): same prompt + seed → same text alone,
+    at any row of any batch; a list of seeds gives each row its own."""
+    eng = Engine.from_pretrained(tiny_models["qwen3_moe"])
+    kw = dict(max_new_tokens=12, do_sample=True, temperature=1.5, ignore_eos=True)
+    a, b = "def", "import os"
+    alone_a, alone_b = eng.generate(a, seed=5, **kw), eng.generate(b, seed=5, **kw)
+    assert eng.generate_batch([a, b, a], seed=5, **kw) == [alone_a, alone_b, alone_a]
+    assert eng.generate_batch([b, a], seed=5, **kw) == [alone_b, alone_a]
+    assert eng.generate_batch([a, b], seed=[5, 9], **kw) == [alone_a, eng.generate(b, seed=9, **kw)]
+
+
+def test_set_lynx_forgets_the_session_and_lynx_turns_reprefill_answers(tiny_models):
+    eng = Engine.from_pretrained(tiny_models["qwen3_moe"])
+    msgs = [{"role": "user", "content": "Hi"}]
+    reply = eng.generate(msgs, max_new_tokens=6, ignore_eos=True)
+    assert len(eng._session) > len(eng.encode_prompt(msgs))  # exact: the answer's K/V is reused
+    eng.set_lynx("off")  # same mode: kept
+    assert eng._session
+    eng.set_lynx("on")
+    assert eng._session == []
+    msgs2 = msgs + [{"role": "assistant", "content": reply}, {"role": "user", "content": "More"}]
+    chunks = list(eng.stream(msgs2, max_new_tokens=4, ignore_eos=True))
+    assert chunks[-1].stats["cached_prompt_tokens"] == 0
+    assert eng._session == eng.encode_prompt(msgs2)  # LYNX on: only the exactly prefilled prompt is kept
+    eng.set_lynx("off")
+    assert eng._session == []
