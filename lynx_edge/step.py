@@ -15,7 +15,7 @@ def _rows(rows: list[int], device) -> torch.Tensor | slice:
     # Contiguous rows are sliced (a view); others gathered.
     if rows == list(range(rows[0], rows[0] + len(rows))):
         return slice(rows[0], rows[0] + len(rows))
-    return torch.tensor(rows, device=device)
+    return torch.tensor(rows).to(device, non_blocking=True)  # a blocking H2D copy would sync the stream
 
 
 def prefill(model, kv: KVCache, row: int, ids: list[int], start: int = 0, logits_for: str = "last") -> torch.Tensor:
@@ -39,7 +39,7 @@ def decode_step(model, kv: KVCache, rows: list[int], tokens: torch.Tensor) -> to
     lengths = [kv.lengths[r] for r in rows]
     if max(lengths) >= kv.ctx:
         raise ValueError(f"context of {kv.ctx} tokens is full")
-    positions = torch.tensor(lengths, device=dev)[:, None]  # [B, 1]
+    positions = torch.tensor(lengths).to(dev, non_blocking=True)[:, None]  # [B, 1]; no stream sync
     ab = AttnBatch(positions=positions, rows=_rows(rows, dev), kv_len=max(lengths) + 1)
     model.routing.begin_step(True)
     logits = model(tokens.view(-1, 1), ab, kv.layers, torch.ones(len(rows), dtype=torch.bool, device=dev))

@@ -8,9 +8,10 @@ Mixtral-8x7B (D 4096, I 14336, E 8, K 2) and Qwen3-30B-A3B (D 2048, I 768, E 128
 Effective bandwidth = bytes of the active experts' weights (+ INT4 scales/zeros) ÷ time per call,
 at T ∈ {1, 8, 16, 64} with uniform random routing; weight copies rotate so the timed bytes come
 from HBM, not L2. Times: CUDA-graph replay (no launch overhead) and eager (with it). Routing
-time per layer for exact top-k and, if lynx_edge.kernels.lynx_route exists, the LYNX kernel.
-Writes kernels_bench.json and kernels_bench.md under --out, after every section (a timeout
-still leaves the finished parts). Installs nothing. Glossary: T tokens, D hidden, E experts,
+time per layer for exact top-k and the LYNX kernel (lynx_route, its arguments from
+lynx.kernel_args). Writes kernels_bench.json and kernels_bench.md under --out, after every
+section (a timeout still leaves the finished parts); --budget-s stops starting new sections once
+that much time has passed (each T and format costs a few JIT compiles). Installs nothing. Glossary: T tokens, D hidden, E experts,
 K top-k, I expert intermediate, C weight copies.
 """
 from __future__ import annotations
@@ -30,7 +31,7 @@ from lynx_edge.quant.int4 import Int4Experts, int4_moe_ref, quantize_experts
 
 SHAPES = {"mixtral-8x7b": (4096, 14336, 8, 2), "qwen3-30b-a3b": (2048, 768, 128, 8)}  # D, I, E, K
 DRY_SHAPES = {"tiny-coarse": (128, 256, 8, 2), "tiny-fine": (64, 64, 16, 4)}
-TOKENS = (1, 8, 16, 64)
+TOKENS = [1, 8, 16, 64]  # --tokens
 
 
 class Clock:
@@ -183,20 +184,21 @@ def bench_one(fmt, layers, T, D, E, K, expert_bytes, device, clock) -> dict:
 def lynx_layer(packed, shape, device, clock) -> dict:
     """Route with lynx_route (if present) and feed its expert-major table to fused_moe_int4:
     same output as without the table; time of route + GEMM as one CUDA graph."""
-    try:
-        from lynx_edge.kernels import lynx_route as lr
-    except ImportError:
-        return {"lynx_route": "absent"}
+    from lynx_edge.kernels import lynx_route as lr
+    from lynx_edge.lynx import LynxConfig, kernel_args
     from lynx_edge.routing import RouterSpec
 
     D, _I, E, K = shape
     spec, out = RouterSpec(num_experts=E, top_k=K, norm_topk_prob=True), {}
+    if not lr.available(device):
+        return {"lynx_route": "not available on this device"}
+    args = kernel_args(spec, LynxConfig.parse(LYNX))
     for T in TOKENS:
         x = torch.randn(T, D, device=device).bfloat16()
         logits, isd = torch.randn(T, E, device=device) * 2, torch.ones(T, dtype=torch.bool, device=device)
 
         def layer():
-            ids, w, active, counts, table = lr.lynx_route(logits, isd, spec, LYNX)
+            ids, w, active, counts, table, _stats = lr.lynx_route(logits, isd, **args)
             return fused_moe_int4(x, ids, w, packed, table=lr.gemm_table(active, counts, table, K)), ids, w
 
         y, ids, w = layer()
@@ -208,22 +210,22 @@ def lynx_layer(packed, shape, device, clock) -> dict:
 
 def routing_times(device, clock) -> dict:
     """Per-layer routing time: exact softmax→top-k (torch) and the LYNX kernel if present."""
+    from lynx_edge.kernels import lynx_route as lr
+    from lynx_edge.lynx import LynxConfig, kernel_args
     from lynx_edge.routing import RouterSpec, exact_route
 
-    try:
-        from lynx_edge.kernels import lynx_route as lr
-    except ImportError:
-        lr = None
-    out = {"lynx_route": "absent" if lr is None else "present"}
+    ok = lr.available(device)
+    out = {"lynx_route": "present" if ok else "not available on this device"}
     for name, (_D, _I, E, K) in SHAPES.items():
         spec = RouterSpec(num_experts=E, top_k=K, norm_topk_prob=True)
+        args = kernel_args(spec, LynxConfig.parse(LYNX))
         for T in TOKENS:
             logits = torch.randn(T, E, device=device)
             is_decode = torch.ones(T, dtype=torch.bool, device=device)
             row = {"exact_s": clock.time(lambda: exact_route(logits, spec), 50)}
-            if lr is not None:
+            if ok:
                 try:
-                    route = lambda: lr.lynx_route(logits, is_decode, spec, LYNX)  # noqa: E731
+                    route = lambda: lr.lynx_route(logits, is_decode, **args)  # noqa: E731
                     row["lynx_route_s"] = clock.time(route, 50)
                     if clock.cuda:
                         row["lynx_route_graph_s"] = clock.time_graph([route], 50)
@@ -262,7 +264,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "gpu_out"))
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, torch reference path")
+    ap.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="decode batch sizes T, e.g. 1,16,64")
+    ap.add_argument("--budget-s", type=float, default=None, help="start no new section after this many s")
     args = ap.parse_args()
+    TOKENS[:] = [int(t) for t in args.tokens.split(",")]
+    t0 = time.perf_counter()
+    over = lambda: args.budget_s is not None and time.perf_counter() - t0 > args.budget_s  # noqa: E731
     dry = args.dry_run or not torch.cuda.is_available()
     device = torch.device("cpu" if dry else "cuda")
     clock, out_dir = Clock(device), Path(args.out)
@@ -276,6 +283,9 @@ def main() -> int:
     res["ceiling"] = read_ceiling(device, clock)
     write(out_dir, res)
     for name, shape in (DRY_SHAPES if dry else SHAPES).items():
+        if over():
+            res["shapes"][name] = {"error": f"skipped: past --budget-s {args.budget_s}"}
+            continue
         try:
             res["shapes"][name] = check_shape(name, shape, device, clock, dry)
         except Exception as e:
@@ -285,13 +295,13 @@ def main() -> int:
         if clock.cuda:
             torch.cuda.empty_cache()
     try:
-        res["routing"] = routing_times(device, clock)
+        res["routing"] = routing_times(device, clock) if not over() else {"error": "skipped: past --budget-s"}
     except Exception as e:
         res["routing"] = {"error": f"{type(e).__name__}: {e}"[:500]}
     write(out_dir, res)
     print((out_dir / "kernels_bench.md").read_text())
     bad = [n for n, r in res["shapes"].items()
-           if "error" in r or not all(c[f]["ok"] for c in r["correctness"] for f in ("bf16", "int4"))]
+           if ("error" in r and not r["error"].startswith("skipped")) or not all(c[f]["ok"] for c in r["correctness"] for f in ("bf16", "int4"))]
     return 1 if bad else 0
 
 

@@ -489,3 +489,66 @@ def test_decode_step_routing_has_no_host_sync(monkeypatch):
     step.decode_step(model, kv, [0, 1], torch.tensor([5, 6]))
     assert [ops for _, ops in seen] == [[]] * 6
     assert [ph for ph, _ in seen][-2:] == [True, True]  # the decode step's phase came from the host
+
+
+def _tiny_model(device, dtype, E=8, K=2):
+    """A random qwen3_moe-shaped MoEForCausalLM (2 layers, D 64) for step-level tests."""
+    from lynx_edge.config import ModelConfig
+    from lynx_edge.models import MoEForCausalLM
+
+    cfg = ModelConfig.from_dict(dict(
+        model_type="qwen3_moe", vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=32, max_position_embeddings=64, rms_norm_eps=1e-6, num_experts=E,
+        num_experts_per_tok=K, moe_intermediate_size=32, norm_topk_prob=True, tie_word_embeddings=False))
+    torch.manual_seed(0)
+    model = MoEForCausalLM(cfg, dtype, torch.device(device))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    return model
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_decode_step_syncs_once_per_token():
+    """torch.cuda.set_sync_debug_mode counts every synchronising CUDA call: a B=16 decode step
+    with LYNX (the Triton route kernel) plus reading the next tokens back syncs exactly once,
+    and the routing calls inside it never."""
+    import warnings
+
+    from lynx_edge import step
+    from lynx_edge.kv_cache import KVCache
+
+    dev = torch.device("cuda")
+    model = _tiny_model(dev, torch.bfloat16, E=16, K=4)
+    router = LynxRouter(model.routing.spec, "lynx", device=dev)
+    assert router.use_triton
+    model.routing.route = router
+    B = 16
+    kv = KVCache(model.cfg, B, 32, torch.bfloat16, dev)
+    for row in range(B):
+        step.prefill(model, kv, row, [1 + row % 7, 2, 3])
+    tokens = torch.arange(B, device=dev) % 60
+    tokens = step.decode_step(model, kv, list(range(B)), tokens).argmax(-1)  # warm-up: JIT compiles
+    torch.cuda.synchronize()
+    in_route: list[int] = []
+
+    def route(logits, is_decode, layer, _r=router):
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            out = _r(logits, is_decode, layer)
+        in_route.append(sum("synchroniz" in str(x.message) for x in w))
+        return out
+    route.begin_step = router.begin_step
+    model.routing.route = route
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            nxt = step.decode_step(model, kv, list(range(B)), tokens).argmax(-1).tolist()  # the one read
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    syncs = [str(x.message)[:200] for x in caught if "synchroniz" in str(x.message)]
+    assert len(nxt) == B and router.last.table is not None  # the kernel routed
+    assert in_route == [0, 0], in_route
+    assert len(syncs) == 1, syncs
