@@ -119,6 +119,7 @@ def load_model(model_dir: Path, cfg: ModelConfig, opts: LoadOptions, progress: P
     name = "int4" if int4 else {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dt]
     placement = Placement(dev.type, str(dt).replace("torch.", ""), name, "host" if opts.offload else "device",
                           group, sym, qc.method if qc is not None else None, mixed if not opts.offload else ())
+    _check_memory(cfg, opts, dev, dt, qc, ckpt.total_bytes)
     rt = None
     if opts.offload:
         rt = _offload_runtime(cfg, opts, dt, dev, name, group, sym, mixed)
@@ -133,6 +134,19 @@ def load_model(model_dir: Path, cfg: ModelConfig, opts: LoadOptions, progress: P
         rt.bind(model)
         _install_route(rt, rt.opts)
     return model
+
+
+def _check_memory(cfg: ModelConfig, opts: LoadOptions, dev, dt, qc, file_bytes: int) -> None:
+    """The memory plan for this machine, before anything is allocated: a load that cannot fit
+    fails now with one line (the plan's summary and hint), not after minutes with an OOM."""
+    from .offload import OffloadOptions
+    from .offload.memory import plan_memory
+
+    extra = {k: v for k, v in (opts.offload_options or {}).items() if k != "profile"}
+    oo = OffloadOptions(device=str(dev), ctx=opts.ctx, int4_group=opts.int4_group, **extra)
+    plan = plan_memory(cfg, device=dev.type, dtype=dt, offload=opts.offload, int4=opts.int4, quant=qc,
+                       ctx=opts.ctx, opts=oo, file_bytes=file_bytes)
+    plan.check()
 
 
 def _backends(cfg: ModelConfig, dt, dev, int4: bool, group, sym, mixed, rt):

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -135,13 +136,17 @@ def slow_decode_gptq(t: dict[str, torch.Tensor], v1: bool) -> torch.Tensor:
     return torch.tensor(w, dtype=torch.float32)
 
 
-def gptq_linear(w: torch.Tensor, sym: bool, gen: torch.Generator | None) -> tuple[dict, torch.Tensor]:
+def gptq_linear(w: torch.Tensor, sym: bool, gen: torch.Generator | None,
+                order: torch.Tensor | None = None) -> tuple[dict, torch.Tensor]:
     """RTN-quantise w [out, in] in GPTQ's layout; gen → a random act order (desc_act): groups are G
-    consecutive columns of that order, so g_idx[order[j]] = j // G is a shuffled i // G."""
+    consecutive columns of that order, so g_idx[order[j]] = j // G is a shuffled i // G. `order`:
+    reuse a sibling's act order (linears that read the same input share GPTQ's Hessian, so
+    gptqmodel gives them the same order: q/k/v, and an expert's gate/up)."""
     from lynx_edge.quant.int4 import quantize_rtn
 
     n_in = w.shape[1]
-    order = torch.randperm(n_in, generator=gen) if gen is not None else torch.arange(n_in)
+    if order is None:
+        order = torch.randperm(n_in, generator=gen) if gen is not None else torch.arange(n_in)
     codes_o, s, z = quantize_rtn(w.float()[:, order], GPTQ_GROUP, sym)  # [out, in] in act order
     q = torch.empty_like(codes_o)
     q[:, order] = codes_o  # back to the original column order, as the checkpoint stores it
@@ -190,13 +195,16 @@ def write_gptq_fixture(kind: str, out: Path) -> None:
                 "quant_method": "gptq", "checkpoint_format": "gptq", "pack_dtype": "int32",
                 "meta": {"quantizer": ["lynx-edge scripts/make_gptq_fixture.py"], "static_groups": False, "true_sequential": True},
             }
-        tensors, expected = {}, {}
+        tensors, expected, orders = {}, {}, {}
         for name, w in sd.items():
             if not _gptq_quantized(kind, name, w):
                 tensors[name] = w
                 continue
             mod = name.removesuffix(".weight")
-            t, expected[mod] = gptq_linear(w, sym, gen)
+            shared = re.sub(r"(q_proj|k_proj|v_proj)$", "qkv", re.sub(r"(gate_proj|up_proj)$", "gate_up", mod))
+            if gen is not None and shared not in orders:
+                orders[shared] = torch.randperm(w.shape[1], generator=gen)
+            t, expected[mod] = gptq_linear(w, sym, gen, orders.get(shared))
             tensors.update({f"{mod}.{k}": v for k, v in t.items()})
         out.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})

@@ -24,11 +24,12 @@ def group_size_for(hidden: int, inter: int, wanted: int = 128) -> int:
     raise ValueError(f"no INT4 group size divides hidden {hidden} and expert intermediate {inter}")
 
 
-def write_quant(packed: Int4Experts, e: int, part: str, ql, name: str = "expert") -> None:
-    """A checkpoint's 4-bit projection (QuantLinear) → expert e's block, exactly."""
-    if ql.perm is not None:
-        raise ValueError(f"{name}: act-order (desc_act) expert weights are not supported yet; "
-                         "re-quantize with desc_act=False")
+def write_quant(packed: Int4Experts, e: int, part: str, ql, name: str = "expert", act_order: bool = False) -> None:
+    """A checkpoint's 4-bit projection (QuantLinear) → expert e's block, exactly. Its columns are
+    written in the checkpoint's order; act-order permutations are the caller's (Int4MoEExperts)."""
+    if ql.perm is not None and not act_order:
+        raise ValueError(f"{name}: act-order (desc_act) expert weights are not supported here "
+                         "(offloaded experts); load without offload, or re-quantize with desc_act=False")
     G = packed.group_size
     if ql.scales.shape[0] * G != ql.codes.shape[1]:
         raise ValueError(f"{name}: group size {ql.codes.shape[1] // max(1, ql.scales.shape[0])} does not "
@@ -43,6 +44,11 @@ class Int4MoEExperts(nn.Module):
         super().__init__()
         self.packed = packed
         self.num_experts, self.hidden, self.inter = packed.num_experts, packed.hidden, packed.inter
+        # act-order GPTQ: expert e's gate/up columns are in quantisation order, so it reads
+        # x[:, x_perm[e]] (int32 [E, D], None while every expert is in natural order); down's
+        # permutation runs over I, internal to the expert, and is absorbed into gate/up's rows.
+        self.x_perm: torch.Tensor | None = None
+        self._down_perm: dict[int, torch.Tensor] = {}
 
     @classmethod
     def empty(cls, E: int, D: int, I: int, group: int, sym: bool, device) -> "Int4MoEExperts":
@@ -57,10 +63,39 @@ class Int4MoEExperts(nn.Module):
         quantize_part(self.packed, e, part, w)
 
     def load_quant_part(self, e: int, part: str, ql) -> None:
-        write_quant(self.packed, e, part, ql, f"expert {e} {part}")
+        name = f"expert {e} {part}"
+        write_quant(self.packed, e, part, ql, name, act_order=True)
+        if ql.perm is None:
+            return
+        if part == "down":
+            self._down_perm[e] = ql.perm
+            return
+        if self.x_perm is None:
+            ar = torch.arange(self.hidden, dtype=torch.int32, device=self.packed.data.device)
+            self.x_perm = ar.repeat(self.num_experts, 1)  # [E, D]
+        perm = ql.perm.to(self.x_perm.device, torch.int32)
+        other = self.x_perm[e]
+        natural = torch.equal(other, torch.arange(self.hidden, dtype=torch.int32, device=other.device))
+        if not natural and not torch.equal(other, perm):
+            raise ValueError(f"{name}: act-order permutation differs from its gate/up sibling's "
+                             "(one input permutation per expert is supported)")
+        self.x_perm[e] = perm
+
+    def finish_load(self) -> None:
+        """Absorb each act-order down projection's permutation p (over I) into gate/up rows:
+        down_p · h[p] = down · h, so gate/up rows are reordered to produce h[p] directly."""
+        P, I = self.packed, self.inter
+        for e, p in self._down_perm.items():
+            p = p.to(P.data.device)
+            for rows in (slice(0, I), slice(I, 2 * I)):
+                P.gu_q[e, rows] = P.gu_q[e, rows][p]
+                P.gu_s[e, :, rows] = P.gu_s[e, :, rows][:, p]
+                if P.gu_z is not None:
+                    P.gu_z[e, :, rows] = P.gu_z[e, :, rows][:, p]
+        self._down_perm.clear()
 
     def forward(self, x, ids, weights):  # x [N, D], ids/weights [N, K] → [N, D]
-        return fused_moe_int4(x, ids, weights, self.packed)
+        return fused_moe_int4(x, ids, weights, self.packed, x_perm=self.x_perm)
 
 
 __all__ = ["Int4MoEExperts", "group_size_for", "write_quant"]
