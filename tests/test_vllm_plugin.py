@@ -220,3 +220,177 @@ def test_setting_parses_any_lynx_config_string():
     assert (cfg.mode, cfg.j, force) == ("lynx-mass:0.2", 0, None)
     cfg, force = lv.parse_setting({"lynx_test_force_experts": [0, 5, 9, 1]})
     assert cfg.kind == "off" and force == (0, 5, 9, 1)
+
+
+# ---- -m vllm: end to end in vLLM's CPU build, one subprocess per case ------------------------
+
+DEMO = ROOT / "lynx_edge" / "demo"
+FORCED = [3, 7, 11, 20]
+
+
+def _vllm_python():
+    py = os.environ.get("LYNX_VLLM_PYTHON") or str(ROOT / ".venv-vllm" / "bin" / "python")
+    if not Path(py).exists():
+        return None
+    probe = "import importlib.util as u, sys; sys.exit(not (u.find_spec('vllm') and u.find_spec('lynx_edge')))"
+    return py if subprocess.run([py, "-c", probe], timeout=120).returncode == 0 else None
+
+
+def _run_case(case: str, timeout: int = 900) -> dict:
+    py = _vllm_python()
+    if py is None:
+        pytest.skip("vLLM is not importable (set LYNX_VLLM_PYTHON or build .venv-vllm, see .ci/run)")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
+    r = subprocess.run([py, __file__, case], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=timeout)
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert r.returncode == 0 and lines, r.stdout[-4000:] + r.stderr[-6000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def _prompts(n: int, length: int = 24) -> list[list[int]]:
+    """n windows of the demo model's held-out text, as token ids."""
+    from tokenizers import Tokenizer
+
+    ids = Tokenizer.from_file(str(DEMO / "tokenizer.json")).encode((DEMO / "heldout.txt").read_text()).ids
+    return [ids[i * 97: i * 97 + length] for i in range(n)]
+
+
+def _llm(extra=None, eager=True, multiproc=False):
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiproc else "0"
+    from vllm import LLM
+
+    kw = dict(model=str(DEMO), dtype="float32", enforce_eager=eager, max_model_len=256,
+              max_num_seqs=16, seed=0)
+    if not multiproc:
+        kw["distributed_executor_backend"] = "uni"
+    else:  # callables are not shipped to other processes: stats through a worker extension
+        kw["worker_extension_cls"] = "lynx_edge.integrations.vllm.LynxWorkerExtension"
+    return LLM(**kw, **({"additional_config": extra} if extra else {}))
+
+
+def _generate(llm, prompts, n):
+    """Greedy: → (token ids, their logprobs) per prompt."""
+    from vllm import SamplingParams
+
+    sp = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    toks = [list(o.outputs[0].token_ids) for o in outs]
+    lps = [[d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs]
+    return toks, lps
+
+
+def _stats(llm) -> dict:
+    return llm.collective_rpc(lv.collect_stats)[0]
+
+
+def case_exact() -> dict:
+    import gc
+
+    prompts = _prompts(4)
+    llm = _llm()
+    base = _generate(llm, prompts, 16)
+    del llm
+    gc.collect()
+    llm = _llm({"lynx": "off"})
+    got = _generate(llm, prompts, 16)
+    return {"tokens_equal": got[0] == base[0], "logprobs_equal": got[1] == base[1], "stats": _stats(llm)}
+
+
+def _hf_logprobs(seqs, n, force):
+    """transformers' greedy check: log-probs of each sequence's last n tokens, teacher-forced,
+    with every MoE gate forced to `force` (weights = renormalised softmax probs) if given."""
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(DEMO, dtype=torch.float32).eval()
+
+    def forced(gate, hidden):
+        h = hidden.reshape(-1, gate.hidden_dim)
+        logits = F.linear(h, gate.weight)
+        ids = torch.tensor(force).expand(h.shape[0], -1)
+        w = torch.softmax(logits, -1, dtype=torch.float32).gather(1, ids)
+        return logits, (w / w.sum(-1, keepdim=True)).to(logits.dtype), ids
+
+    if force:
+        for layer in model.model.layers:
+            gate = layer.mlp.gate
+            gate.forward = types.MethodType(forced, gate)
+    out = []
+    with torch.no_grad():
+        for s in seqs:
+            lp = torch.log_softmax(model(torch.tensor([s])).logits[0].float(), -1)
+            pos = range(len(s) - n - 1, len(s) - 1)
+            out.append(([int(lp[p].argmax()) for p in pos], [float(lp[p, s[p + 1]]) for p in pos]))
+    return out
+
+
+def case_forced() -> dict:
+    prompts, n = _prompts(2), 8
+    llm = _llm({"lynx_test_force_experts": FORCED})
+    toks, lps = _generate(llm, prompts, n)
+    seqs = [p + t for p, t in zip(prompts, toks)]
+    ref = _hf_logprobs(seqs, n, FORCED)
+    plain = _hf_logprobs(seqs, n, None)
+    return {"greedy_equal": [r[0] for r in ref] == toks,
+            "max_logprob_diff": max(abs(a - b) for r, lp in zip(ref, lps) for a, b in zip(r[1], lp)),
+            "plain_hf_agrees": [r[0] for r in plain] == toks, "stats": _stats(llm)}
+
+
+def case_lynx16() -> dict:
+    llm = _llm({"lynx": "on"})
+    _generate(llm, _prompts(16), 24)
+    return {"stats": _stats(llm)}
+
+
+def case_multiproc() -> dict:
+    llm = _llm({"lynx": "on"}, multiproc=True)
+    _generate(llm, _prompts(4), 8)
+    stats = llm.collective_rpc("lynx_stats")[0]
+    return {"stats": stats, "frontend_pid": os.getpid(), "frontend_layers": len(lv._STATE.layers)}
+
+
+def case_compiled() -> dict:
+    llm = _llm({"lynx": "on"}, eager=False)
+    _generate(llm, _prompts(4), 12)
+    return {"stats": _stats(llm)}
+
+
+@pytest.mark.vllm
+def test_vllm_exact_mode_is_bit_identical():
+    r = _run_case("exact")
+    assert r["tokens_equal"] and r["logprobs_equal"]
+    assert r["stats"]["layers"] == [0, 1, 2, 3] and r["stats"]["decode_steps"] == 15  # hook ran
+
+
+@pytest.mark.vllm
+def test_vllm_forced_experts_equal_transformers():
+    r = _run_case("forced")
+    assert r["greedy_equal"] and r["max_logprob_diff"] < 2e-5, r
+    assert not r["plain_hf_agrees"]  # forcing changed the output: the hook acts
+
+
+@pytest.mark.vllm
+def test_vllm_lynx_on_demo_batch16():
+    s = _run_case("lynx16")["stats"]
+    assert 20.0 <= s["reduction_pct"] <= 35.0, s
+    assert s["decode_steps"] == 23 and s["decode_layer_steps"] == 4 * 23
+    assert s["unique_after"] < s["unique_before"] <= 32
+
+
+@pytest.mark.vllm
+def test_vllm_default_multiprocess_attaches_in_the_worker():
+    r = _run_case("multiproc")
+    assert r["stats"]["pid"] != r["frontend_pid"] and r["frontend_layers"] == 0
+    assert r["stats"]["layers"] == [0, 1, 2, 3] and r["stats"]["decode_steps"] == 7
+
+
+@pytest.mark.vllm
+def test_vllm_without_enforce_eager():
+    s = _run_case("compiled")["stats"]
+    assert s["decode_steps"] == 11 and s["decode_layer_steps"] == 4 * 11  # the op ran every step
+    assert s["unique_after"] < s["unique_before"]
+
+
+if __name__ == "__main__":
+    print("RESULT " + json.dumps(globals()["case_" + sys.argv[1]]()), flush=True)

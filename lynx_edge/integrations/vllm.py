@@ -201,6 +201,18 @@ def reset_stats(worker=None) -> None:
     _STATE.clear()
 
 
+class LynxWorkerExtension:
+    """`worker_extension_cls="lynx_edge.integrations.vllm.LynxWorkerExtension"` lets any
+    executor (multi-process too, where callables are not shipped) call
+    `llm.collective_rpc("lynx_stats")` / `collective_rpc("lynx_reset_stats")`."""
+
+    def lynx_stats(self) -> dict:
+        return _STATE.summary()
+
+    def lynx_reset_stats(self) -> None:
+        _STATE.clear()
+
+
 def parse_setting(extra) -> Optional[tuple[LynxConfig, Optional[tuple[int, ...]]]]:
     """additional_config → (LynxConfig, forced experts or None); None when LYNX was not asked
     for. Raises ValueError with one line naming the field."""
