@@ -1,10 +1,14 @@
-"""`lynx-edge quantize`: GPTQ (or RTN) the experts of a checkpoint and write a GPTQ checkpoint.
+"""`lynx-edge quantize`: GPTQ (or RTN) the experts of a checkpoint, layer by layer, into a GPTQ checkpoint.
 
-`quantize_model(src, out)` calibrates on text, quantizes every MoE layer's experts and writes a
-GPTQ-format checkpoint (v1 zeros) that Engine.from_pretrained loads as INT4; non-expert weights
-stay 16-bit. (INT4 at load — `int4=True` — and reading GPTQ/AWQ checkpoints live in build.py,
-loader.py and quant/experts.py.)
-Glossary: T tokens, D hidden, E experts, K top-k, I expert intermediate, G group size.
+`quantize_model(src, out)` never holds the model: it streams one decoder layer at a time from
+the source checkpoint's mmap (in fp32), runs the calibration activations through it, GPTQ-
+quantizes that layer's experts from the inputs each expert actually saw, writes the layer as its
+own safetensors shard (experts as GPTQ v1 tensors, everything else copied 16-bit), frees it and
+moves on; the float layer's outputs feed the next layer (as gptqmodel does without true
+sequential error feedback). Memory bound, beyond one layer's weights in fp32:
+    calibration hidden states   calib_tokens × D × 4 bytes (×2 while a layer runs)
+    captured expert inputs      calib_tokens × top_k × D × 4 bytes (GPTQ only)
+The output loads with Engine.from_pretrained as INT4 experts. Glossary: D hidden, L layers.
 """
 from __future__ import annotations
 
@@ -16,13 +20,20 @@ from typing import Callable
 import torch
 from torch import nn
 
+from .checkpoint import Checkpoint
+from .config import ConfigError, ModelConfig
+from .loader import _LAYER_RE, internal_name, load_weights
+from .models import FAMILIES
+from .models.layers import AttnBatch, Rope, RoutingContext
+from .models.transformer import DecoderLayer
 from .quant.experts import group_size_for
-from .quant.gptq import quantize_experts_gptq, write_gptq_checkpoint
-from .quant.int4 import Int4Experts, quantize_experts
+from .quant.formats import GPTQConfig, read_quant_config
+from .quant.gptq import expert_gptq_tensors, quantize_experts_gptq
+from .quant.int4 import quantize_experts
+from .routing import RouterSpec
 
-
-def _moe_blocks(model):
-    return [(i, model.layers[i].mlp) for i in model.cfg.moe_layer_ids]
+_COPY = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja", "heldout.txt",
+         "special_tokens_map.json", "tokenizer.model")
 
 
 class _Capture(nn.Module):
@@ -36,8 +47,42 @@ class _Capture(nn.Module):
     def forward(self, x, ids, weights):
         for e in ids.unique().tolist():
             tok = (ids == e).any(-1)
-            self.rows.setdefault(e, []).append(x[tok].float().cpu())
+            self.rows.setdefault(e, []).append(x[tok].float())
         return self.inner(x, ids, weights)
+
+
+class _Layers(nn.ModuleDict):
+    def __getitem__(self, i):
+        return super().__getitem__(str(i))
+
+
+class _OneLayer(nn.Module):
+    """Just decoder layer i, named as in the full model (layers.{i}.…), for loader.load_weights."""
+
+    def __init__(self, cfg: ModelConfig, i: int, layer: DecoderLayer):
+        super().__init__()
+        self.layers = _Layers({str(i): layer})
+        self.cfg = _Cfg([i] if cfg.moe_layers[i] else [])
+
+
+class _Cfg:
+    def __init__(self, moe_layer_ids):
+        self.moe_layer_ids = moe_layer_ids
+
+
+def check_output_dir(out: Path) -> None:
+    """Fail before any work: an existing non-empty directory or an unwritable parent."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"{out}: output directory exists and is not empty")
+    parent = out if out.exists() else out.parent
+    while not parent.exists():
+        parent = parent.parent
+    probe = parent / ".lynx_write_probe"
+    try:
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError(f"{out}: cannot write there ({exc.strerror})") from None
 
 
 def quantize_model(src, out_dir, method: str = "gptq", group_size: int = 128, sym: bool = True,
@@ -47,66 +92,111 @@ def quantize_model(src, out_dir, method: str = "gptq", group_size: int = 128, sy
 
     Calibration text defaults to the first quarter of the model's heldout.txt (the rest is left
     for evaluation). Experts that see no calibration token fall back to RTN."""
-    from .checkpoint import Checkpoint
-    from .engine import Engine
+    from .hub import resolve_model
 
     if method not in ("gptq", "rtn"):
         raise ValueError(f"method must be gptq or rtn, got {method!r}")
-    eng = Engine.from_pretrained(src, device="cpu", dtype="float32")
-    model, cfg = eng.model, eng.cfg
+    out = Path(out_dir)
+    check_output_dir(out)
+    model_dir = resolve_model(src)
+    cfg = ModelConfig.from_file(model_dir / "config.json")
+    if read_quant_config(model_dir, cfg.raw) is not None:
+        raise ConfigError(f"{model_dir}: already a 4-bit checkpoint")
     G = group_size_for(cfg.hidden_size, cfg.moe_intermediate_size, group_size)
-    caps = {}
-    if method == "gptq":
-        for i, block in _moe_blocks(model):
-            caps[i] = block.experts = _Capture(block.experts)
-        _calibrate(eng, calib_text, calib_tokens, window)
-    layers = {}
-    blocks = _moe_blocks(model)
-    for n, (i, block) in enumerate(blocks):
-        ex = block.experts.inner if method == "gptq" else block.experts
-        if method == "rtn":
-            layers[i] = quantize_experts(ex.gate_up.data, ex.down.data, G, sym)
-        else:
-            layers[i] = _gptq_layer(ex, caps[i].rows, G, sym)
-        if progress:
-            progress(n + 1, len(blocks))
-    # non-expert tensors: copied from the source checkpoint, 16-bit
-    ckpt, extra = Checkpoint(eng.model_dir), {}
+    family, ckpt = FAMILIES[cfg.model_type], Checkpoint(model_dir)
+    by_layer: dict[int, list[str]] = {}
     for name in ckpt.names():
-        if ".experts." in name:
-            continue
-        t = ckpt.get(name)
-        extra[name] = t.to(torch.bfloat16) if t.dtype == torch.float32 else t.clone()
-    config = json.loads((eng.model_dir / "config.json").read_text())
+        m = _LAYER_RE.match(internal_name(name, family.RENAMES))
+        by_layer.setdefault(int(m.group(1)) if m else -1, []).append(name)
+    x = _calibration_states(cfg, ckpt, model_dir, calib_text, calib_tokens, window) if method == "gptq" else None
+    rope = Rope(cfg, torch.device("cpu"))
+    out.mkdir(parents=True, exist_ok=True)
+    weight_map = _write_shard(out, "model-head.safetensors", {n: _copy16(ckpt.get(n)) for n in by_layer.get(-1, [])})
     naming = "mixtral" if cfg.model_type == "mixtral" else "qwen"
-    out = write_gptq_checkpoint(out_dir, layers, naming=naming, config=config, extra_tensors=extra)
-    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja", "heldout.txt"):
-        if (eng.model_dir / f).is_file():
-            shutil.copy(eng.model_dir / f, out / f)
+    for i in range(cfg.num_layers):
+        layer = DecoderLayer(cfg, i, RoutingContext(_spec(cfg)), torch.float32, torch.device("cpu"))
+        load_weights(_OneLayer(cfg, i, layer), ckpt, family)
+        tensors = {n: _copy16(ckpt.get(n)) for n in by_layer.get(i, []) if ".experts." not in n}
+        if cfg.moe_layers[i]:
+            ex = layer.mlp.experts
+            if x is not None:
+                cap = layer.mlp.experts = _Capture(ex)
+                x = _run_layer(layer, x, rope)
+                rows = cap.rows
+                x_in = [torch.cat(rows[e]) if e in rows else torch.empty(0, cfg.hidden_size) for e in range(ex.num_experts)]
+                packed = quantize_experts_gptq(ex.gate_up.data, ex.down.data, x_in, None, G, sym)
+                del rows, x_in, cap
+            else:
+                packed = quantize_experts(ex.gate_up.data, ex.down.data, G, sym)
+            tensors.update(expert_gptq_tensors(packed, i, naming))
+        elif x is not None:
+            x = _run_layer(layer, x, rope)
+        weight_map.update(_write_shard(out, f"model-{i:05d}-of-{cfg.num_layers:05d}.safetensors", tensors))
+        del layer, tensors
+        if progress:
+            progress(i + 1, cfg.num_layers)
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
+    qc = GPTQConfig(G, sym, False, "gptq").to_json()
+    (out / "quantize_config.json").write_text(json.dumps(qc, indent=2) + "\n")
+    config = json.loads((model_dir / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "quantization_config": qc}, indent=2) + "\n")
+    for f in _COPY:
+        if (model_dir / f).is_file():
+            shutil.copy(model_dir / f, out / f)
     return out
 
 
-def _calibrate(eng, text: str | None, tokens: int, window: int) -> None:
+def _spec(cfg: ModelConfig) -> RouterSpec:
+    return RouterSpec(cfg.num_experts, cfg.top_k, cfg.norm_topk_prob, int(bool(cfg.shared_expert_intermediate_size)))
+
+
+def _copy16(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.bfloat16) if t.dtype == torch.float32 else t.clone()
+
+
+def _write_shard(out: Path, name: str, tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / name), metadata={"format": "pt"})
+    return {k: name for k in tensors}
+
+
+def _calibration_states(cfg, ckpt: Checkpoint, model_dir: Path, text: str | None, tokens: int, window: int):
+    """Calibration text → its embeddings, fp32 [n_windows, window, D] (the last window may be short:
+    it is dropped unless it is the only one)."""
+    from .tokenizer import Tokenizer
+
     if text is None:
-        held = eng.model_dir / "heldout.txt"
+        held = model_dir / "heldout.txt"
         if not held.is_file():
-            raise FileNotFoundError(f"{held}: no calibration text (pass calib_text)")
+            raise FileNotFoundError(f"{held}: no calibration text (pass calib_text / --calib)")
         full = held.read_text(encoding="utf-8", errors="replace")
         text = full[: len(full) // 4]
-    ids = eng.tokenizer.encode(text, add_special_tokens=False)[:tokens]
-    from .step import prefill
-
-    for s in range(0, max(1, len(ids) - 1), window):
-        chunk = ids[s : s + window]
-        if len(chunk) > 1:
-            prefill(eng.model, eng._cache(1), 0, chunk, 0)
-
-
-def _gptq_layer(ex, rows: dict[int, list[torch.Tensor]], G: int, sym: bool) -> Int4Experts:
-    E, D = ex.gate_up.shape[0], ex.gate_up.shape[2]
-    # experts nobody routed to during calibration: identity Hessian ≈ RTN
-    x_in = [torch.cat(rows[e]) if e in rows else torch.eye(D) for e in range(E)]
-    return quantize_experts_gptq(ex.gate_up.data, ex.down.data, x_in, None, G, sym)
+    ids = Tokenizer(model_dir).encode(text, add_special_tokens=False)[:tokens]
+    if len(ids) < 2:
+        raise ValueError("calibration text is too short (fewer than 2 tokens)")
+    n = max(1, len(ids) // window)
+    w = min(window, len(ids))
+    ids_t = torch.tensor(ids[: n * w]).view(n, w)
+    emb_name = next(k for k in ckpt.names() if internal_name(k, ()) == "embed_tokens")
+    return ckpt.get(emb_name)[ids_t].float()  # [n, w, D]
 
 
-__all__ = ["quantize_model"]
+@torch.inference_mode()
+def _run_layer(layer: DecoderLayer, x: torch.Tensor, rope: Rope, rows: int = 8) -> torch.Tensor:
+    """x [n, w, D] → the float layer's outputs, `rows` windows at a time (bounded KV and activations)."""
+    n, w, _ = x.shape
+    attn = layer.self_attn
+    out = torch.empty_like(x)
+    for r0 in range(0, n, rows):
+        xb = x[r0 : r0 + rows]
+        B = xb.shape[0]
+        pos = torch.arange(w)[None].expand(B, w)
+        ab = AttnBatch(positions=pos, rows=slice(0, B), kv_len=w)
+        ab.cos, ab.sin = rope.cos_sin(pos, xb.dtype)
+        kv = tuple(torch.zeros(B, attn.Hkv, w, attn.hd) for _ in range(2))
+        out[r0 : r0 + rows] = layer(xb, ab, kv, torch.zeros(B * w, dtype=torch.bool))
+    return out
+
+
+__all__ = ["check_output_dir", "quantize_model"]

@@ -69,3 +69,23 @@ def test_int4_with_offload_matches_resident_int4(q_models):
     prompts = ["def", "import os"]
     assert a.generate_batch(prompts, max_new_tokens=6, ignore_eos=True) == \
         b.generate_batch(prompts, max_new_tokens=6, ignore_eos=True)
+
+
+def test_quantize_streams_layers_into_shards_and_checks_the_output_first(q_models, tmp_path):
+    from lynx_edge.config import ConfigError
+
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "keep.txt").write_text("mine")
+    with pytest.raises(ConfigError, match="not empty"):  # before any work
+        quantize_model(q_models["mixtral"], busy, method="gptq", group_size=32, calib_text=TEXT)
+    assert (busy / "keep.txt").read_text() == "mine"
+    out = quantize_model(q_models["mixtral"], tmp_path / "q", method="gptq", group_size=32, calib_text=TEXT,
+                         calib_tokens=256, window=64)
+    shards = sorted(p.name for p in out.glob("*.safetensors"))
+    assert shards == ["model-00000-of-00002.safetensors", "model-00001-of-00002.safetensors", "model-head.safetensors"]
+    eng = Engine.from_pretrained(out)
+    assert all(isinstance(eng.model.layers[i].mlp.experts, Int4MoEExperts) for i in eng.cfg.moe_layer_ids)
+    ref = Engine.from_pretrained(q_models["mixtral"])
+    ids = ref.tokenizer.encode(TEXT[-300:])
+    assert abs(_ppl(eng, ids) / _ppl(ref, ids) - 1) < 0.05
