@@ -1,0 +1,270 @@
+"""Continuous-batching engine core: requests join and leave at any step.
+
+A KV cache of `max_num_seqs` rows × ctx is allocated once (the Engine's own cache). Each step():
+takes new requests and aborts from a thread-safe inbox, admits waiting requests into free rows,
+runs one decode forward over every running row, then prefills waiting prompts in chunks up to a
+token budget (a long prompt never stalls the others' decode), samples each request with its own
+SamplingParams and seeded generator, and returns the per-request outputs. Only the thread that
+calls step() touches the model. Glossary: B decode rows, V vocabulary.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from .engine import ContextError, Engine, _Seq
+from .models.layers import AttnBatch
+from .sampling import SamplingParams, select_tokens
+from .step import prefill
+from .tokenizer import Detokenizer
+
+
+class QueueFull(RuntimeError):
+    """The waiting queue is at its bound: the caller should retry later (HTTP 429)."""
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    text: str  # new text since the previous output
+    token_ids: list[int]  # new token ids
+    finish_reason: str | None = None  # stop | length | abort | None while running
+    prompt_tokens: int = 0
+    completion_tokens: int = 0  # so far
+    ttft_s: float | None = None  # on the first output that carries a token
+    tpot_s: float | None = None  # mean time per output token after the first, on the last output
+
+
+@dataclass
+class _Request:
+    id: str
+    ids: list[int]  # prompt token ids
+    sp: SamplingParams
+    lynx: bool  # opted in to LYNX decode routing (meaningful when the engine's LYNX is on)
+    stops: set[int]
+    seq: _Seq
+    gen: torch.Generator | None = None
+    seen: torch.Tensor | None = None  # [V] bool: tokens seen (repetition penalty only)
+    row: int | None = None  # KV cache row while admitted
+    done: int = 0  # prompt tokens already in the cache
+    last: int | None = None  # the newest sampled token, not yet run through the model
+    t_arrival: float = field(default_factory=time.perf_counter)
+    t_first: float | None = None
+
+
+class EngineCore:
+    """Step-driven scheduler over one Engine (which it then owns: do not call engine.stream meanwhile).
+
+    max_num_seqs: KV rows (sequences decoding together); prefill_budget: prompt tokens per step;
+    max_waiting: bound of the waiting queue (beyond it add_request raises QueueFull)."""
+
+    def __init__(self, engine: Engine, max_num_seqs: int = 16, prefill_budget: int = 256, max_waiting: int = 64):
+        if max_num_seqs < 1 or prefill_budget < 1 or max_waiting < 0:
+            raise ValueError("max_num_seqs and prefill_budget must be >= 1, max_waiting >= 0")
+        self.engine, self.model = engine, engine.model
+        self.kv = engine._cache(max_num_seqs)  # allocated once: max_num_seqs × ctx
+        engine.reset()  # rows are reused by requests: no cached chat session survives
+        self.ctx = engine.ctx
+        self.max_num_seqs, self.prefill_budget, self.max_waiting = max_num_seqs, prefill_budget, max_waiting
+        self._free = list(range(max_num_seqs))  # min-heap: low rows first, so batches stay contiguous
+        self.waiting: deque[_Request] = deque()
+        self.running: list[_Request] = []  # admitted, in admission order
+        self._inbox: deque = deque()
+        self._lock = threading.Lock()
+        self.wakeup = threading.Event()  # set when the inbox gets something
+        self._ids = itertools.count()
+        self.last_step: dict = {}  # telemetry of the latest step (tokens per phase, unique experts)
+        self.totals = {"steps": 0, "decode_tokens": 0, "prefill_tokens": 0}
+
+    # thread-safe API ------------------------------------------------------------------------
+    def add_request(self, prompt_ids: list[int], sp: SamplingParams, request_id: str | None = None,
+                    lynx: bool = True) -> str:
+        """Queue a request (any thread). Raises ContextError (prompt over the context) or QueueFull."""
+        if not prompt_ids:
+            raise ContextError("empty prompt")
+        if len(prompt_ids) >= self.ctx:
+            raise ContextError(f"prompt of {len(prompt_ids)} tokens does not fit the context of {self.ctx}")
+        rid = request_id or f"req-{next(self._ids)}"
+        req = _Request(rid, list(prompt_ids), sp, lynx, self.engine._stop_ids(sp),
+                       _Seq(ids=list(prompt_ids), detok=Detokenizer(self.engine.tokenizer)))
+        with self._lock:
+            queued = len(self.waiting) + sum(1 for kind, _ in self._inbox if kind == "add")
+            if queued >= self.max_waiting + len(self._free):
+                raise QueueFull(f"the waiting queue is full ({self.max_waiting} requests)")
+            self._inbox.append(("add", req))
+        self.wakeup.set()
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request (any thread); its row is freed at the start of the next step."""
+        with self._lock:
+            self._inbox.append(("abort", request_id))
+        self.wakeup.set()
+
+    @property
+    def free_rows(self) -> int:
+        return len(self._free)
+
+    def has_work(self) -> bool:
+        return bool(self._inbox or self.waiting or self.running)
+
+    def counts(self) -> dict:
+        return {"waiting": len(self.waiting), "running": len(self.running), "free_rows": len(self._free)}
+
+    # the step ------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One scheduling step: inbox → admit → decode all running rows → prefill chunks → outputs."""
+        outs: list[RequestOutput] = []
+        self._drain_inbox(outs)
+        self._admit()
+        stats = self.model.routing.stats
+        stats.clear()
+        ready = [r for r in self.running if r.last is not None]
+        if ready:
+            outs += self._decode(ready)
+        unique = stats.unique_per_layer(decode_only=True) if stats.record and ready else None
+        n_prefill = self._prefill_chunks(outs)
+        stats.clear()  # bounded: only this step's ids were kept
+        self.last_step = {"decode_tokens": len(ready), "prefill_tokens": n_prefill, "unique_experts": unique}
+        self.totals["steps"] += 1
+        self.totals["decode_tokens"] += len(ready)
+        self.totals["prefill_tokens"] += n_prefill
+        for r in [r for r in self.running if r.seq.finish is not None]:
+            self._release(r)
+        return outs
+
+    def lynx_summary(self) -> dict | None:
+        """LYNX telemetry since start (pure decode steps), or None when LYNX is off. Core thread only."""
+        lynx = self.engine.lynx
+        return lynx.telemetry.summary() if lynx is not None else None
+
+    # internals ----------------------------------------------------------------------------
+    def _drain_inbox(self, outs: list[RequestOutput]) -> None:
+        with self._lock:
+            items, self._inbox = list(self._inbox), deque()
+            self.wakeup.clear()
+        for kind, item in items:
+            if kind == "add":
+                self._start(item, outs)
+            else:
+                self._abort(item, outs)
+
+    def _start(self, r: _Request, outs: list[RequestOutput]) -> None:
+        dev, sp = self.model.device, r.sp
+        if sp.max_new_tokens == 0:  # nothing to generate: no forward at all
+            outs.append(RequestOutput(r.id, "", [], "length", len(r.ids), 0))
+            return
+        if sp.do_sample:
+            r.gen = torch.Generator(device=dev)
+            seed = sp.seed[0] if isinstance(sp.seed, (list, tuple)) else sp.seed
+            r.gen.manual_seed(int(seed) if seed is not None else time.time_ns() % (2**63))
+        if sp.repetition_penalty != 1.0:
+            r.seen = torch.zeros(self.engine.cfg.vocab_size, dtype=torch.bool, device=dev)
+            r.seen[torch.tensor(r.ids, device=dev)] = True
+        self.waiting.append(r)
+
+    def _abort(self, rid: str, outs: list[RequestOutput]) -> None:
+        for r in list(self.waiting):
+            if r.id == rid:
+                self.waiting.remove(r)
+                outs.append(RequestOutput(rid, "", [], "abort", len(r.ids), len(r.seq.out)))
+                return
+        for r in self.running:
+            if r.id == rid:
+                r.seq.finish = "abort"
+                self._release(r)
+                outs.append(RequestOutput(rid, "", [], "abort", len(r.ids), len(r.seq.out)))
+                return
+
+    def _admit(self) -> None:
+        while self.waiting and self._free:
+            r = self.waiting.popleft()
+            r.row = heapq.heappop(self._free)
+            self.kv.lengths[r.row] = 0
+            self.running.append(r)
+
+    def _release(self, r: _Request) -> None:
+        if r.row is not None:
+            self.kv.lengths[r.row] = 0  # stale K/V past a row's length is masked, never read
+            heapq.heappush(self._free, r.row)
+            r.row = None
+        if r in self.running:
+            self.running.remove(r)
+
+    def _prefill_chunks(self, outs: list[RequestOutput]) -> int:
+        """Prompt tokens of admitted requests, oldest first, up to the step's token budget."""
+        budget = self.prefill_budget
+        for r in self.running:
+            if budget <= 0:
+                break
+            if r.done >= len(r.ids) or r.seq.finish is not None:
+                continue
+            n = min(budget, len(r.ids) - r.done)
+            logits = prefill(self.model, self.kv, r.row, r.ids[r.done:r.done + n], r.done)  # [1, V]
+            r.done += n
+            budget -= n
+            if r.done == len(r.ids):
+                outs += self._sample([r], logits)
+        return self.prefill_budget - budget
+
+    def _decode(self, reqs: list[_Request]) -> list[RequestOutput]:
+        """One forward over the B rows' newest tokens. LYNX opt-in per request: a token of a request
+        that did not opt in is passed as non-decode, so it keeps exact routing and its experts count
+        as needed (as prefill tokens do)."""
+        dev, kv = self.model.device, self.kv
+        rows = [r.row for r in reqs]
+        lengths = [kv.lengths[row] for row in rows]
+        tokens = torch.tensor([r.last for r in reqs], device=dev)  # [B]
+        flags = [r.lynx for r in reqs]
+        phase = True if all(flags) else False if not any(flags) else None  # None: per token
+        positions = torch.tensor(lengths, device=dev)[:, None]  # [B, 1]
+        ab = AttnBatch(positions=positions, rows=_rows(rows, dev), kv_len=max(lengths) + 1)
+        self.model.routing.begin_step(True)  # a decode step for stats and the offload counters
+        route = self.model.routing.route
+        if phase is not True and hasattr(route, "phase"):
+            route.phase = phase  # LynxRouter: all exact (False) or per token from is_decode (None)
+        is_decode = torch.tensor(flags, dtype=torch.bool, device=dev)  # [B]
+        logits = self.model(tokens.view(-1, 1), ab, kv.layers, is_decode)  # [B, V]
+        for row in rows:
+            kv.lengths[row] += 1
+        return self._sample(reqs, logits)
+
+    def _sample(self, reqs: list[_Request], logits: torch.Tensor) -> list[RequestOutput]:
+        """logits [B, V] → one token per request (its own params and generator) → outputs."""
+        picks = [select_tokens(logits[i:i + 1], r.sp, r.seen[None] if r.seen is not None else None,
+                               [r.gen] if r.gen is not None else None) for i, r in enumerate(reqs)]
+        chosen = torch.cat(picks).tolist()  # the one host sync of the step's sampling
+        now, outs = time.perf_counter(), []
+        for r, tok in zip(reqs, chosen):
+            if r.seen is not None:
+                r.seen[tok] = True
+            first = r.t_first is None
+            if first:
+                r.t_first = now
+            c = self.engine._advance(r.seq, r.row, tok, r.stops, r.sp)
+            r.last = tok
+            n = len(r.seq.out)
+            out = RequestOutput(r.id, c.text, c.token_ids, c.finish_reason, len(r.ids), n,
+                                ttft_s=now - r.t_arrival if first else None)
+            if c.finish_reason is not None and n > 1:
+                out.tpot_s = (now - r.t_first) / (n - 1)
+            outs.append(out)
+        return outs
+
+
+def _rows(rows: list[int], device) -> torch.Tensor | slice:
+    # contiguous rows are a slice (a view of the cache); others are gathered
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        return slice(rows[0], rows[0] + len(rows))
+    return torch.tensor(rows, device=device)
+
+
+__all__ = ["EngineCore", "QueueFull", "RequestOutput"]
