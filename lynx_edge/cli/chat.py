@@ -52,7 +52,8 @@ class ChatSession:
         self.template_kwargs = dict(chat_template_kwargs or {})
         self.verbose_prompt = verbose_prompt
         # no chat template: plain-text chat, the running transcript is the prompt
-        self.plain = not getattr(engine.tokenizer, "chat_template", None)
+        tok = getattr(engine, "tokenizer", None)
+        self.plain = tok is not None and not getattr(tok, "chat_template", None)
         self.system = [{"role": "system", "content": system}] if system else []
         self.messages = list(self.system)
         self.last: dict = {}
@@ -69,7 +70,7 @@ class ChatSession:
             prompt = self.prompt()
             if self.verbose_prompt:
                 ui.note(prompt if isinstance(prompt, str) else self.rendered(), stderr=True)
-            kwargs = {} if self.plain else {"chat_template_kwargs": self.template_kwargs}
+            kwargs = {"chat_template_kwargs": self.template_kwargs} if self.template_kwargs and not self.plain else {}
             for chunk in self.engine.stream(prompt, **kwargs, **self.sampling):
                 ui.write(chunk.text)
                 answer += chunk.text
@@ -196,6 +197,9 @@ def chat(
         ui.note("sampling defaults from the model's generation_config.json: "
                 + " ".join(f"{k}={v}" for k, v in from_model.items()) + " (flags override)", stderr=True)
     session = ChatSession(engine, system, sampling, template_kwargs, verbose_prompt)
+    if session.plain:
+        ui.note("this model has no chat template: plain-text chat"
+                + (" (--chat-template-kwargs ignored)" if template_kwargs else ""), stderr=True)
     if prompt is not None:
         session.turn(prompt, stats_to_stderr=True)
         return
