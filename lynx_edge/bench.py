@@ -165,10 +165,28 @@ def _projected(p: dict) -> dict:
 
 
 def _describe(engine, prompt_len: int, gen_len: int, reps: int, seed: int) -> dict:
+    import torch
+
     heldout = (Path(engine.model_dir) / "heldout.txt").is_file()
+    conf = getattr(engine, "config", None)
+    placement = getattr(engine.model, "placement", None)
     return {"model": str(engine.model_dir), "family": engine.cfg.model_type, "device": str(engine.model.device),
             "dtype": str(engine.model.dtype).replace("torch.", ""), "prompt_len": prompt_len,
-            "gen_len": gen_len, "reps": reps, "seed": seed, "prompts": "heldout.txt" if heldout else "random ids"}
+            "gen_len": gen_len, "reps": reps, "seed": seed, "prompts": "heldout.txt" if heldout else "random ids",
+            # what shapes the numbers: threads in use, expert storage and placement (--int4/--offload)
+            "threads": torch.get_num_threads(), "int4": bool(getattr(conf, "int4", False)),
+            "offload": bool(getattr(conf, "offload", False)),
+            "experts": getattr(placement, "experts", None), "isa": cpu_isa()}
+
+
+def cpu_isa() -> str:
+    """The best SIMD level torch's CPU kernels use here (e.g. AVX512, AVX2, DEFAULT for Arm NEON)."""
+    import torch
+
+    try:
+        return str(torch.backends.cpu.get_cpu_capability())
+    except Exception:  # older torch
+        return "unknown"
 
 
 def compare(rows: list[dict], base_mode: str) -> list[dict]:

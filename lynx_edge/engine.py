@@ -48,6 +48,7 @@ class EngineConfig:
     # INT4 experts: RTN-quantised at load (GPTQ checkpoints are always loaded as INT4)
     int4: bool = False
     int4_group: int = 128
+    threads: int | None = None  # torch CPU threads, set once at build (None: lynx_edge.threads default)
 
 
 @dataclass
@@ -91,6 +92,9 @@ class Engine:
         """Plan placement, build the model without weights, stream the checkpoint into place
         (lynx_edge.build), in one pass; see EngineConfig for the options."""
         config = EngineConfig(dtype=dtype, device=device, **options)
+        from .threads import set_threads
+
+        config.threads = set_threads(config.threads)  # the count in use, recorded with every result
         model_dir = resolve_model(path_or_repo)
         cfg = ModelConfig.from_file(model_dir / "config.json")
         tokenizer = Tokenizer(model_dir)

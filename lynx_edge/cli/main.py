@@ -3,6 +3,7 @@ line with a hint (LYNX_DEBUG=1 adds the traceback)."""
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 from typing import Annotated
 
@@ -10,18 +11,22 @@ import typer
 from typer.exceptions import TyperException
 
 from . import bench, chat, eval as eval_cmd, info, profile, quantize, ui
+from ..threads import set_threads
 from .common import explain
+from .options import Threads
 
 app = typer.Typer(name="lynx-edge", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
                   help="Fast Mixture-of-Experts inference on one edge GPU or CPU, with LYNX expert selection.")
 
 
 def guarded(fn):
-    """Run a command; an exception becomes `error: … — hint` on stderr and exit code 1."""
+    """Run a command; an exception becomes `error: … — hint` on stderr and exit code 1.
+    Every command also takes --threads/-t (llama.cpp's -t), applied before the command runs."""
 
     @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
+    def wrapper(*args, threads: int | None = None, **kwargs):
         try:
+            set_threads(threads, explicit=threads is not None)
             return fn(*args, **kwargs)
         except (typer.Exit, typer.Abort, TyperException):  # usage errors: typer prints them itself
             raise
@@ -34,6 +39,9 @@ def guarded(fn):
             ui.error(*explain(exc))
             raise typer.Exit(1) from None
 
+    sig = inspect.signature(fn, eval_str=True)  # typer needs the Annotated objects, not strings
+    extra = inspect.Parameter("threads", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Threads)
+    wrapper.__signature__ = sig.replace(parameters=[*sig.parameters.values(), extra])
     return wrapper
 
 

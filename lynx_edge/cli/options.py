@@ -19,6 +19,8 @@ Int4 = Annotated[bool, typer.Option("--int4", help="INT4 experts (quantized at l
 Profile = Annotated[Optional[str], typer.Option("--profile", help="hardware profile (TOML) for placement")]
 Dtype = Annotated[Optional[str], typer.Option("--dtype", help="float32 | bfloat16 | float16 (default: bf16 on CUDA, fp32 on CPU)")]
 Device = Annotated[Optional[str], typer.Option("--device", help="cuda | cpu (default: cuda when present)")]
+Threads = Annotated[Optional[int], typer.Option(
+    "--threads", "-t", min=1, help="CPU threads for torch [default: the idle physical cores, ≥ 1]")]
 CtxSize = Annotated[Optional[int], typer.Option("--ctx-size", "-c", help="context length in tokens")]
 
 # sampling (llama.cpp names); None = the model's generation_config.json, else CHAT_FALLBACK
