@@ -1,0 +1,282 @@
+"""lynx-edge serve: the continuous-batching core and the OpenAI-compatible server.
+
+References: `Engine.generate` of a separate engine on the same checkpoint, one prompt alone (batch
+invariance under continuous batching, chunked prefill, queueing, staggered arrivals); the
+official `openai` client and raw HTTP for the wire format. Loopback only, every loop bounded.
+"""
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+from lynx_edge import Engine  # noqa: E402
+from lynx_edge.core import EngineCore, QueueFull  # noqa: E402
+
+KEY = "sk-test"
+PROMPTS = ["def", "import os\nimport", "The quick brown fox jumps over", "class Point:\n    def __init__(self",
+           "for i in range(10):\n    print(i, 'h", "x", "The lazy dog. Mixture of experts routes each token to k",
+           "def add(a, b):\n    return a + b\n\nclass Point:\n    def __init__(self, x, y):\n        self.x = x\n"]
+
+
+@pytest.fixture(scope="module")
+def model_path(tiny_models):
+    return tiny_models["qwen3_moe"]
+
+
+@pytest.fixture(scope="module")
+def ref(model_path):
+    return Engine.from_pretrained(model_path, device="cpu")
+
+
+def _drive(core: EngineCore, arrivals: dict[int, list], max_steps: int = 2000) -> dict[str, str]:
+    """Step the core; at step s add the requests arrivals[s] = [(rid, ids, sp, lynx)]. → rid → text."""
+    texts: dict[str, str] = {}
+    for step in range(max_steps):
+        for rid, ids, sp, lynx in arrivals.get(step, []):
+            core.add_request(ids, sp, rid, lynx=lynx)
+            texts[rid] = ""
+        if step > max(arrivals) and not core.has_work():
+            return texts
+        for o in core.step():
+            texts[o.request_id] += o.text
+    raise AssertionError("core did not finish")
+
+
+def test_core_staggered_chunked_equals_generate_alone(model_path, ref):
+    eng = Engine.from_pretrained(model_path, device="cpu")
+    core = EngineCore(eng, max_num_seqs=3, prefill_budget=5, max_waiting=16)  # queueing + chunked prefill
+    greedy = dict(max_new_tokens=10, ignore_eos=True)
+    sampled = dict(max_new_tokens=10, ignore_eos=True, do_sample=True, temperature=0.9, top_k=50, top_p=0.9, seed=7)
+    arrivals: dict[int, list] = {}
+    want = {}
+    for i, p in enumerate(PROMPTS):
+        kw = sampled if i % 3 == 2 else greedy
+        arrivals.setdefault(2 * i, []).append((f"r{i}", eng.encode_prompt(p), eng.sampling_params(**kw), True))
+        want[f"r{i}"] = ref.generate(p, **kw)
+    assert _drive(core, arrivals) == want
+    assert core.free_rows == 3 and not core.running and not core.waiting
+
+
+def test_core_stops_penalty_and_abort(model_path, ref):
+    eng = Engine.from_pretrained(model_path, device="cpu")
+    core = EngineCore(eng, max_num_seqs=2, prefill_budget=64)
+    kw = dict(max_new_tokens=12, repetition_penalty=1.3, stop_strings=["e"])
+    want = ref.generate(PROMPTS[2], **kw)
+    arrivals = {0: [("a", eng.encode_prompt(PROMPTS[2]), eng.sampling_params(**kw), True),
+                    ("b", eng.encode_prompt(PROMPTS[1]), eng.sampling_params(max_new_tokens=400, ignore_eos=True), True)]}
+    texts = {}
+    reasons = {}
+    for rid, ids, sp, lynx in arrivals[0]:
+        core.add_request(ids, sp, rid)
+        texts[rid] = ""
+    for step in range(100):
+        if step == 5:
+            core.abort("b")
+        for o in core.step():
+            texts[o.request_id] += o.text
+            reasons[o.request_id] = o.finish_reason
+        if not core.has_work():
+            break
+    assert texts["a"] == want and reasons["b"] == "abort" and core.free_rows == 2
+
+
+def test_core_queue_bound_and_context(model_path):
+    eng = Engine.from_pretrained(model_path, device="cpu")
+    core = EngineCore(eng, max_num_seqs=1, max_waiting=1)
+    sp = eng.sampling_params(max_new_tokens=2)
+    core.add_request([5, 6], sp)
+    core.add_request([5, 6], sp)  # one row + one waiting slot
+    with pytest.raises(QueueFull):
+        core.add_request([5, 6], sp)
+    with pytest.raises(ValueError, match="context"):
+        core.add_request([5] * core.ctx, sp)
+
+
+def test_core_lynx_opt_out_is_exact(model_path, ref):
+    """LYNX on for the engine; a request that opts out decodes beside LYNX rows with exact routing:
+    its text equals exact Engine.generate alone."""
+    eng = Engine.from_pretrained(model_path, device="cpu", lynx="lynx,min_batch=1")
+    core = EngineCore(eng, max_num_seqs=8)
+    kw = dict(max_new_tokens=10, ignore_eos=True)
+    arrivals = {0: [(f"r{i}", eng.encode_prompt(p), eng.sampling_params(**kw), i != 3) for i, p in enumerate(PROMPTS)]}
+    texts = _drive(core, arrivals)
+    assert texts["r3"] == ref.generate(PROMPTS[3], **kw)
+
+
+# the real server --------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def server(model_path):
+    import uvicorn
+
+    from lynx_edge.server import create_app
+
+    eng = Engine.from_pretrained(model_path, device="cpu")
+    app = create_app(eng, model_name="tiny", api_key=KEY, max_num_seqs=4, prefill_budget=16, max_waiting=32)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    th = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+    th.start()
+    for _ in range(200):
+        if srv.started:
+            break
+        time.sleep(0.05)
+    assert srv.started
+    yield app, f"http://127.0.0.1:{port}"
+    srv.should_exit = True
+    th.join(timeout=20)
+    assert not th.is_alive()
+    assert not app.state.worker.thread.is_alive()  # graceful shutdown ended the core thread
+
+
+def _client(url):
+    return openai.OpenAI(base_url=url + "/v1", api_key=KEY, timeout=60, max_retries=0)
+
+
+def test_openai_chat_and_completion(server, ref):
+    app, url = server
+    client = _client(url)
+    msgs = [{"role": "user", "content": "Write a for loop"}]
+    r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=8, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert r.choices[0].message.content == ref.generate(msgs, max_new_tokens=8, ignore_eos=True)
+    assert r.usage.completion_tokens == 8 and r.usage.prompt_tokens == len(ref.encode_prompt(msgs))
+    assert r.choices[0].finish_reason == "length"
+    c = client.completions.create(model="tiny", prompt=PROMPTS[3], max_tokens=6, seed=3, temperature=0.8,
+                                  top_p=0.9, extra_body={"top_k": 40, "repetition_penalty": 1.1, "ignore_eos": True})
+    assert c.choices[0].text == ref.generate(PROMPTS[3], max_new_tokens=6, do_sample=True, temperature=0.8,
+                                             top_p=0.9, top_k=40, repetition_penalty=1.1, seed=3, ignore_eos=True)
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+
+
+def test_openai_streaming_with_usage(server, ref):
+    app, url = server
+    client = _client(url)
+    stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=7,
+                                            temperature=0, stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True})
+    text, usage, reasons = "", None, []
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for ch in chunk.choices:
+            text += ch.delta.content or ""
+            reasons.append(ch.finish_reason)
+    assert text == ref.generate([{"role": "user", "content": "hi"}], max_new_tokens=7, ignore_eos=True)
+    assert usage.completion_tokens == 7 and reasons[-1] == "length"
+
+
+def test_concurrent_staggered_requests_equal_generate_alone(server, ref):
+    app, url = server
+    client = _client(url)
+    prompts = PROMPTS + [p[::-1] for p in PROMPTS[:2]]  # 10 requests on 4 rows: queueing too
+    got: dict[int, str] = {}
+
+    def one(i):
+        time.sleep(0.03 * i)
+        if i % 2:
+            s = client.completions.create(model="tiny", prompt=prompts[i], max_tokens=10, temperature=0, stream=True,
+                                          extra_body={"ignore_eos": True})
+            got[i] = "".join(c.choices[0].text for c in s if c.choices)
+        else:
+            got[i] = client.completions.create(model="tiny", prompt=prompts[i], max_tokens=10, temperature=0,
+                                               extra_body={"ignore_eos": True}).choices[0].text
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert got == {i: ref.generate(p, max_new_tokens=10, ignore_eos=True) for i, p in enumerate(prompts)}
+
+
+def _wait_free(app, timeout=15.0):
+    core = app.state.core
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if core.free_rows == core.max_num_seqs and not core.waiting and not core.has_work():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_disconnect_mid_stream_frees_row(server):
+    app, url = server
+    assert _wait_free(app)
+    body = {"model": "tiny", "prompt": "def", "max_tokens": 400, "stream": True, "ignore_eos": True}
+    with httpx.Client(timeout=30) as h:
+        with h.stream("POST", url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}) as r:
+            assert r.status_code == 200
+            events = 0
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events += 1
+                    if events == 3:
+                        break  # leave mid-stream
+    assert app.state.core.running or app.state.core.free_rows == app.state.core.max_num_seqs
+    assert _wait_free(app), app.state.core.counts()
+    m = httpx.get(url + "/metrics").text
+    assert 'lynx_requests_total{finish_reason="abort"}' in m
+
+
+def _post(url, path, body, key=KEY, raw=None):
+    headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+    return httpx.post(url + path, content=raw if raw is not None else json.dumps(body), headers=headers, timeout=30)
+
+
+@pytest.mark.parametrize("body,raw,key,status,param", [
+    (None, b"{not json", KEY, 400, None),
+    ({"model": "nope", "prompt": "x"}, None, KEY, 404, "model"),
+    ({"model": "tiny", "prompt": "x", "max_tokens": -1}, None, KEY, 400, "max_tokens"),
+    ({"model": "tiny", "prompt": "x", "temperature": -0.5}, None, KEY, 400, "temperature"),
+    ({"model": "tiny", "prompt": "x", "top_p": 0}, None, KEY, 400, "top_p"),
+    ({"model": "tiny", "prompt": 5}, None, KEY, 400, "prompt"),
+    ({"model": "tiny", "prompt": [5] * 600}, None, KEY, 413, "prompt"),
+    ({"model": "tiny", "prompt": [10**6]}, None, KEY, 400, "prompt"),
+    ({"model": "tiny", "prompt": "x"}, None, "wrong", 401, None),
+])
+def test_bad_requests_get_openai_errors(server, body, raw, key, status, param):
+    app, url = server
+    r = _post(url, "/v1/completions", body, key=key, raw=raw)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["type"] and err["param"] == param
+    assert httpx.get(url + "/health").status_code == 200  # still serving
+
+
+def test_chat_bad_messages_and_unknown_route(server):
+    app, url = server
+    assert _post(url, "/v1/chat/completions", {"model": "tiny", "messages": []}).status_code == 400
+    r = httpx.get(url + "/v1/nothing", headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 404 and "error" in r.json()
+
+
+def test_queue_full_is_429_with_retry_after(server, monkeypatch):
+    app, url = server
+
+    def full(*a, **k):
+        raise QueueFull("the waiting queue is full (32 requests)")
+
+    monkeypatch.setattr(app.state.core, "add_request", full)
+    r = _post(url, "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 2})
+    assert r.status_code == 429 and r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "queue_full"
+
+
+def test_health_models_metrics(server):
+    app, url = server
+    h = httpx.get(url + "/health").json()
+    assert h["status"] == "ok" and h["max_num_seqs"] == 4
+    assert httpx.get(url + "/v1/models").status_code == 401  # the API key guards /v1
+    m = httpx.get(url + "/metrics").text
+    for name in ("lynx_requests_total", "lynx_generation_tokens_total", "lynx_queue_waiting", "lynx_ttft_seconds_bucket",
+                 "lynx_tpot_seconds_bucket", "lynx_free_rows"):
+        assert name in m, name
