@@ -101,14 +101,21 @@ def test_core_queue_bound_and_context(model_path):
 
 
 def test_core_lynx_opt_out_is_exact(model_path, ref):
-    """LYNX on for the engine; a request that opts out decodes beside LYNX rows with exact routing:
-    its text equals exact Engine.generate alone."""
-    eng = Engine.from_pretrained(model_path, device="cpu", lynx="lynx,min_batch=1")
-    core = EngineCore(eng, max_num_seqs=8)
+    """LYNX on for the engine: with every request opted in some texts change (LYNX remaps);
+    those requests, opted out, decode beside LYNX rows with exact routing: = exact generate alone."""
+    eng = Engine.from_pretrained(model_path, device="cpu", lynx="budget:3")  # strict: texts change
     kw = dict(max_new_tokens=10, ignore_eos=True)
-    arrivals = {0: [(f"r{i}", eng.encode_prompt(p), eng.sampling_params(**kw), i != 3) for i, p in enumerate(PROMPTS)]}
-    texts = _drive(core, arrivals)
-    assert texts["r3"] == ref.generate(PROMPTS[3], **kw)
+    want = {f"r{i}": ref.generate(p, **kw) for i, p in enumerate(PROMPTS)}
+
+    def run(opt_out):
+        core = EngineCore(eng, max_num_seqs=8)
+        return _drive(core, {0: [(f"r{i}", eng.encode_prompt(p), eng.sampling_params(**kw), f"r{i}" not in opt_out)
+                                 for i, p in enumerate(PROMPTS)]})
+
+    changed = {rid for rid, t in run(set()).items() if t != want[rid]}
+    assert changed and len(changed) < len(PROMPTS)  # LYNX is active, and some rows stay opted in
+    texts = run(changed)
+    assert {rid: texts[rid] for rid in changed} == {rid: want[rid] for rid in changed}
 
 
 # the real server --------------------------------------------------------------------------
