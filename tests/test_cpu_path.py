@@ -64,3 +64,127 @@ def test_cli_threads_on_every_command(tiny_models, restore_threads):
     assert torch.get_num_threads() == 1
     r = runner.invoke(app, ["info", str(tiny_models["qwen3_moe"]), "-t", "0"])
     assert r.exit_code != 0
+
+
+# loop-free MoE block ---------------------------------------------------------------------------
+def _moe_case(T: int, E: int = 16, D: int = 64, I: int = 32, K: int = 4, dtype=torch.float32, seed: int = 0,
+              n_active: int | None = None):
+    """Random experts and routing; n_active: route every slot to the first n_active experts."""
+    g = torch.Generator().manual_seed(seed)
+    gu = (torch.randn(E, 2 * I, D, generator=g) / D**0.5).to(dtype)
+    dn = (torch.randn(E, D, I, generator=g) / I**0.5).to(dtype)
+    x = torch.randn(T, D, generator=g).to(dtype)
+    logits = torch.randn(T, E, generator=g)
+    if n_active is not None:  # distinct experts per token, A = n_active in total
+        ids = (torch.arange(T)[:, None] * K + torch.arange(K)[None]) % n_active
+    else:
+        ids = logits.topk(K).indices
+    w = torch.softmax(logits.gather(1, ids), -1)
+    return x, ids, w, gu, dn
+
+
+@pytest.mark.parametrize("T", [1, 3, 16, 40])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_ref_equals_the_per_expert_loop(T, dtype):
+    from lynx_edge.kernels.moe_gemm import moe_ref, moe_ref_lazy, moe_ref_loop
+
+    x, ids, w, gu, dn = _moe_case(T, dtype=dtype, seed=T)
+    y, ref = moe_ref(x, ids, w, gu, dn), moe_ref_loop(x, ids, w, gu, dn)
+    # only the fp32 summation order differs (slot order vs expert order): a few ulps in fp32,
+    # at most one rounding step of the final cast in bf16
+    tol = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=4e-3, rtol=8e-3)
+    torch.testing.assert_close(y, ref, **tol)
+    # the lazy (dequantise-on-demand) reference shares the sum order: bit-identical
+    assert torch.equal(moe_ref_lazy(x, ids, w, gu.shape[0], lambda e: (gu[e], dn[e])), y)
+    # duplicated experts inside a token (K slots on one expert) are summed too
+    dup = ids.clone()
+    dup[:, 1] = dup[:, 0]
+    torch.testing.assert_close(moe_ref(x, dup, w, gu, dn), moe_ref_loop(x, dup, w, gu, dn), **tol)
+
+
+def test_moe_ref_catches_a_wrong_expert_weight():
+    """Bug injection: one expert's gate rows perturbed, or the routing weights of two slots
+    swapped, must move the result far outside the tolerance above."""
+    from lynx_edge.kernels.moe_gemm import moe_ref, moe_ref_loop
+
+    x, ids, w, gu, dn = _moe_case(8)
+    ref = moe_ref_loop(x, ids, w, gu, dn)
+    bad = gu.clone()
+    bad[ids[0, 0], 0] += 0.5
+    swapped = w[:, [1, 0, 2, 3]]
+    for y in (moe_ref(x, ids, w, bad, dn), moe_ref(x, ids, swapped, gu, dn)):
+        assert (y - ref).abs().max() > 1e-3
+
+
+def test_moe_ref_falls_back_on_unaligned_shapes():
+    from lynx_edge.kernels import moe_gemm
+
+    x, ids, w, gu, dn = _moe_case(4, D=6, I=5)  # 6·4 bytes: not a 16-byte multiple
+    assert not moe_gemm._grouped_ok(x, gu, dn)
+    torch.testing.assert_close(moe_gemm.moe_ref(x, ids, w, gu, dn), moe_gemm.moe_ref_loop(x, ids, w, gu, dn),
+                               atol=1e-6, rtol=1e-6)
+
+
+class _CountOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts every aten op dispatched (the Python-visible ops of a forward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _moe_block(E=16, D=64, I=32, K=4):
+    from lynx_edge.config import ModelConfig
+    from lynx_edge.models.layers import MoEBlock, RoutingContext
+    from lynx_edge.routing import RouterSpec
+
+    cfg = ModelConfig.from_dict(dict(model_type="qwen3_moe", vocab_size=32, hidden_size=D, num_hidden_layers=1,
+                                     num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                                     num_experts=E, num_experts_per_tok=K, moe_intermediate_size=I,
+                                     norm_topk_prob=True, max_position_embeddings=64))
+    ctx = RoutingContext(RouterSpec(E, K, True))
+    ctx.stats.record = True
+    block = MoEBlock(cfg, 0, ctx, torch.float32, "cpu")
+    g = torch.Generator().manual_seed(0)
+    for p in block.parameters():
+        p.data.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+    return block, ctx
+
+
+def test_cpu_moe_block_op_count_does_not_grow_with_active_experts():
+    """One CPU MoE block forward dispatches the same ops whether 4 or 16 experts are active;
+    bug injection: the per-expert loop (moe_ref_loop) grows and must fail this check."""
+    from lynx_edge.kernels.moe_gemm import moe_ref_loop
+
+    block, ctx = _moe_block()
+    T, D = 16, 64
+    x = torch.randn(T, D)
+    counts = {}
+    for n_active in (4, 8, 16):
+        # a gate that sends every token to experts < n_active (top-k distinct within each token)
+        with torch.no_grad():
+            block.gate.weight.zero_()
+        bias = torch.full((T, 16), -1e4)
+        bias[:, :n_active] = torch.randn(T, n_active)
+        route = ctx.route
+        ctx.route = lambda logits, d, layer, _b=bias, _r=route: _r(logits + _b, d, layer)
+        ctx.begin_step(True)
+        with _CountOps() as mode:
+            block(x[None], torch.ones(T, dtype=torch.bool))
+        ctx.route = route
+        counts[n_active] = len(mode.ops)
+        assert ctx.stats.steps[-1][0].unique().numel() == n_active  # the case is what it claims
+    assert len(set(counts.values())) == 1, counts
+    assert counts[16] <= 60, counts  # a handful: routing + grouped GEMMs, not ops per expert
+
+    loop_counts = {}
+    for n_active in (2, 16):
+        x, ids, w, gu, dn = _moe_case(T, n_active=n_active)
+        with _CountOps() as mode:
+            moe_ref_loop(x, ids, w, gu, dn)
+        loop_counts[n_active] = len(mode.ops)
+    assert loop_counts[16] > loop_counts[2]  # the check above would catch a loop

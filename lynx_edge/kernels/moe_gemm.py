@@ -48,13 +48,85 @@ def moe_ref(
     gate_up: torch.Tensor,  # [E, 2I, D]
     down: torch.Tensor,  # [E, D, I]
 ) -> torch.Tensor:
-    """Σ_k weights[t,k] · expert_{ids[t,k]}(x[t]) → [T, D] in x's dtype.
+    """Σ_k weights[t,k] · expert_{ids[t,k]}(x[t]) → [T, D] in x's dtype: the CPU path.
 
-    Loops over the experts that are actually used (one host sync for the list); the per-expert
-    products are summed in fp32 in a fixed order (expert id ascending) so results are
-    deterministic.
-    """
-    return moe_ref_lazy(x, ids, weights, gate_up.shape[0], lambda e: (gate_up[e], down[e]))
+    No Python per expert and no host sync: the T·K slots are sorted expert-major, their rows
+    gathered, and each projection is one grouped GEMM over the stacked weights (torch's
+    `_grouped_mm`: the weights are read in place, never gathered or copied; experts with no rows
+    cost an empty group). The same ~20 ops whatever the number of active experts. Each slot's
+    product is weighted in fp32 and the K slots of a token summed in slot order (k = 0..K-1), a
+    fixed order, so results are deterministic. Falls back to moe_ref_loop where torch has no CPU
+    grouped GEMM or the strides are not 16-byte multiples (its requirement)."""
+    if not _grouped_ok(x, gate_up, down):
+        return moe_ref_loop(x, ids, weights, gate_up, down)
+    T, K = ids.shape
+    flat = ids.reshape(-1)  # [T·K]
+    order = torch.argsort(flat, stable=True)  # slots grouped by expert, slot order within one
+    ends = torch.cumsum(torch.bincount(flat, minlength=gate_up.shape[0]), 0).to(torch.int32)  # [E]
+    xs = x[order // K]  # [T·K, D] the token row of each sorted slot
+    h = torch._grouped_mm(xs, gate_up.transpose(1, 2), offs=ends)  # [T·K, 2I]
+    gate, up = h.chunk(2, dim=-1)
+    y = torch._grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=ends)  # [T·K, D]
+    y = y.float() * weights.reshape(-1)[order, None].float()
+    return _sum_slots(y, order, T, K).to(x.dtype)
+
+
+def _sum_slots(y: torch.Tensor, order: torch.Tensor, T: int, K: int) -> torch.Tensor:
+    """y [T·K, D] fp32 in expert-major order → [T, D]: back to slot order, then Σ over k in order."""
+    slots = torch.empty_like(y).index_copy_(0, order, y).view(T, K, -1)  # [T, K, D]
+    out = slots[:, 0]
+    for k in range(1, K):  # K is the model's top-k (a constant), not the number of active experts
+        out = out + slots[:, k]
+    return out
+
+
+_GROUPED: bool | None = None  # whether this torch runs _grouped_mm on CPU tensors (probed once)
+
+
+def _grouped_ok(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    global _GROUPED
+    if _GROUPED is None:
+        try:
+            a, b = torch.ones(2, 4), torch.ones(1, 4, 4)
+            _GROUPED = bool(torch._grouped_mm(a, b, offs=torch.tensor([2], dtype=torch.int32)).sum() == 32)
+        except (AttributeError, RuntimeError, NotImplementedError):
+            _GROUPED = False
+    if not _GROUPED or x.device.type != "cpu" or not (x.dtype == gate_up.dtype == down.dtype):
+        return False
+    es = x.element_size()
+    two_i, D = gate_up.shape[1:]
+    # _grouped_mm wants 16-byte multiples for every non-unit stride and 16-byte aligned bases
+    strides = (D, two_i // 2, *gate_up.stride(), *down.stride())
+    return (all(v * es % 16 == 0 for v in strides if v != 1) and gate_up.data_ptr() % 16 == 0
+            and down.data_ptr() % 16 == 0 and gate_up.stride(-1) == 1 and down.stride(-1) == 1)
+
+
+def moe_ref_loop(
+    x: torch.Tensor,  # [T, D]
+    ids: torch.Tensor,  # [T, K] int64
+    weights: torch.Tensor,  # [T, K] fp32
+    gate_up: torch.Tensor,  # [E, 2I, D]
+    down: torch.Tensor,  # [E, D, I]
+) -> torch.Tensor:
+    """The plain reference: a Python loop over the experts in use (one host sync for the list),
+    per-expert products summed in fp32 in ascending expert id. moe_ref must agree with it."""
+    T, K = ids.shape
+    out = torch.zeros(T, x.shape[-1], dtype=torch.float32, device=x.device)
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # token-slots grouped by expert
+    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
+    tok = order // K
+    w = weights.reshape(-1)[order]
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        t_e = tok[start : start + n]
+        y = expert_mlp(x[t_e], gate_up[e], down[e])
+        # index_put_(accumulate) rather than index_add_: same sum, no parallel region per expert
+        out.index_put_((t_e,), y.float() * w[start : start + n, None], accumulate=True)
+        start += n
+    return out.to(x.dtype)
 
 
 def moe_ref_lazy(
@@ -65,25 +137,24 @@ def moe_ref_lazy(
     fetch: Callable[[int], tuple[torch.Tensor, torch.Tensor]],  # e → (gate_up [2I, D], down [D, I])
 ) -> torch.Tensor:
     """moe_ref with expert weights made on demand (e.g. dequantised): only experts in ids are
-    fetched, once each, in ascending id order; same fp32 accumulation order as moe_ref."""
+    fetched, once each, in ascending id order (one host sync for the list). Each expert's rows
+    land in an expert-major [T·K, D] buffer, then the same fp32 slot-order sum as moe_ref, so the
+    two agree bit for bit on the same weights."""
     T, K = ids.shape
-    out = torch.zeros(T, x.shape[-1], dtype=torch.float32, device=x.device)
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # token-slots grouped by expert
     counts = torch.bincount(flat, minlength=num_experts).tolist()
-    tok = order // K
-    w = weights.reshape(-1)[order]
+    xs = x[order // K]  # [T·K, D]
+    y = torch.empty(T * K, x.shape[-1], dtype=x.dtype, device=x.device)
     start = 0
     for e, n in enumerate(counts):
         if n == 0:
             continue
-        t_e = tok[start : start + n]
         gate_up, down = fetch(e)
-        y = expert_mlp(x[t_e], gate_up, down)
-        # index_put_(accumulate) rather than index_add_: same sum, no parallel region per expert
-        out.index_put_((t_e,), y.float() * w[start : start + n, None], accumulate=True)
+        y[start : start + n] = expert_mlp(xs[start : start + n], gate_up, down)
         start += n
-    return out.to(x.dtype)
+    y = y.float() * weights.reshape(-1)[order, None].float()
+    return _sum_slots(y, order, T, K).to(x.dtype)
 
 
 # ----------------------------------------------------------------------------- Triton path
