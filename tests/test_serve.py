@@ -287,3 +287,39 @@ def test_health_models_metrics(server):
     for name in ("lynx_requests_total", "lynx_generation_tokens_total", "lynx_queue_waiting", "lynx_ttft_seconds_bucket",
                  "lynx_tpot_seconds_bucket", "lynx_free_rows"):
         assert name in m, name
+
+
+def test_cli_serve_subprocess_sigterm_exits_0(model_path):
+    """`lynx-edge serve` in its own process: answers, then SIGTERM shuts it down gracefully (exit 0)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    env = {**os.environ, "LYNX_API_KEY": KEY}
+    proc = subprocess.Popen([sys.executable, "-m", "lynx_edge", "serve", str(model_path), "--port", str(port),
+                             "--max-num-seqs", "2", "--ctx-size", "128", "--device", "cpu"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(300):
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None, proc.stdout.read()
+            time.sleep(0.2)
+        r = _post(url, "/v1/completions", {"prompt": "def", "max_tokens": 3, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        assert httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}).json()["data"][0]["max_model_len"] == 128
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)

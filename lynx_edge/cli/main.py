@@ -10,7 +10,7 @@ from typing import Annotated
 import typer
 from typer.exceptions import TyperException
 
-from . import bench, chat, eval as eval_cmd, info, profile, quantize, ui
+from . import bench, chat, eval as eval_cmd, info, profile, quantize, serve, ui
 from ..threads import set_threads
 from .common import explain
 from .options import Threads
@@ -46,7 +46,7 @@ def guarded(fn):
 
 
 for _name, _fn in (("chat", chat.chat), ("bench", bench.bench), ("eval", eval_cmd.evaluate), ("info", info.info),
-                   ("quantize", quantize.quantize), ("profile", profile.profile)):
+                   ("quantize", quantize.quantize), ("profile", profile.profile), ("serve", serve.serve)):
     app.command(_name)(guarded(_fn))
 
 

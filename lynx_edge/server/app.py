@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import signal
+import threading
 import time
 
 from fastapi import FastAPI, Request
@@ -228,7 +230,22 @@ def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000, log_level: 
     """Run the app with uvicorn until SIGINT/SIGTERM; in-flight requests get `shutdown_timeout` s."""
     import uvicorn
 
+    class _Server(uvicorn.Server):
+        # uvicorn re-raises a captured SIGTERM/SIGINT after its graceful shutdown (exit status
+        # -15/130); a server that shut down cleanly on request exits 0 instead
+        @contextlib.contextmanager
+        def capture_signals(self):
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            before = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in before.items():
+                    signal.signal(sig, handler)
+
     app = create_app(engine, shutdown_timeout=shutdown_timeout, **options)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=int(shutdown_timeout))
-    uvicorn.Server(config).run()
+    _Server(config).run()

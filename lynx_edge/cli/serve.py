@@ -1,0 +1,49 @@
+"""`lynx-edge serve [MODEL]`: the OpenAI-compatible server (lynx_edge.server) on the
+continuous-batching core. Only parses options, loads the engine and hands it to the server."""
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from . import ui
+from .common import CliError, engine_options, load_engine
+from .options import CtxSize, Device, Dtype, Int4, Lynx, Model, Offload, Profile
+
+
+def serve(
+    model: Model = "demo",
+    host: Annotated[str, typer.Option("--host", help="address to listen on (loopback by default)")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", min=0, max=65535, help="TCP port")] = 8000,
+    max_num_seqs: Annotated[int, typer.Option("--max-num-seqs", min=1, help="sequences decoding together (KV rows)")] = 16,
+    ctx_size: CtxSize = None,
+    max_num_batched_tokens: Annotated[int, typer.Option(
+        "--max-num-batched-tokens", min=1, help="prompt tokens prefilled per step (chunked prefill)")] = 256,
+    max_queue: Annotated[int, typer.Option("--max-queue", min=0, help="requests waiting for a row; beyond: HTTP 429")] = 64,
+    api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="LYNX_API_KEY",
+                                                   help="require Authorization: Bearer KEY on /v1")] = None,
+    served_model_name: Annotated[Optional[str], typer.Option(
+        "--served-model-name", help="the model id clients send [default: the model directory's name]")] = None,
+    shutdown_timeout: Annotated[float, typer.Option(
+        "--shutdown-timeout", min=0, help="seconds in-flight requests get on SIGTERM/Ctrl-C")] = 10.0,
+    lynx: Lynx = "off",
+    offload: Offload = False,
+    int4: Int4 = False,
+    profile: Profile = None,
+    dtype: Dtype = None,
+    device: Device = None,
+) -> None:
+    """Serve MODEL over HTTP: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics."""
+    try:
+        from ..server import serve as run_server
+    except ModuleNotFoundError as exc:
+        raise CliError(f"the server needs {exc.name}", "pip install fastapi uvicorn prometheus_client") from None
+    opts = engine_options(lynx=lynx, offload=offload, int4=int4, profile=profile, ctx_size=ctx_size)
+    engine = load_engine(model, dtype=dtype, device=device, **opts)
+    if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
+        ui.line(f"warning: listening on {host} without --api-key")
+    ui.line(f"serving {served_model_name or engine.model_dir.name} on http://{host}:{port}/v1 "
+            f"(max-num-seqs {max_num_seqs}, ctx {engine.ctx}, lynx {lynx})")
+    run_server(engine, host=host, port=port, model_name=served_model_name, api_key=api_key,
+               max_num_seqs=max_num_seqs, prefill_budget=max_num_batched_tokens, max_waiting=max_queue,
+               shutdown_timeout=shutdown_timeout)
