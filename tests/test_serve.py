@@ -323,3 +323,74 @@ def test_cli_serve_subprocess_sigterm_exits_0(model_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=10)
+
+
+def test_async_client_n_and_seeded_sampling(server, ref):
+    """AsyncOpenAI, n=2 (seeds s, s+1) and streaming chat, concurrently: each = Engine.generate alone."""
+    import asyncio
+
+    app, url = server
+    kw = dict(max_new_tokens=8, do_sample=True, temperature=1.0, top_p=0.95, ignore_eos=True)
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=KEY, timeout=60, max_retries=0)
+        nreq = client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=8, n=2, seed=11,
+                                         temperature=1.0, top_p=0.95, extra_body={"ignore_eos": True})
+
+        async def chat():
+            s = await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "yo"}],
+                                                     max_tokens=8, seed=5, temperature=1.0, top_p=0.95, stream=True,
+                                                     extra_body={"ignore_eos": True})
+            return "".join([c.choices[0].delta.content or "" async for c in s if c.choices])
+
+        return await asyncio.gather(nreq, chat())
+
+    r, text = asyncio.run(main())
+    assert [c.text for c in sorted(r.choices, key=lambda c: c.index)] == [
+        ref.generate(PROMPTS[2], seed=11, **kw), ref.generate(PROMPTS[2], seed=12, **kw)]
+    assert r.usage.completion_tokens == 16
+    assert text == ref.generate([{"role": "user", "content": "yo"}], seed=5, **kw)
+
+
+def test_load_with_faults_leaks_nothing(server, ref):
+    """16 concurrent clients (bounded): good streams, mid-stream disconnects, bad JSON, an
+    over-long prompt. Every good request completes correctly; capacity returns to its start."""
+    import asyncio
+
+    app, url = server
+    assert _wait_free(app)
+    headers = {"Authorization": f"Bearer {KEY}"}
+    good = {i: PROMPTS[i % len(PROMPTS)] for i in range(10)}
+
+    async def stream(h, i, prompt, leave_after=None):
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 8 if leave_after is None else 300,
+                "temperature": 0, "stream": True, "ignore_eos": True}
+        text, events = "", 0
+        async with h.stream("POST", url + "/v1/completions", json=body, headers=headers) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                events += 1
+                text += json.loads(line[6:])["choices"][0]["text"]
+                if leave_after is not None and events >= leave_after:
+                    return None
+        return text
+
+    async def bad(h, raw, status):
+        r = await h.post(url + "/v1/completions", content=raw, headers={**headers, "Content-Type": "application/json"})
+        assert r.status_code == status and "error" in r.json()
+
+    async def main():
+        async with httpx.AsyncClient(timeout=60) as h:
+            jobs = [stream(h, i, p) for i, p in good.items()]
+            jobs += [stream(h, 100 + i, PROMPTS[i], leave_after=2) for i in range(3)]
+            jobs += [bad(h, b"{oops", 400), bad(h, b'{"prompt": "x", "max_tokens": -3}', 400),
+                     bad(h, json.dumps({"prompt": [7] * 700}).encode(), 413)]
+            return await asyncio.wait_for(asyncio.gather(*jobs), timeout=120)
+
+    results = asyncio.run(main())
+    assert results[:10] == [ref.generate(p, max_new_tokens=8, ignore_eos=True) for p in good.values()]
+    assert _wait_free(app), app.state.core.counts()
+    assert app.state.worker.in_flight() == 0
+    assert httpx.get(url + "/health").json()["status"] == "ok"
