@@ -98,7 +98,9 @@ class LayerRoute:
             return w, ids
         r = lynx_select(logits[:n].float(), is_decode[:n], self.spec, self.cfg, self.layer)
         self.telemetry.record(self.layer, r)
-        if self.cfg.kind == "off":
+        # Fewer decode tokens than min_batch: lynx_select routed exactly, skip the merge (is_decode
+        # lives on the CPU, so the count costs no device sync).
+        if self.cfg.kind == "off" or int(is_decode[:n].sum()) < max(self.cfg.min_batch, 2):
             return w, ids
         new = r.ids.to(ids.dtype)
         # A row changed iff its expert *set* changed (vLLM's top-k order may differ from ours).
