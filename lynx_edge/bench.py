@@ -105,7 +105,7 @@ def run_bench(engine, batch_sizes: list[int], prompt_len: int, gen_len: int, rep
         raise ValueError(f"{prompt_len} prompt + {gen_len} generated tokens do not fit the context of "
                          f"{engine.ctx} (lower -p/-n or raise --ctx-size)")
     total, done = len(batch_sizes) * len(lynx_modes) * (reps + 1), 0
-    rows = []
+    rows, paired = [], {}
     try:
         for b in batch_sizes:
             prompts = synthetic_prompts(engine, b, prompt_len, seed)
@@ -113,20 +113,28 @@ def run_bench(engine, batch_sizes: list[int], prompt_len: int, gen_len: int, rep
                 engine.set_lynx(mode)
                 measure(engine, prompts, min(gen_len, 4))  # warm-up: allocations, caches, kernels
                 done += 1
-                runs = []
-                for _ in range(reps):
-                    runs.append(metrics(measure(engine, prompts, gen_len)))
+                if progress:
+                    progress(done, total)
+            runs = {mode: [] for mode in lynx_modes}
+            # modes alternate within each repetition, so background load hits them alike and each
+            # repetition gives one paired speed-up (the spread shown next to the mean)
+            for _ in range(reps):
+                for mode in lynx_modes:
+                    engine.set_lynx(mode)
+                    runs[mode].append(metrics(measure(engine, prompts, gen_len)))
                     if project is not None:  # replays this run's routing (still recorded on the model)
-                        runs[-1].update(_projected(project()))
+                        runs[mode][-1].update(_projected(project()))
                     done += 1
                     if progress:
                         progress(done, total)
-                rows.append({"batch": b, "lynx": mode, **aggregate(runs)})
+            for mode in lynx_modes:
+                rows.append({"batch": b, "lynx": mode, **aggregate(runs[mode])})
+                paired[b, mode] = [r["decode_tok_s"] for r in runs[mode]]
     finally:
         engine.set_lynx(engine.config.lynx)
     result = {"config": _describe(engine, prompt_len, gen_len, reps, seed), "rows": rows}
     if len(lynx_modes) > 1:
-        result["compare"] = compare(rows, lynx_modes[0])
+        result["compare"] = compare(rows, lynx_modes[0], paired)
     return result
 
 
@@ -189,9 +197,11 @@ def cpu_isa() -> str:
         return "unknown"
 
 
-def compare(rows: list[dict], base_mode: str) -> list[dict]:
-    """Each non-base row against the base mode at the same batch size: decode speed-up and the
-    reduction of unique experts per layer."""
+def compare(rows: list[dict], base_mode: str, paired: dict | None = None) -> list[dict]:
+    """Each non-base row against the base mode at the same batch size: decode speed-up (ratio of
+    the mean tok/s), the reduction of unique experts per layer, and with `paired` ({(batch, mode):
+    per-repetition tok/s}, repetitions alternating the modes) the spread of the per-repetition
+    speed-ups and a plain verdict."""
     base = {r["batch"]: r for r in rows if r["lynx"] == base_mode}
     out = []
     for r in rows:
@@ -203,13 +213,36 @@ def compare(rows: list[dict], base_mode: str) -> list[dict]:
         u0, u1 = b0.get("unique_experts_per_layer"), r.get("unique_experts_per_layer")
         if u0 and u1 is not None:
             c["unique_reduction_pct"] = 100.0 * (u0 - u1) / u0
+        if paired is not None and (r["batch"], base_mode) in paired:
+            ratios = [x / y for x, y in zip(paired[r["batch"], r["lynx"]], paired[r["batch"], base_mode]) if y]
+            if ratios:
+                c["speedup_min"], c["speedup_max"] = min(ratios), max(ratios)
+        c["verdict"] = verdict(c)
         out.append(c)
     return out
 
 
-def quality_delta(engine, batch_sizes: list[int], lynx: str = "lynx", text: str | None = None) -> tuple[list[dict] | None, str]:
+def verdict(c: dict) -> str:
+    """One plain phrase for a compare row: does LYNX pay at this batch size on this machine?"""
+    if c.get("unique_reduction_pct") is not None and c["unique_reduction_pct"] <= 0.0:
+        return "no change (nothing to pool)"
+    lo, hi = c.get("speedup_min", c["speedup"]), c.get("speedup_max", c["speedup"])
+    if lo > 1.0:
+        return "faster"
+    if hi < 1.0:
+        return "slower: LYNX does not pay here"
+    return "within noise: no clear gain"
+
+
+QUALITY = {"fast": dict(num_seqs=16, seq_len=96, prefill_len=64), "full": dict(num_seqs=32, seq_len=128, prefill_len=64)}
+
+
+def quality_delta(engine, batch_sizes: list[int], lynx: str = "lynx", text: str | None = None,
+                  level: str = "full") -> tuple[list[dict] | None, str]:
     """LYNX's quality change from lynx_edge.eval (perplexity change %, greedy agreement %) per
-    batch size, on `text` or the model dir's heldout.txt → (rows or None, why not)."""
+    batch size, on `text` or the model dir's heldout.txt → (rows or None, why not). level: fast
+    (16 windows × 32 teacher-forced decode steps: seconds on the demo) | full (32 × 64, the
+    README's sweep settings). Batch sizes above the window count are skipped."""
     try:
         mod = importlib.import_module("lynx_edge.eval")
     except ModuleNotFoundError as exc:
@@ -221,7 +254,10 @@ def quality_delta(engine, batch_sizes: list[int], lynx: str = "lynx", text: str 
         return None, "lynx_edge.eval has no evaluate()"
     if text is None and not (Path(engine.model_dir) / "heldout.txt").is_file():
         return None, "the model has no heldout.txt to measure quality on (see `lynx-edge eval --file`)"
-    return eval_rows(call_supported(fn, engine, text=text, batch_sizes=batch_sizes, lynx=lynx)), "lynx_edge.eval"
+    q = QUALITY[level]
+    sizes = [b for b in batch_sizes if b <= q["num_seqs"]]
+    rows = eval_rows(call_supported(fn, engine, text=text, batch_sizes=sizes, lynx=lynx, **q))
+    return rows, f"lynx_edge.eval ({level}: {q['num_seqs']} windows × {q['seq_len'] - q['prefill_len']} decode steps)"
 
 
 # lynx_edge.eval's results → rows with these names (the eval module may use any of the aliases)
@@ -278,8 +314,12 @@ def plot_bench(result: dict, path: str | Path) -> Path:
         rows = [r for r in result["rows"] if r["lynx"] == mode]
         label = "exact" if mode == "off" else f"LYNX ({mode})"
         xs = [r["batch"] for r in rows]
-        ax1.errorbar(xs, [r["decode_tok_s"] for r in rows], [r["decode_tok_s_std"] for r in rows],
-                     marker="o", label=label, capsize=3)
+        ys = [r["decode_tok_s"] for r in rows]
+        # bars never reach below zero: a lower error of mean − 0 at most (std can exceed the mean)
+        err = [[min(r.get("decode_tok_s_std", 0.0), y) for r, y in zip(rows, ys)],
+               [r.get("decode_tok_s_std", 0.0) for r in rows]]
+        ax1.errorbar(xs, ys, err, marker="o", label=label, capsize=3)
+        ax1.set_ylim(bottom=0)
         if all("unique_experts_per_layer" in r for r in rows):
             ax2.plot(xs, [r["unique_experts_per_layer"] for r in rows], marker="o", label=label)
     for ax, title in ((ax1, "decode tok/s"), (ax2, "unique experts / layer")):
@@ -294,5 +334,5 @@ def plot_bench(result: dict, path: str | Path) -> Path:
     return Path(path)
 
 
-__all__ = ["METRICS", "aggregate", "compare", "eval_rows", "measure", "metrics", "model_shape", "plot_bench",
+__all__ = ["METRICS", "QUALITY", "aggregate", "compare", "cpu_isa", "verdict", "eval_rows", "measure", "metrics", "model_shape", "plot_bench",
            "projector", "quality_delta", "run_bench", "synthetic_prompts"]

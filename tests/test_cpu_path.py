@@ -188,3 +188,53 @@ def test_cpu_moe_block_op_count_does_not_grow_with_active_experts():
             moe_ref_loop(x, ids, w, gu, dn)
         loop_counts[n_active] = len(mode.ops)
     assert loop_counts[16] > loop_counts[2]  # the check above would catch a loop
+
+
+# bench: quick and honest -----------------------------------------------------------------------
+def test_compare_carries_the_paired_spread_and_a_plain_verdict():
+    from lynx_edge.bench import compare
+
+    rows = [{"batch": 16, "lynx": "off", "decode_tok_s": 100.0, "unique_experts_per_layer": 28.0},
+            {"batch": 16, "lynx": "on", "decode_tok_s": 110.0, "unique_experts_per_layer": 21.0},
+            {"batch": 1, "lynx": "off", "decode_tok_s": 50.0, "unique_experts_per_layer": 4.0},
+            {"batch": 1, "lynx": "on", "decode_tok_s": 49.0, "unique_experts_per_layer": 4.0},
+            {"batch": 4, "lynx": "off", "decode_tok_s": 80.0, "unique_experts_per_layer": 12.0},
+            {"batch": 4, "lynx": "on", "decode_tok_s": 60.0, "unique_experts_per_layer": 8.0}]
+    paired = {(16, "off"): [100.0, 90.0, 110.0], (16, "on"): [120.0, 90.0, 120.0],
+              (1, "off"): [50.0] * 3, (1, "on"): [49.0] * 3,
+              (4, "off"): [80.0, 80.0, 80.0], (4, "on"): [60.0, 70.0, 50.0]}
+    c = {r["batch"]: r for r in compare(rows, "off", paired)}
+    assert c[16]["speedup"] == pytest.approx(1.1)
+    assert (c[16]["speedup_min"], c[16]["speedup_max"]) == (pytest.approx(1.0), pytest.approx(1.2))
+    assert c[16]["verdict"].startswith("within noise")  # the spread touches 1.0: no claim
+    assert c[1]["verdict"].startswith("no change") and c[16]["unique_reduction_pct"] == pytest.approx(25.0)
+    assert c[4]["verdict"].startswith("slower") and c[4]["speedup_max"] == pytest.approx(0.875)
+    paired[16, "on"] = [110.0, 100.0, 121.0]
+    assert compare(rows, "off", paired)[0]["verdict"] == "faster"
+
+
+def test_bench_lynx_both_alternates_modes_and_records_threads(tiny_models, tmp_path, restore_threads):
+    from lynx_edge.cli.main import app
+
+    out = tmp_path / "r.json"
+    r = CliRunner().invoke(app, ["bench", str(tiny_models["qwen3_moe"]), "--lynx", "both", "-p", "6", "-n", "4",
+                                 "-r", "2", "-b", "1,4", "-t", "1", "--save", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "verdict" in r.stdout and "(" in r.stdout.split("LYNX vs exact")[1]  # spread printed
+    assert not any(ln.startswith("{") for ln in r.stdout.splitlines())
+    data = json.loads(out.read_text())
+    assert data["config"]["threads"] == 1 and data["config"]["int4"] is False and data["config"]["offload"] is False
+    for c in data["compare"]:
+        assert c["speedup_min"] <= c["speedup_max"] and c["verdict"]
+    assert "bench: 12/12 runs" in r.stderr  # progress while it runs: 2 sizes × 2 modes × (1 + 2) runs
+
+
+@pytest.mark.parametrize("cmd", ["bench", "chat"])
+def test_bad_lynx_value_fails_before_the_model_loads(cmd, tmp_path):
+    from lynx_edge.cli.main import app
+
+    missing = tmp_path / "no-such-model"  # would fail to load: the --lynx error must come first
+    r = CliRunner().invoke(app, [cmd, str(missing), "--lynx", "fast"])
+    assert r.exit_code == 2, r.output
+    assert "fast" in r.output and "lynx-mass:TAU" in r.output and "budget:M" in r.output
+    assert ("both" in r.output) == (cmd == "bench")

@@ -3,13 +3,16 @@ The measuring is lynx_edge.bench.run_bench; this module parses options and rende
 from __future__ import annotations
 
 import importlib.util
+import json
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
 from . import ui
-from .common import CliError, engine_options, load_engine, lynx_mode, need
-from .options import BatchSizes, CtxSize, Device, Dtype, Int4, Model, Offload, Profile, Seed, TableJsonCsv, parse_sizes
+from .common import CliError, engine_options, load_engine, need
+from .options import (BatchSizes, CtxSize, Device, Dtype, Int4, Model, Offload, Profile, Seed, TableJsonCsv,
+                      check_lynx, parse_sizes)
 
 _MODES = {"off": ["off"], "on": ["on"], "lynx": ["lynx"], "both": ["off", "on"]}
 
@@ -18,10 +21,12 @@ def bench(
     model: Model = "demo",
     lynx: Annotated[str, typer.Option("--lynx", help="off | on (recommended rule) | both (side by side, with the speed-up) | lynx | lynx-mass:T | budget:M")] = "off",
     batch_sizes: BatchSizes = "1,4,16",
-    prompt_len: Annotated[int, typer.Option("--n-prompt", "-p", help="prompt tokens per sequence")] = 512,
+    prompt_len: Annotated[int, typer.Option("--n-prompt", "-p", help="prompt tokens per sequence")] = 128,
     gen_len: Annotated[int, typer.Option("--n-gen", "-n", help="generated tokens per sequence")] = 128,
-    reps: Annotated[int, typer.Option("--repetitions", "-r", help="timed repetitions (after one warm-up)")] = 5,
-    output: Annotated[TableJsonCsv, typer.Option("--output", "-o", help="table (+ a final JSON line) | json | csv")] = TableJsonCsv.table,
+    reps: Annotated[int, typer.Option("--repetitions", "-r", help="timed repetitions (after one warm-up); modes alternate within each")] = 5,
+    output: Annotated[TableJsonCsv, typer.Option("--output", "-o", help="table | json (one line, every number) | csv")] = TableJsonCsv.table,
+    save: Annotated[Optional[str], typer.Option("--save", help="also write the full results (JSON, with threads, --int4, --offload) to FILE")] = None,
+    quality: Annotated[str, typer.Option("--quality", help="with --lynx both: fast (seconds) | full (the README sweep, minutes) | off")] = "fast",
     simulate: Annotated[Optional[str], typer.Option("--simulate", help="also project each run's routing onto a hardware profile (name or .toml)")] = None,
     shape: Annotated[Optional[str], typer.Option("--shape", help="model shape for --simulate: this model, or mixtral-8x7b, qwen3-30b-a3b, olmoe-1b-7b")] = None,
     plot: Annotated[Optional[str], typer.Option("--plot", help="write a PNG: tok/s and unique experts vs batch size")] = None,
@@ -37,7 +42,10 @@ def bench(
     from .. import bench as lib
 
     sizes = parse_sizes(batch_sizes)
-    modes = _MODES.get(lynx.strip().lower(), [lynx_mode(lynx)])
+    value = check_lynx(lynx, extra=tuple(_MODES))  # before the model loads
+    modes = _MODES.get(value, [value])
+    if quality not in ("fast", "full", "off"):
+        raise typer.BadParameter(f"{quality!r}: use fast, full or off", param_hint="--quality")
     if plot and importlib.util.find_spec("matplotlib") is None:
         raise CliError("--plot needs matplotlib, which is not installed", "pip install 'lynx-edge[bench]'")
     if simulate:
@@ -45,14 +53,21 @@ def bench(
     opts = engine_options("off", offload, int4, profile, ctx_size or max(prompt_len + gen_len + 8, 256))  # ≥ 256: eval windows
     engine = load_engine(model, dtype, device, **opts)
     project = lib.projector(engine, simulate, shape) if simulate else None
-    with ui.progress(f"bench {len(sizes)} batch sizes × {len(modes)} modes", unit="runs") as cb:
-        result = lib.run_bench(engine, sizes, prompt_len, gen_len, reps, modes, seed=seed or 0, progress=cb,
-                               project=project)
+    ui.note(f"threads {engine.config.threads} · {engine.model.placement.experts} experts · "
+            f"{len(sizes)} batch sizes × {len(modes)} modes × {reps + 1} runs (-t sets threads)", stderr=True)
+    result = lib.run_bench(engine, sizes, prompt_len, gen_len, reps, modes, seed=seed or 0,
+                           progress=ui.progress_line("bench"), project=project)
     if simulate:
         result["config"]["simulate"] = {"profile": simulate, "shape": shape or "this model", "label": "projected"}
-    if len(modes) > 1:
-        _merge_quality(result, *lib.quality_delta(engine, sizes, modes[1]))
+    if len(modes) > 1 and quality != "off":
+        ui.note(f"quality ({quality}): perplexity and greedy agreement, LYNX vs exact …", stderr=True)
+        _merge_quality(result, *lib.quality_delta(engine, sizes, modes[1], level=quality))
+    elif len(modes) > 1:
+        _merge_quality(result, None, "--quality off")
     _render(result, output)
+    if save:
+        Path(save).write_text(json.dumps(result, default=str, indent=1) + "\n", encoding="utf-8")
+        ui.note(f"results written to {save}")
     if plot:
         path = lib.plot_bench(result, plot)
         ui.note(f"plot written to {path}")
@@ -72,8 +87,8 @@ def _merge_quality(result: dict, quality: list[dict] | None, source: str) -> Non
 def _render(result: dict, output: TableJsonCsv) -> None:
     if output is TableJsonCsv.csv:
         ui.csv_rows(result["rows"])
-        return
-    if output is TableJsonCsv.table:
+    elif output is TableJsonCsv.table:  # the table alone: every number is in -o json / --save
         ui.bench_table(result)
-    ui.json_line(result)
+    else:
+        ui.json_line(result)
 

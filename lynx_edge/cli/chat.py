@@ -13,7 +13,7 @@ import typer
 
 from . import ui
 from .common import engine_options, load_engine
-from .options import (ChatTemplateKwargs, CtxSize, Device, Dtype, Int4, Lynx, MaxTokens, Model, Offload, Profile,
+from .options import (ChatTemplateKwargs, check_lynx, CtxSize, Device, Dtype, Int4, Lynx, MaxTokens, Model, Offload, Profile,
                       RepeatPenalty, Seed, Temp, TopK, TopP, VerbosePrompt, parse_json_object, sampling_kwargs)
 
 COMMANDS = {
@@ -57,6 +57,7 @@ class ChatSession:
         self.system = [{"role": "system", "content": system}] if system else []
         self.messages = list(self.system)
         self.last: dict = {}
+        self.failed = False  # the last turn ended in an error (chat -p then exits non-zero)
         self.turns = 0
         self.generated = 0
 
@@ -65,7 +66,8 @@ class ChatSession:
         from ..engine import ContextError
 
         self.messages.append({"role": "user", "content": text})
-        answer, stats = "", None
+        answer, stats, finish = "", None, None
+        self.failed = False
         try:
             prompt = self.prompt()
             if self.verbose_prompt:
@@ -75,15 +77,19 @@ class ChatSession:
                 ui.write(chunk.text)
                 answer += chunk.text
                 stats = chunk.stats or stats
+                finish = chunk.finish_reason or finish
         except KeyboardInterrupt:
             ui.write("\n")
             ui.note("(stopped)", stderr=stats_to_stderr)
         except ContextError as exc:
             self.messages.pop()
             ui.error(str(exc), "/reset to start a new conversation")
+            self.failed = True
             return ""
         else:
             ui.write("\n")
+            if finish == "length":  # say so: a cut answer must not read as a finished one
+                ui.note("(cut at the token limit: raise -n / --max-tokens)", stderr=stats_to_stderr)
         if not answer and stats is None:  # interrupted before the first token: forget the question
             self.messages.pop()
             return ""
@@ -188,6 +194,7 @@ def chat(
 ) -> None:
     """Chat in the terminal (streaming; the KV cache is reused across turns)."""
     template_kwargs = parse_json_object(chat_template_kwargs, "--chat-template-kwargs")
+    lynx = check_lynx(lynx)  # a bad value fails now, not after the load
     opts = engine_options(lynx, offload, int4, profile, ctx_size)
     engine = load_engine(model, dtype, device, **opts)
     gen = getattr(engine, "generation_config", None)
@@ -201,7 +208,10 @@ def chat(
         ui.note("this model has no chat template: plain-text chat"
                 + (" (--chat-template-kwargs ignored)" if template_kwargs else ""), stderr=True)
     if prompt is not None:
+        ui.model_note(str(engine.model_dir))
         session.turn(prompt, stats_to_stderr=True)
+        if session.failed:
+            raise typer.Exit(1)
         return
     ui.chat_banner(str(engine.model_dir), opts["lynx"], COMMANDS)
     session.loop()

@@ -51,6 +51,25 @@ class TableJsonCsv(str, Enum):
     csv = "csv"
 
 
+LYNX_VALUES = "off, on, lynx, budget:M, lynx-mass:TAU (knobs after a comma, e.g. lynx,j=2)"
+
+
+def check_lynx(text: str, extra: tuple[str, ...] = ()) -> str:
+    """Validate a --lynx value before any weights load → the value (lower-case). `extra`: values a
+    command adds (bench: both). A bad one is one line that lists the valid values."""
+    value = text.strip().lower()
+    if value in extra:
+        return value
+    from ..lynx import LynxConfig
+
+    try:
+        LynxConfig.parse(value)
+    except ValueError as exc:
+        valid = ", ".join(extra) + ", " + LYNX_VALUES if extra else LYNX_VALUES
+        raise typer.BadParameter(f"{exc}. Valid: {valid}", param_hint="--lynx") from None
+    return value
+
+
 def parse_sizes(text: str) -> list[int]:
     """"1,4,16" → [1, 4, 16]."""
     try:

@@ -7,6 +7,7 @@ import csv
 import io
 import json
 import traceback
+from pathlib import Path
 
 from rich import box
 from rich.console import Console
@@ -85,6 +86,24 @@ def progress(description: str, unit: str = "bytes"):
             bar.update(task, completed=done, total=total or None)
 
         yield update
+
+
+def progress_line(description: str):
+    """→ callback(done, total) that keeps one status line on stderr: rewritten in place on a
+    terminal, a new line per update elsewhere (logs and CI still show the run is alive)."""
+    import time
+
+    c, t0 = console(True), time.perf_counter()
+
+    def update(done: int, total: int) -> None:
+        text = f"{description}: {done}/{total} runs · {time.perf_counter() - t0:.0f} s"
+        if c.is_terminal:
+            c.file.write("\r" + text + ("\n" if done >= total else ""))
+            c.file.flush()
+        else:
+            c.print(Text(text, style="dim"))
+
+    return update
 
 
 # numbers ---------------------------------------------------------------------------------------
@@ -178,15 +197,34 @@ def plan_table(report: dict) -> None:
     line(report["summary"], style="green" if report["fits"] else "bold red")
 
 
+DEMO_NOTE = ("the demo is a 14M-parameter code-continuation model trained on the Python standard library, "
+             "not an assistant: give it the start of some Python (e.g. `def fibonacci(n):`)")
+
+
+def model_note(model: str) -> None:
+    """One line on stderr saying what the embedded demo model is (nothing for other models)."""
+    from ..hub import demo_dir
+
+    try:
+        is_demo = Path(model).resolve() == demo_dir()
+    except OSError:
+        is_demo = False
+    if is_demo:
+        note(DEMO_NOTE, stderr=True)
+
+
 def chat_banner(model: str, lynx: str, commands: dict) -> None:
     note(f"lynx-edge chat · {model} · lynx {lynx}", stderr=False)
+    model_note(model)
     note("  ".join(commands) + '   (end a line with \\ or wrap in """ for several lines)', stderr=False)
 
 
 # bench / eval ----------------------------------------------------------------------------------
 def bench_table(result: dict) -> None:
     cfg = result["config"]
-    t = Table(title=f"{cfg['model']} · {cfg['device']} {cfg['dtype']} · prompt {cfg['prompt_len']} · "
+    extra = "".join(f" · {k}" for k in ("int4", "offload") if cfg.get(k))
+    threads = f" · {cfg['threads']} thread{'s' if cfg['threads'] > 1 else ''}" if cfg.get("threads") else ""
+    t = Table(title=f"{cfg['model']} · {cfg['device']} {cfg['dtype']}{extra}{threads} · prompt {cfg['prompt_len']} · "
                     f"gen {cfg['gen_len']} · {cfg['reps']} reps", title_justify="left", box=box.SIMPLE_HEAD)
     cols = [("batch", "batch", "{}"), ("lynx", "lynx", "{}"), ("prefill tok/s", "prefill_tok_s", "{:.1f}"),
             ("decode tok/s", "decode_tok_s", "{:.1f}"), ("TPOT ms", "tpot_ms", "{:.2f}"),
@@ -207,15 +245,28 @@ def bench_table(result: dict) -> None:
     if result.get("compare"):
         c = Table(title="LYNX vs exact", title_justify="left", box=box.SIMPLE_HEAD)
         quality = any("ppl_change_pct" in r for r in result["compare"])
-        heads = ["batch", "mode", "decode speed-up", "experts −%"] + (["ppl Δ%", "greedy agree %"] if quality else [])
+        heads = ["batch", "mode", "decode speed-up (min–max)", "experts −%"]
+        heads += (["ppl Δ%", "greedy agree %"] if quality else []) + ["verdict"]
         for h in heads:
-            c.add_column(h, justify="right")
+            c.add_column(h, justify="right" if h != "verdict" else "left")
         for r in result["compare"]:
-            cells = [str(r["batch"]), r["lynx"], f"{r['speedup']:.2f}×", _pm(r, "unique_reduction_pct")]
+            cells = [str(r["batch"]), r["lynx"], speedup_text(r), _pm(r, "unique_reduction_pct")]
             if quality:
                 cells += [_pm(r, "ppl_change_pct", "{:+.2f}"), _pm(r, "greedy_agreement_pct")]
-            c.add_row(*cells)
+            c.add_row(*cells, r.get("verdict", ""))
         console().print(c)
+        note("speed-up: ratio of mean decode tok/s; min–max over the repetitions (modes alternate "
+             "within each, so background load hits both alike)", stderr=False)
+        if result.get("quality_note") or result.get("quality"):
+            note(f"quality: {result.get('quality') or result.get('quality_note')}", stderr=False)
+
+
+def speedup_text(r: dict) -> str:
+    """1.12× (0.98–1.30) — the spread keeps a noisy mean from reading as a result."""
+    text = f"{r['speedup']:.2f}×"
+    if r.get("speedup_min") is not None:
+        text += f" ({r['speedup_min']:.2f}–{r['speedup_max']:.2f})"
+    return text
 
 
 def eval_table(rows: list[dict], title: str) -> None:
