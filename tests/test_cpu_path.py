@@ -238,3 +238,12 @@ def test_bad_lynx_value_fails_before_the_model_loads(cmd, tmp_path):
     assert r.exit_code == 2, r.output
     assert "fast" in r.output and "lynx-mass:TAU" in r.output and "budget:M" in r.output
     assert ("both" in r.output) == (cmd == "bench")
+
+
+def test_boolean_options_are_plain_flags():
+    from lynx_edge.cli.main import app
+
+    for cmd in ("chat", "bench", "info"):
+        r = CliRunner().invoke(app, [cmd, "--help"], env={"COLUMNS": "200"})
+        lines = [ln for ln in r.stdout.splitlines() if "--int4" in ln or "--offload" in ln]
+        assert lines and not any("<bool>" in ln or "--no-" in ln for ln in lines), (cmd, lines)

@@ -14,8 +14,9 @@ RequiredModel = Annotated[str, typer.Argument(help=MODEL_HELP)]
 
 # engine construction
 Lynx = Annotated[str, typer.Option("--lynx", help="expert selection: off (exact) | on | budget:M | lynx-mass:T")]
-Offload = Annotated[bool, typer.Option("--offload", help="keep experts in host memory, cache hot ones on the GPU")]
-Int4 = Annotated[bool, typer.Option("--int4", help="INT4 experts (quantized at load time or from a GPTQ checkpoint)")]
+# boolean options are plain flags: metavar "" so help shows `--int4`, not `--int4 <bool>`
+Offload = Annotated[bool, typer.Option("--offload", metavar="", help="keep experts in host memory, cache hot ones on the GPU")]
+Int4 = Annotated[bool, typer.Option("--int4", metavar="", help="INT4 experts (quantized at load time or from a GPTQ checkpoint)")]
 Profile = Annotated[Optional[str], typer.Option("--profile", help="hardware profile (TOML) for placement")]
 Dtype = Annotated[Optional[str], typer.Option("--dtype", help="float32 | bfloat16 | float16 (default: bf16 on CUDA, fp32 on CPU)")]
 Device = Annotated[Optional[str], typer.Option("--device", help="cuda | cpu (default: cuda when present)")]
@@ -34,7 +35,7 @@ RepeatPenalty = Annotated[Optional[float], typer.Option("--repeat-penalty", help
 # chat prompt (llama.cpp names)
 ChatTemplateKwargs = Annotated[Optional[str], typer.Option(
     "--chat-template-kwargs", help='JSON object passed to the chat template, e.g. \'{"enable_thinking": false}\'')]
-VerbosePrompt = Annotated[bool, typer.Option("--verbose-prompt", help="print each rendered prompt (stderr) before the answer")]
+VerbosePrompt = Annotated[bool, typer.Option("--verbose-prompt", metavar="", help="print each rendered prompt (stderr) before the answer")]
 
 # bench / eval
 BatchSizes = Annotated[str, typer.Option("--batch-size", "-b", help="comma-separated batch sizes, e.g. 1,4,16")]
