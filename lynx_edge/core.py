@@ -66,7 +66,8 @@ class EngineCore:
     max_num_seqs: KV rows (sequences decoding together); prefill_budget: prompt tokens per step;
     max_waiting: bound of the waiting queue (beyond it add_request raises QueueFull)."""
 
-    def __init__(self, engine: Engine, max_num_seqs: int = 16, prefill_budget: int = 256, max_waiting: int = 64):
+    def __init__(self, engine: Engine, max_num_seqs: int = 16, prefill_budget: int = 256, max_waiting: int = 64,
+                 mixed_steps: bool = False):
         if max_num_seqs < 1 or prefill_budget < 1 or max_waiting < 0:
             raise ValueError("max_num_seqs and prefill_budget must be >= 1, max_waiting >= 0")
         self.engine, self.model = engine, engine.model
@@ -74,6 +75,7 @@ class EngineCore:
         engine.reset()  # rows are reused by requests: no cached chat session survives
         self.ctx = engine.ctx
         self.max_num_seqs, self.prefill_budget, self.max_waiting = max_num_seqs, prefill_budget, max_waiting
+        self.mixed_steps = mixed_steps  # prefill chunks ride in the decode forward (one forward per step)
         self._free = list(range(max_num_seqs))  # min-heap: low rows first, so batches stay contiguous
         self.waiting: deque[_Request] = deque()
         self.running: list[_Request] = []  # admitted, in admission order
@@ -128,10 +130,11 @@ class EngineCore:
         stats = self.model.routing.stats
         stats.clear()
         ready = [r for r in self.running if r.last is not None]
+        chunks = self._plan_chunks() if ready and self.mixed_steps else []
         if ready:
-            outs += self._decode(ready)
+            outs += self._decode(ready, chunks)
         unique = stats.unique_per_layer(decode_only=True) if stats.record and ready else None
-        n_prefill = self._prefill_chunks(outs)
+        n_prefill = sum(n for _, n in chunks) + (0 if chunks else self._prefill_chunks(outs))
         stats.clear()  # bounded: only this step's ids were kept
         self.last_step = {"decode_tokens": len(ready), "prefill_tokens": n_prefill, "unique_experts": unique}
         self.totals["steps"] += 1
@@ -215,27 +218,57 @@ class EngineCore:
                 outs += self._sample([r], logits)
         return self.prefill_budget - budget
 
-    def _decode(self, reqs: list[_Request]) -> list[RequestOutput]:
-        """One forward over the B rows' newest tokens. LYNX opt-in per request: a token of a request
-        that did not opt in is passed as non-decode, so it keeps exact routing and its experts count
-        as needed (as prefill tokens do)."""
+    def _plan_chunks(self) -> list[tuple[_Request, int]]:
+        """(request, tokens) of prompt chunks for this step, oldest first, within the token budget."""
+        budget, plan = self.prefill_budget, []
+        for r in self.running:
+            if budget <= 0:
+                break
+            if r.done < len(r.ids) and r.seq.finish is None:
+                n = min(budget, len(r.ids) - r.done)
+                plan.append((r, n))
+                budget -= n
+        return plan
+
+    def _decode(self, reqs: list[_Request], chunks: list[tuple[_Request, int]] = ()) -> list[RequestOutput]:
+        """One forward over the B rows' newest tokens, plus (mixed steps) P prompt-chunk tokens packed
+        as one token per attention row: N = B + P tokens, each [1, 1] at its own row and position, so
+        the MoE routes decode and prefill tokens together. LYNX per token: decode tokens of requests
+        that opted in are remapped; prefill tokens and opted-out requests' tokens stay exact and their
+        experts count as needed."""
         dev, kv = self.model.device, self.kv
         rows = [r.row for r in reqs]
         lengths = [kv.lengths[row] for row in rows]
-        tokens = torch.tensor([r.last for r in reqs], device=dev)  # [B]
-        flags = [r.lynx for r in reqs]
+        toks, flags = [r.last for r in reqs], [r.lynx for r in reqs]
+        for r, n in chunks:  # K/V of all N tokens is written before attention reads: chunks see themselves
+            rows += [r.row] * n
+            lengths += list(range(r.done, r.done + n))
+            toks += r.ids[r.done:r.done + n]
+            flags += [False] * n
+        tokens = torch.tensor(toks, device=dev)  # [N]
         phase = True if all(flags) else False if not any(flags) else None  # None: per token
-        positions = torch.tensor(lengths, device=dev)[:, None]  # [B, 1]
+        positions = torch.tensor(lengths, device=dev)[:, None]  # [N, 1]
         ab = AttnBatch(positions=positions, rows=_rows(rows, dev), kv_len=max(lengths) + 1)
-        self.model.routing.begin_step(True)  # a decode step for stats and the offload counters
-        route = self.model.routing.route
-        if phase is not True and hasattr(route, "phase"):
-            route.phase = phase  # LynxRouter: all exact (False) or per token from is_decode (None)
+        rc = self.model.routing
+        rc.begin_step(phase)  # the router: all decode (True), all exact (False) or per token (None)
+        rc.is_decode = True  # yet a decode step for the offload counters and the routing stats
+        if rc.stats.record and rc.stats.decode:
+            rc.stats.decode[-1] = True
         is_decode = torch.tensor(flags, dtype=torch.bool, device=dev)  # [B]
-        logits = self.model(tokens.view(-1, 1), ab, kv.layers, is_decode)  # [B, V]
-        for row in rows:
-            kv.lengths[row] += 1
-        return self._sample(reqs, logits)
+        logits = self.model(tokens.view(-1, 1), ab, kv.layers, is_decode)  # [N, V]
+        B = len(reqs)
+        for r in reqs:
+            kv.lengths[r.row] += 1
+        outs, at, done = self._sample(reqs, logits[:B]), B, []
+        for r, n in chunks:
+            r.done += n
+            kv.lengths[r.row] = r.done
+            at += n
+            if r.done == len(r.ids):
+                done.append((r, at - 1))  # its last prompt token's logits
+        if done:
+            outs += self._sample([r for r, _ in done], logits[[i for _, i in done]])
+        return outs
 
     def _sample(self, reqs: list[_Request], logits: torch.Tensor) -> list[RequestOutput]:
         """logits [B, V] → one token per request (its own params and generator) → outputs."""

@@ -50,9 +50,10 @@ def _drive(core: EngineCore, arrivals: dict[int, list], max_steps: int = 2000) -
     raise AssertionError("core did not finish")
 
 
-def test_core_staggered_chunked_equals_generate_alone(model_path, ref):
+@pytest.mark.parametrize("mixed", [False, True])
+def test_core_staggered_chunked_equals_generate_alone(model_path, ref, mixed):
     eng = Engine.from_pretrained(model_path, device="cpu")
-    core = EngineCore(eng, max_num_seqs=3, prefill_budget=5, max_waiting=16)  # queueing + chunked prefill
+    core = EngineCore(eng, max_num_seqs=3, prefill_budget=5, max_waiting=16, mixed_steps=mixed)  # queueing, chunks
     greedy = dict(max_new_tokens=10, ignore_eos=True)
     sampled = dict(max_new_tokens=10, ignore_eos=True, do_sample=True, temperature=0.9, top_k=50, top_p=0.9, seed=7)
     arrivals: dict[int, list] = {}
@@ -100,7 +101,7 @@ def test_core_queue_bound_and_context(model_path):
         core.add_request([5] * core.ctx, sp)
 
 
-def test_core_lynx_opt_out_is_exact(model_path, ref):
+def test_core_lynx_opt_out_is_exact(model_path, ref, mixed=False):
     """LYNX on for the engine: with every request opted in some texts change (LYNX remaps);
     those requests, opted out, decode beside LYNX rows with exact routing: = exact generate alone."""
     eng = Engine.from_pretrained(model_path, device="cpu", lynx="budget:3")  # strict: texts change
@@ -108,14 +109,58 @@ def test_core_lynx_opt_out_is_exact(model_path, ref):
     want = {f"r{i}": ref.generate(p, **kw) for i, p in enumerate(PROMPTS)}
 
     def run(opt_out):
-        core = EngineCore(eng, max_num_seqs=8)
-        return _drive(core, {0: [(f"r{i}", eng.encode_prompt(p), eng.sampling_params(**kw), f"r{i}" not in opt_out)
-                                 for i, p in enumerate(PROMPTS)]})
+        core = EngineCore(eng, max_num_seqs=8, prefill_budget=4, mixed_steps=mixed)
+        return _drive(core, {i: [(f"r{i}", eng.encode_prompt(p), eng.sampling_params(**kw), f"r{i}" not in opt_out)]
+                             for i, p in enumerate(PROMPTS)})
 
     changed = {rid for rid, t in run(set()).items() if t != want[rid]}
     assert changed and len(changed) < len(PROMPTS)  # LYNX is active, and some rows stay opted in
     texts = run(changed)
     assert {rid: texts[rid] for rid in changed} == {rid: want[rid] for rid in changed}
+
+
+def test_core_mixed_steps_prefill_stays_exact_under_lynx(model_path, ref):
+    """Mixed steps with LYNX on (strict budget:3): prompt chunks share the forward with remapped
+    decode tokens. Reference: exact_route on the same router logits — the chunk tokens (the last P
+    of each mixed forward) get exactly its experts, while some decode tokens are remapped; and
+    every request's first token (from its prefill) equals exact generate's."""
+    from lynx_edge.routing import exact_route
+
+    eng = Engine.from_pretrained(model_path, device="cpu", lynx="budget:3")
+    route, calls = eng.model.routing.route, []
+
+    def spy(logits, is_decode, layer):
+        ids, w = route(logits, is_decode, layer)
+        calls.append((logits, ids))
+        return ids, w
+
+    eng.model.routing.route = spy
+    spy.begin_step = route.begin_step  # the phase hook the RoutingContext calls
+    spec = eng.model.routing.spec
+    core = EngineCore(eng, max_num_seqs=8, prefill_budget=4, mixed_steps=True)
+    sp = eng.sampling_params(max_new_tokens=6, ignore_eos=True)
+    first, mixed, remapped = {}, 0, 0
+    pending = {3 * i: (f"r{i}", eng.encode_prompt(p)) for i, p in enumerate(PROMPTS)}
+    for step in range(500):
+        if step in pending:
+            core.add_request(pending[step][1], sp, pending[step][0])
+        calls.clear()
+        for o in core.step():
+            first.setdefault(o.request_id, o.token_ids[:1])
+        B, P = core.last_step["decode_tokens"], core.last_step["prefill_tokens"]
+        if B and P:
+            mixed += 1
+            for logits, ids in calls:
+                assert logits.shape[0] == B + P
+                exact = exact_route(logits, spec)[0]
+                assert ids[B:].sort(-1).values.equal(exact[B:].sort(-1).values)
+                remapped += int(not ids[:B].sort(-1).values.equal(exact[:B].sort(-1).values))
+        if step > max(pending) and not core.has_work():
+            break
+    want = {f"r{i}": [next(iter(ref.stream(p, max_new_tokens=1, ignore_eos=True))).token_ids[0]]
+            for i, p in enumerate(PROMPTS)}
+    assert mixed > 5 and remapped > 0 and first == want
+    assert core.free_rows == 8
 
 
 # the real server --------------------------------------------------------------------------
