@@ -19,6 +19,8 @@ def serve(
     ctx_size: CtxSize = None,
     max_num_batched_tokens: Annotated[int, typer.Option(
         "--max-num-batched-tokens", min=1, help="prompt tokens prefilled per step (chunked prefill)")] = 256,
+    mixed_steps: Annotated[bool, typer.Option(
+        "--mixed-steps", help="prefill chunks share the decode forward (LYNX sees both phases in one batch)")] = False,
     max_queue: Annotated[int, typer.Option("--max-queue", min=0, help="requests waiting for a row; beyond: HTTP 429")] = 64,
     api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="LYNX_API_KEY",
                                                    help="require Authorization: Bearer KEY on /v1")] = None,
@@ -46,4 +48,4 @@ def serve(
             f"(max-num-seqs {max_num_seqs}, ctx {engine.ctx}, lynx {lynx})")
     run_server(engine, host=host, port=port, model_name=served_model_name, api_key=api_key,
                max_num_seqs=max_num_seqs, prefill_budget=max_num_batched_tokens, max_waiting=max_queue,
-               shutdown_timeout=shutdown_timeout)
+               shutdown_timeout=shutdown_timeout, mixed_steps=mixed_steps)

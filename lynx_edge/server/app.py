@@ -29,8 +29,10 @@ RETRY_AFTER_S = 1
 
 
 def create_app(engine: Engine, model_name: str | None = None, api_key: str | None = None, max_num_seqs: int = 16,
-               prefill_budget: int = 256, max_waiting: int = 64, shutdown_timeout: float = 10.0) -> FastAPI:
-    core = EngineCore(engine, max_num_seqs=max_num_seqs, prefill_budget=prefill_budget, max_waiting=max_waiting)
+               prefill_budget: int = 256, max_waiting: int = 64, shutdown_timeout: float = 10.0,
+               mixed_steps: bool = False) -> FastAPI:
+    core = EngineCore(engine, max_num_seqs=max_num_seqs, prefill_budget=prefill_budget, max_waiting=max_waiting,
+                      mixed_steps=mixed_steps)
     metrics = Metrics()
     worker = CoreWorker(core, metrics)
     name = model_name or (engine.model_dir.name if engine.model_dir else "lynx-edge")
