@@ -163,6 +163,40 @@ def test_core_mixed_steps_prefill_stays_exact_under_lynx(model_path, ref):
     assert core.free_rows == 8
 
 
+@pytest.mark.parametrize("opts", [dict(int4=True, int4_group=32), dict(offload=True, expert_slots=4, profile="cpu-only")])
+def test_core_int4_and_offload_equal_generate_alone(tmp_path, opts):
+    """The core over an INT4 or an offloaded engine (2 rows, chunked prefill) = that engine's generate alone."""
+    from conftest import make_tiny
+
+    path = make_tiny(tmp_path / "m", "qwen3_moe", moe_intermediate_size=32)
+    eng, ref = (Engine.from_pretrained(path, device="cpu", **opts) for _ in range(2))
+    core = EngineCore(eng, max_num_seqs=2, prefill_budget=5)
+    kw = dict(max_new_tokens=8, ignore_eos=True)
+    texts = _drive(core, {0: [(f"r{i}", eng.encode_prompt(p), eng.sampling_params(**kw), True)
+                              for i, p in enumerate(PROMPTS[:4])]})
+    assert texts == {f"r{i}": ref.generate(p, **kw) for i, p in enumerate(PROMPTS[:4])}
+    assert core.free_rows == 2
+
+
+def test_metrics_report_lynx_and_unique_experts(model_path):
+    """A LYNX server (routing recorded, as the CLI does): after a 4-prompt batch /metrics has the
+    distinct-experts histogram and the LYNX remap gauges; /health reports lynx on."""
+    from fastapi.testclient import TestClient
+
+    from lynx_edge.server import create_app
+
+    eng = Engine.from_pretrained(model_path, device="cpu", lynx="budget:3", record_routing=True)
+    with TestClient(create_app(eng, model_name="t", max_num_seqs=4)) as client:
+        r = client.post("/v1/completions", json={"prompt": PROMPTS[:4], "max_tokens": 6, "ignore_eos": True})
+        assert r.status_code == 200 and len(r.json()["choices"]) == 4
+        assert r.json()["usage"]["completion_tokens"] == 24
+        m = client.get("/metrics").text
+        assert client.get("/health").json()["lynx"] is True
+    count = float(next(line.split()[-1] for line in m.splitlines() if line.startswith("lynx_unique_experts_per_layer_count")))
+    remap = float(next(line.split()[-1] for line in m.splitlines() if line.startswith('lynx_lynx{stat="remap_rate_pct"}')))
+    assert count >= 5 and remap > 0
+
+
 # the real server --------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server(model_path):
