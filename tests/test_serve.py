@@ -89,6 +89,26 @@ def test_core_stops_penalty_and_abort(model_path, ref):
     assert texts["a"] == want and reasons["b"] == "abort" and core.free_rows == 2
 
 
+def test_core_long_prompt_does_not_stall_decode(model_path):
+    """A 300-token prompt is prefilled 16 tokens per step while a running request gets one token
+    every step (no step without it), and the long request's prefill spans many steps."""
+    eng = Engine.from_pretrained(model_path, device="cpu")
+    core = EngineCore(eng, max_num_seqs=2, prefill_budget=16)
+    core.add_request(eng.encode_prompt("def"), eng.sampling_params(max_new_tokens=100, ignore_eos=True), "a")
+    core.step()  # a: prefilled, first token out
+    long_ids = (eng.encode_prompt(PROMPTS[-1]) * 20)[:300]
+    core.add_request(long_ids, eng.sampling_params(max_new_tokens=2, ignore_eos=True), "b")
+    steps = 0
+    while True:
+        outs = {o.request_id: o for o in core.step()}
+        steps += 1
+        assert len(outs["a"].token_ids) == 1 and core.last_step["prefill_tokens"] <= 16
+        if "b" in outs:
+            break
+        assert steps < 100
+    assert steps == -(-300 // 16)
+
+
 def test_core_queue_bound_and_context(model_path):
     eng = Engine.from_pretrained(model_path, device="cpu")
     core = EngineCore(eng, max_num_seqs=1, max_waiting=1)
@@ -242,6 +262,8 @@ def test_openai_chat_and_completion(server, ref):
     assert c.choices[0].text == ref.generate(PROMPTS[3], max_new_tokens=6, do_sample=True, temperature=0.8,
                                              top_p=0.9, top_k=40, repetition_penalty=1.1, seed=3, ignore_eos=True)
     assert [m.id for m in client.models.list().data] == ["tiny"]
+    s = client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=12, temperature=0, stop=["e", "o"])
+    assert s.choices[0].text == ref.generate(PROMPTS[2], max_new_tokens=12, stop_strings=["e", "o"])
 
 
 def test_openai_streaming_with_usage(server, ref):
