@@ -25,6 +25,10 @@ from .step import prefill
 from .tokenizer import Detokenizer
 
 
+class CapacityError(ValueError):
+    """The KV cache for max_num_seqs × ctx does not fit the memory that is free."""
+
+
 class QueueFull(RuntimeError):
     """The waiting queue is at its bound: the caller should retry later (HTTP 429)."""
 
@@ -71,6 +75,7 @@ class EngineCore:
         if max_num_seqs < 1 or prefill_budget < 1 or max_waiting < 0:
             raise ValueError("max_num_seqs and prefill_budget must be >= 1, max_waiting >= 0")
         self.engine, self.model = engine, engine.model
+        self.kv_bytes = _check_kv_fits(engine, max_num_seqs)
         self.kv = engine._cache(max_num_seqs)  # allocated once: max_num_seqs × ctx
         engine.reset()  # rows are reused by requests: no cached chat session survives
         self.ctx = engine.ctx
@@ -293,6 +298,28 @@ class EngineCore:
         return outs
 
 
+def _check_kv_fits(engine: Engine, rows: int) -> int:
+    """Bytes of a KV cache of `rows` × ctx; a clear error when the device (or host RAM) lacks them,
+    rather than an OOM mid-allocation or the cache's silent context fallback."""
+    from .kv_cache import KVCache
+
+    kv = engine.kv
+    if kv is not None and kv.batch >= rows:
+        return KVCache.bytes_needed(engine.cfg, kv.batch, kv.ctx, kv.dtype)
+    need = KVCache.bytes_needed(engine.cfg, rows, engine.ctx, engine.model.dtype)
+    dev = torch.device(engine.model.device)
+    if dev.type == "cuda":
+        free = torch.cuda.mem_get_info(dev)[0]
+    else:
+        import psutil
+
+        free = psutil.virtual_memory().available
+    if need > free:
+        raise CapacityError(f"the KV cache for {rows} sequences × {engine.ctx} tokens needs {need / 2**30:.2f} GiB, "
+                           f"{free / 2**30:.2f} GiB free on {dev.type}: lower --max-num-seqs or --ctx-size")
+    return need
+
+
 def _rows(rows: list[int], device) -> torch.Tensor | slice:
     # contiguous rows are a slice (a view of the cache); others are gathered
     if rows == list(range(rows[0], rows[0] + len(rows))):
@@ -300,4 +327,4 @@ def _rows(rows: list[int], device) -> torch.Tensor | slice:
     return torch.tensor(rows, device=device)
 
 
-__all__ = ["EngineCore", "QueueFull", "RequestOutput"]
+__all__ = ["CapacityError", "EngineCore", "QueueFull", "RequestOutput"]

@@ -119,6 +119,11 @@ def test_core_queue_bound_and_context(model_path):
         core.add_request([5, 6], sp)
     with pytest.raises(ValueError, match="context"):
         core.add_request([5] * core.ctx, sp)
+    from lynx_edge.kv_cache import KVCache
+
+    assert core.kv_bytes == KVCache.bytes_needed(eng.cfg, 1, core.ctx, eng.model.dtype)
+    with pytest.raises(ValueError, match="KV cache for 10000000 sequences"):  # ~TiB: never allocated
+        EngineCore(Engine.from_pretrained(model_path, device="cpu"), max_num_seqs=10_000_000)
 
 
 def test_core_lynx_opt_out_is_exact(model_path, ref, mixed=False):

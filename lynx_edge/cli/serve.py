@@ -44,7 +44,7 @@ def serve(
     engine = load_engine(model, dtype=dtype, device=device, **opts)
     if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         ui.line(f"warning: listening on {host} without --api-key")
-    ui.line(f"serving {served_model_name or engine.model_dir.name} on http://{host}:{port}/v1 "
+    ui.line(f"starting {served_model_name or engine.model_dir.name} on http://{host}:{port}/v1 "
             f"(max-num-seqs {max_num_seqs}, ctx {engine.ctx}, lynx {lynx})")
     run_server(engine, host=host, port=port, model_name=served_model_name, api_key=api_key,
                max_num_seqs=max_num_seqs, prefill_budget=max_num_batched_tokens, max_waiting=max_queue,

@@ -218,7 +218,8 @@ def create_app(engine: Engine, model_name: str | None = None, api_key: str | Non
     async def health():
         if not worker.alive or not worker.accepting:
             raise P.ApiError(503, "the engine core is not running")
-        return {"status": "ok", **core.counts(), "max_num_seqs": core.max_num_seqs, "lynx": lynx_on}
+        return {"status": "ok", **core.counts(), "max_num_seqs": core.max_num_seqs, "ctx": core.ctx,
+                "kv_cache_bytes": core.kv_bytes, "lynx": lynx_on}
 
     @app.get("/metrics")
     async def prometheus():
