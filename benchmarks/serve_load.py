@@ -116,7 +116,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--stagger-ms", type=float, default=50.0)
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 is fastest on a busy box)")
-    ap.add_argument("--slo-ms", type=float, default=200.0, help="TPOT SLO (p90) for the max-throughput line")
+    ap.add_argument("--slo-ms", type=float, default=50.0, help="TPOT SLO (p90) for the max-throughput line")
     ap.add_argument("--timeout-s", type=float, default=900.0, help="bound per point")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "serve_load"))
     a = ap.parse_args(argv)
