@@ -247,3 +247,55 @@ def test_boolean_options_are_plain_flags():
         r = CliRunner().invoke(app, [cmd, "--help"], env={"COLUMNS": "200"})
         lines = [ln for ln in r.stdout.splitlines() if "--int4" in ln or "--offload" in ln]
         assert lines and not any("<bool>" in ln or "--no-" in ln for ln in lines), (cmd, lines)
+
+
+# LYNX cheap on CPU -----------------------------------------------------------------------------
+LYNX_CASES = ["lynx", "on", "lynx-mass:0.5", "lynx-mass:0", "budget:6", "budget:1", "lynx,j=2", "lynx,j=0,beta=2",
+              "lynx,protect_top1=false", "lynx-mass:1,alpha=0.5", "lynx,min_batch=8"]
+
+
+@pytest.mark.parametrize("mode", LYNX_CASES)
+@pytest.mark.parametrize("E,K,norm", [(32, 4, True), (8, 2, False), (64, 8, True), (16, 1, False)])
+def test_cpu_lynx_fast_path_is_bit_identical(mode, E, K, norm):
+    """The numpy decision path (host phase, all decode) against lynx_select's device-mask path
+    (the same rule in torch ops), on random and tie-heavy logits: ids, weights and stats equal."""
+    from lynx_edge import lynx
+    from lynx_edge.routing import RouterSpec
+
+    spec, cfg = RouterSpec(E, K, norm), lynx.LynxConfig.parse(mode)
+    g = torch.Generator().manual_seed(E * 31 + K)
+    for T in (2, 3, 9, 16, 33):
+        for ties in (False, True):
+            z = torch.randn(T, E, generator=g) * 2
+            if ties:  # coarse logits: many exact ties and equal gaps
+                z = (z * 2).round() / 2
+            fast = lynx.lynx_select(z, True, spec, cfg)
+            ref = lynx.lynx_select(z, torch.ones(T, dtype=torch.bool), spec, cfg)
+            assert torch.equal(fast.ids, ref.ids), (mode, T, ties)
+            assert torch.equal(fast.weights, ref.weights), (mode, T, ties)
+            assert torch.equal(fast.vec, ref.vec), (mode, T, ties, fast.vec, ref.vec)
+
+
+def test_cpu_lynx_fast_path_catches_a_wrong_rule(monkeypatch):
+    """Bug injection: a critical-set threshold one step too loose must change the results."""
+    from lynx_edge import lynx
+    from lynx_edge.routing import RouterSpec
+
+    spec, cfg = RouterSpec(32, 4, True), lynx.LynxConfig.parse("lynx")
+    z = torch.randn(16, 32, generator=torch.Generator().manual_seed(1)) * 2
+    ref = lynx.lynx_select(z, torch.ones(16, dtype=torch.bool), spec, cfg)
+    monkeypatch.setattr(cfg, "j", 2)  # the fast path reads cfg.j; the reference ran with j = 1
+    assert not torch.equal(lynx.lynx_select(z, True, spec, cfg).ids, ref.ids)
+
+
+def test_cpu_lynx_routing_is_a_handful_of_ops():
+    """LYNX routing of one decode layer at B=16 dispatches a bounded handful of torch ops."""
+    from lynx_edge.lynx import LynxRouter
+    from lynx_edge.routing import RouterSpec
+
+    router = LynxRouter(RouterSpec(32, 4, True), "on")
+    router.begin_step(True)
+    z = torch.randn(16, 32, generator=torch.Generator().manual_seed(2)) * 2
+    with _CountOps() as mode:
+        router(z, torch.ones(16, dtype=torch.bool), 0)
+    assert len(mode.ops) <= 30, mode.ops
