@@ -277,7 +277,10 @@ class EngineCore:
 
     def _sample(self, reqs: list[_Request], logits: torch.Tensor) -> list[RequestOutput]:
         """logits [B, V] → one token per request (its own params and generator) → outputs."""
-        picks = [select_tokens(logits[i:i + 1], r.sp, r.seen[None] if r.seen is not None else None,
+        plain = [not r.sp.do_sample and r.seen is None for r in reqs]  # greedy: one argmax for them all
+        greedy = logits.argmax(dim=-1) if any(plain) else None  # [B]
+        picks = [greedy[i:i + 1] if plain[i] else
+                 select_tokens(logits[i:i + 1], r.sp, r.seen[None] if r.seen is not None else None,
                                [r.gen] if r.gen is not None else None) for i, r in enumerate(reqs)]
         chosen = torch.cat(picks).tolist()  # the one host sync of the step's sampling
         now, outs = time.perf_counter(), []
