@@ -21,7 +21,7 @@ import torch
 from .engine import ContextError, Engine, _Seq
 from .models.layers import AttnBatch
 from .sampling import SamplingParams, select_tokens
-from .step import prefill
+from .step import decode_step, prefill
 from .tokenizer import Detokenizer
 
 
@@ -236,6 +236,13 @@ class EngineCore:
         return plan
 
     def _decode(self, reqs: list[_Request], chunks: list[tuple[_Request, int]] = ()) -> list[RequestOutput]:
+        """One forward over the B rows' newest tokens (+ mixed-step chunks) → sampled outputs."""
+        if not chunks and all(r.lynx for r in reqs):  # the common step: step.decode_step, the one hot path
+            tokens = torch.tensor([r.last for r in reqs], device=self.model.device)  # [B]
+            return self._sample(reqs, decode_step(self.model, self.kv, [r.row for r in reqs], tokens))
+        return self._packed(reqs, chunks)
+
+    def _packed(self, reqs: list[_Request], chunks: list[tuple[_Request, int]]) -> list[RequestOutput]:
         """One forward over the B rows' newest tokens, plus (mixed steps) P prompt-chunk tokens packed
         as one token per attention row: N = B + P tokens, each [1, 1] at its own row and position, so
         the MoE routes decode and prefill tokens together. LYNX per token: decode tokens of requests
