@@ -356,6 +356,7 @@ def _post(url, path, body, key=KEY, raw=None):
     ({"model": "tiny", "prompt": [5] * 600}, None, KEY, 413, "prompt"),
     ({"model": "tiny", "prompt": [10**6]}, None, KEY, 400, "prompt"),
     ({"model": "tiny", "prompt": "x"}, None, "wrong", 401, None),
+    (None, b'{"prompt": "' + b"x" * (17 << 20) + b'"}', KEY, 413, None),
 ])
 def test_bad_requests_get_openai_errors(server, body, raw, key, status, param):
     app, url = server

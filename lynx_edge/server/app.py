@@ -26,6 +26,7 @@ from .metrics import Metrics
 from .worker import CoreWorker
 
 RETRY_AFTER_S = 1
+MAX_BODY_BYTES = 16 << 20  # a prompt far over any context still fits; a runaway upload does not
 
 
 def create_app(engine: Engine, model_name: str | None = None, api_key: str | None = None, max_num_seqs: int = 16,
@@ -69,7 +70,13 @@ def create_app(engine: Engine, model_name: str | None = None, api_key: str | Non
 
     async def read_body(request: Request) -> dict:
         check_key(request)
-        body = P.parse_json(await request.body())
+        size = request.headers.get("content-length", "0")
+        if not size.isdigit() or int(size) > MAX_BODY_BYTES:
+            raise P.ApiError(413, f"request body over {MAX_BODY_BYTES >> 20} MiB")
+        raw = await request.body()
+        if len(raw) > MAX_BODY_BYTES:
+            raise P.ApiError(413, f"request body over {MAX_BODY_BYTES >> 20} MiB")
+        body = P.parse_json(raw)
         model = body.get("model")
         if model is not None and model != name:
             raise P.ApiError(404, f"model '{model}' does not exist (this server serves '{name}')", "model",
