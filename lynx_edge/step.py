@@ -26,7 +26,7 @@ def prefill(model, kv: KVCache, row: int, ids: list[int], start: int = 0, logits
         raise ValueError(f"sequence of {start + T} tokens exceeds the context of {kv.ctx}")
     input_ids = torch.tensor([ids], device=dev)
     positions = torch.arange(start, start + T, device=dev)[None]
-    ab = AttnBatch(positions=positions, rows=slice(row, row + 1), kv_len=start + T)
+    ab = AttnBatch(positions=positions, rows=slice(row, row + 1), kv_len=start + T, start=start)
     model.routing.begin_step(False)
     logits = model(input_ids, ab, kv.layers, torch.zeros(T, dtype=torch.bool, device=dev), logits_for)
     kv.lengths[row] = start + T
@@ -40,7 +40,9 @@ def decode_step(model, kv: KVCache, rows: list[int], tokens: torch.Tensor) -> to
     if max(lengths) >= kv.ctx:
         raise ValueError(f"context of {kv.ctx} tokens is full")
     positions = torch.tensor(lengths).to(dev, non_blocking=True)[:, None]  # [B, 1]; no stream sync
-    ab = AttnBatch(positions=positions, rows=_rows(rows, dev), kv_len=max(lengths) + 1)
+    same = min(lengths) == max(lengths)  # equal lengths (e.g. a batch of equal prompts): no mask
+    ab = AttnBatch(positions=positions, rows=_rows(rows, dev), kv_len=max(lengths) + 1,
+                   start=lengths[0] if same else None)
     model.routing.begin_step(True)
     logits = model(tokens.view(-1, 1), ab, kv.layers, torch.ones(len(rows), dtype=torch.bool, device=dev))
     for r in rows:

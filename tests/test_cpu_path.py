@@ -299,3 +299,73 @@ def test_cpu_lynx_routing_is_a_handful_of_ops():
     with _CountOps() as mode:
         router(z, torch.ones(16, dtype=torch.bool), 0)
     assert len(mode.ops) <= 30, mode.ops
+
+
+# attention: no mask, slice KV writes when rows share positions ----------------------------------
+@pytest.mark.parametrize("window", [None, 4])
+def test_attention_without_mask_equals_the_masked_path(window):
+    """Decode rows at equal positions and a prefill from 0 skip the mask and write the cache by
+    slices; same outputs and cache as the general path (bool mask, index_put writes)."""
+    from lynx_edge.config import ModelConfig
+    from lynx_edge.models.layers import Attention, AttnBatch, Rope
+
+    cfg = ModelConfig.from_dict(dict(model_type="qwen3_moe", vocab_size=32, hidden_size=64, num_hidden_layers=1,
+                                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
+                                     num_experts_per_tok=2, moe_intermediate_size=16, max_position_embeddings=64,
+                                     use_sliding_window=window is not None, sliding_window=window, max_window_layers=0))
+    attn, rope = Attention(cfg, 0, torch.float32, "cpu"), Rope(cfg, "cpu")
+    g = torch.Generator().manual_seed(0)
+    for p in attn.parameters():
+        p.data.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+    B, S = 3, 16
+
+    def run(x, start, fast, cache):
+        T = x.shape[1]
+        pos = torch.arange(start, start + T)[None].expand(B, T)
+        ab = AttnBatch(positions=pos, rows=slice(0, B), kv_len=start + T, start=start if fast else None)
+        ab.cos, ab.sin = rope.cos_sin(pos, torch.float32)
+        return attn(x, ab, cache)
+
+    caches = {f: (torch.zeros(B, 2, S, 16), torch.zeros(B, 2, S, 16)) for f in (True, False)}
+    x = torch.randn(B, 6, 64, generator=g)
+    outs = {f: run(x, 0, f, caches[f]) for f in caches}  # prefill from 0: causal
+    torch.testing.assert_close(outs[True], outs[False], atol=1e-6, rtol=1e-6)
+    for step in range(6, 9):  # decode at equal positions
+        x = torch.randn(B, 1, 64, generator=g)
+        outs = {f: run(x, step, f, caches[f]) for f in caches}
+        torch.testing.assert_close(outs[True], outs[False], atol=1e-6, rtol=1e-6)
+    assert torch.equal(caches[True][0], caches[False][0]) and torch.equal(caches[True][1], caches[False][1])
+    mask, causal = attn.attend(AttnBatch(positions=torch.zeros(B, 1), rows=slice(0, B), kv_len=9, start=8), 1)
+    assert (mask is None) == (window is None)  # a window shorter than the keys still masks
+
+
+def test_fused_qkv_is_one_gemm_with_the_same_result():
+    """After the first forward q/k/v are views of one fused weight (no extra memory) and the
+    output equals the three-GEMM path (fusion switched off) bit for bit."""
+    from lynx_edge.config import ModelConfig
+    from lynx_edge.models.layers import Attention, AttnBatch, Rope
+
+    cfg = ModelConfig.from_dict(dict(model_type="olmoe", vocab_size=32, hidden_size=64, num_hidden_layers=1,
+                                     num_attention_heads=4, num_key_value_heads=2, num_experts=4,
+                                     num_experts_per_tok=2, intermediate_size=16, max_position_embeddings=64,
+                                     clip_qkv=0.5))
+    g = torch.Generator().manual_seed(3)
+    attns = [Attention(cfg, 0, torch.float32, "cpu") for _ in range(2)]
+    for p, q in zip(attns[0].parameters(), attns[1].parameters()):
+        p.data.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+        q.data.copy_(p.data)
+    attns[1]._qkv = ()  # the unfused path
+    rope, B, T = Rope(cfg, "cpu"), 2, 5
+    x = torch.randn(B, T, 64, generator=g)
+    pos = torch.arange(T)[None].expand(B, T)
+    outs = []
+    for a in attns:
+        ab = AttnBatch(positions=pos, rows=slice(0, B), kv_len=T, start=0)
+        ab.cos, ab.sin = rope.cos_sin(pos, torch.float32)
+        outs.append(a(x, ab, (torch.zeros(B, a.Hkv, 8, a.hd), torch.zeros(B, a.Hkv, 8, a.hd))))
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-6, rtol=1e-6)  # same math, one GEMM
+    w = attns[0]._fused()[0]
+    assert attns[0].k_proj.weight.data_ptr() == w[attns[0].H * attns[0].hd :].data_ptr()
+    with _CountOps() as mode:
+        attns[0]._fused()
+    assert mode.ops == []

@@ -77,6 +77,9 @@ class AttnBatch:
     cos: torch.Tensor | None = None  # [B, 1, T, hd]
     sin: torch.Tensor | None = None
     masks: dict = field(default_factory=dict)  # window → bool mask [B, 1, T, kv_len]
+    # every row's tokens at positions start..start+T-1 (a host int; None: rows differ). Lets the
+    # KV write be a slice copy and decode / fresh prefill skip the mask (see Attention.attend).
+    start: int | None = None
 
     def mask(self, window: int | None) -> torch.Tensor:
         if window not in self.masks:
@@ -109,9 +112,38 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(H * hd, cfg.rms_norm_eps, dtype, device)
             self.k_norm = RMSNorm(Hkv * hd, cfg.rms_norm_eps, dtype, device)
 
+    def _fused(self) -> torch.Tensor | None:
+        """One [(H + 2·Hkv)·hd, D] weight for q, k and v (one GEMM instead of three), built at the
+        first forward — after the loader has streamed q/k/v into their own parameters — with the
+        three weights turned into views of it (no extra memory). None when they are not plain
+        Linears of one dtype (e.g. 4-bit attention) or were replaced since."""
+        f = getattr(self, "_qkv", None)
+        if f is not None:
+            return f[0] if f and self.q_proj.weight.data_ptr() == f[2] else None
+        lins = (self.q_proj, self.k_proj, self.v_proj)
+        ok = all(type(m) is Linear for m in lins) and len({(m.weight.dtype, m.weight.device) for m in lins}) == 1
+        if not ok or any((m.bias is None) != (self.q_proj.bias is None) for m in lins):
+            self._qkv = ()
+            return None
+        w = torch.cat([m.weight.data for m in lins])  # [(H + 2·Hkv)·hd, D]
+        b = torch.cat([m.bias.data for m in lins]) if self.q_proj.bias is not None else None
+        at = 0
+        for m in lins:
+            n = m.weight.shape[0]
+            m.weight.data = w[at : at + n]
+            if b is not None:
+                m.bias.data = b[at : at + n]
+            at += n
+        self._qkv = ((w, b), True, self.q_proj.weight.data_ptr())
+        return self._qkv[0]
+
     def forward(self, x: torch.Tensor, ab: AttnBatch, kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         B, T, _ = x.shape
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        fused = self._fused()
+        if fused is not None:
+            q, k, v = F.linear(x, *fused).split([self.H * self.hd, self.Hkv * self.hd, self.Hkv * self.hd], -1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
         if self.clip is not None:  # OLMoE clips after the q/k norm, as transformers does
@@ -126,14 +158,30 @@ class Attention(nn.Module):
         _write_kv(k_cache, v_cache, k, v, ab)
         keys = k_cache[ab.rows, :, : ab.kv_len]  # [B, Hkv, kv_len, hd]
         vals = v_cache[ab.rows, :, : ab.kv_len]
+        mask, causal = self.attend(ab, T)
         out = F.scaled_dot_product_attention(
-            q, keys, vals, attn_mask=ab.mask(self.window), enable_gqa=self.H != self.Hkv
+            q, keys, vals, attn_mask=mask, is_causal=causal, enable_gqa=self.H != self.Hkv
         )
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.H * self.hd))
+
+    def attend(self, ab: AttnBatch, T: int) -> tuple[torch.Tensor | None, bool]:
+        """(attn_mask, is_causal) for SDPA. No mask is built when every row sits at the same
+        positions and no sliding window cuts in: a decode step then sees all kv_len keys, a
+        prefill from position 0 is plain causal; otherwise the materialised bool mask."""
+        if ab.start is not None and (not self.window or ab.kv_len <= self.window):
+            if T == 1 and ab.kv_len == ab.start + 1:
+                return None, False
+            if ab.start == 0 and ab.kv_len == T:
+                return None, T > 1
+        return ab.mask(self.window), False
 
 
 def _write_kv(k_cache, v_cache, k, v, ab: AttnBatch) -> None:
     B, _, T, _ = k.shape
+    if ab.start is not None:  # same positions in every row: a slice copy, no index tensors
+        k_cache[ab.rows, :, ab.start : ab.start + T] = k  # [B, Hkv, T, hd]
+        v_cache[ab.rows, :, ab.start : ab.start + T] = v
+        return
     if isinstance(ab.rows, slice):
         rows = torch.arange(ab.rows.start, ab.rows.stop, device=k.device)
     else:
