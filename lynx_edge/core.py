@@ -71,13 +71,17 @@ class EngineCore:
     max_waiting: bound of the waiting queue (beyond it add_request raises QueueFull)."""
 
     def __init__(self, engine: Engine, max_num_seqs: int = 16, prefill_budget: int = 256, max_waiting: int = 64,
-                 mixed_steps: bool = False):
+                 mixed_steps: bool = False, session: bool = False):
         if max_num_seqs < 1 or prefill_budget < 1 or max_waiting < 0:
             raise ValueError("max_num_seqs and prefill_budget must be >= 1, max_waiting >= 0")
         self.engine, self.model = engine, engine.model
         self.kv_bytes = _check_kv_fits(engine, max_num_seqs)
         self.kv = engine._cache(max_num_seqs)  # allocated once: max_num_seqs × ctx
-        engine.reset()  # rows are reused by requests: no cached chat session survives
+        if not session:
+            engine.reset()  # rows are reused by requests: no cached chat session survives
+        # session (Engine.stream): the caller keeps row 0's chat prefix and the routing stats of
+        # the whole generation (else they are read and cleared every step)
+        self.per_step_stats = not session
         self.ctx = engine.ctx
         self.max_num_seqs, self.prefill_budget, self.max_waiting = max_num_seqs, prefill_budget, max_waiting
         self.mixed_steps = mixed_steps  # prefill chunks ride in the decode forward (one forward per step)
@@ -93,8 +97,9 @@ class EngineCore:
 
     # thread-safe API ------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], sp: SamplingParams, request_id: str | None = None,
-                    lynx: bool = True) -> str:
-        """Queue a request (any thread). Raises ContextError (prompt over the context) or QueueFull."""
+                    lynx: bool = True, cached: int = 0) -> str:
+        """Queue a request (any thread). Raises ContextError (prompt over the context) or QueueFull.
+        cached: prompt tokens already in the request's KV row (Engine.stream's chat prefix, row 0)."""
         if not prompt_ids:
             raise ContextError("empty prompt")
         if len(prompt_ids) >= self.ctx:
@@ -102,6 +107,7 @@ class EngineCore:
         rid = request_id or f"req-{next(self._ids)}"
         req = _Request(rid, list(prompt_ids), sp, lynx, self.engine._stop_ids(sp),
                        _Seq(ids=list(prompt_ids), detok=Detokenizer(self.engine.tokenizer)))
+        req.done = cached
         with self._lock:
             queued = len(self.waiting) + sum(1 for kind, _ in self._inbox if kind == "add")
             if queued >= self.max_waiting + len(self._free):
@@ -133,14 +139,16 @@ class EngineCore:
         self._drain_inbox(outs)
         self._admit()
         stats = self.model.routing.stats
-        stats.clear()
+        if self.per_step_stats:
+            stats.clear()
         ready = [r for r in self.running if r.last is not None]
         chunks = self._plan_chunks() if ready and self.mixed_steps else []
         if ready:
             outs += self._decode(ready, chunks)
-        unique = stats.unique_per_layer(decode_only=True) if stats.record and ready else None
+        unique = stats.unique_per_layer(decode_only=True) if stats.record and ready and self.per_step_stats else None
         n_prefill = sum(n for _, n in chunks) + (0 if chunks else self._prefill_chunks(outs))
-        stats.clear()  # bounded: only this step's ids were kept
+        if self.per_step_stats:
+            stats.clear()  # bounded: only this step's ids were kept
         self.last_step = {"decode_tokens": len(ready), "prefill_tokens": n_prefill, "unique_experts": unique}
         self.totals["steps"] += 1
         self.totals["decode_tokens"] += len(ready)

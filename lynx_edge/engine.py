@@ -5,7 +5,8 @@
         print(chunk.text, end="")
 
 `stream` (one sequence) and `stream_batch` (B sequences decoded together, one batch per step)
-share `_generate`; chat, bench, eval and the Python API all sit on them.
+share `_generate`, which runs the continuous-batching core (core.py, also under the server);
+chat, bench, eval and the Python API all sit on them.
 """
 from __future__ import annotations
 
@@ -23,8 +24,7 @@ from .build import LoadOptions, load_model
 from .loader import ProgressFn
 from .models import MoEForCausalLM
 from .routing import ExactRouter
-from .sampling import SamplingParams, select_tokens
-from .step import decode_step, prefill
+from .sampling import SamplingParams
 from .tokenizer import Detokenizer, Tokenizer
 
 class ContextError(ValueError):
@@ -230,37 +230,9 @@ class Engine:
             ids |= set(self.eos_token_ids if sp.eos_token_id is None else sp.eos_token_id)
         return ids
 
-    def _generators(self, sp: SamplingParams, batch: int, dev) -> list[torch.Generator] | None:
-        """One generator per sequence (see SamplingParams.seed); None for greedy."""
-        if not sp.do_sample:
-            return None
-        seeds = sp.seed if isinstance(sp.seed, (list, tuple)) else [sp.seed] * batch
-        if len(seeds) != batch:
-            raise ValueError(f"seed has {len(seeds)} entries for {batch} prompts")
-        gens = []
-        for b, seed in enumerate(seeds):
-            g = torch.Generator(device=dev)
-            g.manual_seed(int(seed) if seed is not None else (time.time_ns() + 7919 * b) % (2**63))
-            gens.append(g)
-        return gens
-
-    def _prefill_all(self, prompts: list[list[int]], reuse: bool) -> torch.Tensor:
-        kv = self._cache(len(prompts))
-        logits, self._reused = [], 0
-        for row, ids in enumerate(prompts):
-            start = 0
-            if reuse and row == 0:  # longest common prefix with the cached session (≥ 1 token left to run)
-                while start < min(len(ids) - 1, len(self._session)) and ids[start] == self._session[start]:
-                    start += 1
-            logits.append(prefill(self.model, kv, row, ids[start:], start))
-            self._reused += start
-        self._session = list(prompts[0]) if reuse else []
-        return torch.cat(logits)  # [B, V]
-
     def _generate(self, prompts: list[list[int]], sp: SamplingParams, reuse: bool) -> Iterator[Chunk]:
-        dev = self.model.device
-        stops = self._stop_ids(sp)
-        gens = self._generators(sp, len(prompts), dev)
+        if sp.do_sample and isinstance(sp.seed, (list, tuple)) and len(sp.seed) != len(prompts):
+            raise ValueError(f"seed has {len(sp.seed)} entries for {len(prompts)} prompts")
         seqs = [_Seq(ids=p, detok=Detokenizer(self.tokenizer)) for p in prompts]
         if sp.max_new_tokens == 0:  # nothing to generate: no forward at all
             self._reused = 0
@@ -268,47 +240,50 @@ class Engine:
                 last = row == len(prompts) - 1
                 yield Chunk("", [], row, "length", self._summary(seqs, 0.0, 0.0, 0) if last else None)
             return
-        seen = None
-        if sp.repetition_penalty != 1.0:
-            seen = torch.zeros(len(prompts), self.cfg.vocab_size, dtype=torch.bool, device=dev)
-            for b, p in enumerate(prompts):
-                seen[b, torch.tensor(p, device=dev)] = True
+        from dataclasses import replace
+
+        from .core import EngineCore
+
         self.model.routing.stats.clear()
         if self.lynx is not None:
             self.lynx.telemetry.clear()
         if getattr(self.model, "offload", None) is not None:
             self.model.offload.reset_stats()  # offload counters per generation
         t0 = time.perf_counter()
-        logits = self._prefill_all(prompts, reuse)
-        live = list(range(len(prompts)))
+        # the continuous-batching core (core.py) runs every generation: all prompts prefilled in the
+        # first step (one prefill call each), then one decode step per token for the live rows
+        core = EngineCore(self, max_num_seqs=len(prompts), prefill_budget=sum(map(len, prompts)), session=True)
+        start = 0
+        if reuse:  # longest common prefix with the cached session in row 0 (≥ 1 token left to run)
+            ids, sess = prompts[0], self._session
+            while start < min(len(ids) - 1, len(sess)) and ids[start] == sess[start]:
+                start += 1
+        self._reused = start
+        seeds = sp.seed if isinstance(sp.seed, (list, tuple)) else [sp.seed] * len(prompts)
+        for b, p in enumerate(prompts):
+            core.add_request(p, replace(sp, seed=seeds[b]), str(b), cached=start if b == 0 else 0)
+        reqs = {r.id: r for _, r in core._inbox}  # the queued requests (their _Seq: text, output ids)
         t_prefill, n_decode, t_first = 0.0, 0, None
-        while live:
-            step_gens = [gens[r] for r in live] if gens is not None else None
-            tokens = select_tokens(logits, sp, seen[live] if seen is not None else None, step_gens)  # [B]
-            chosen = tokens.tolist()  # the one host sync per step
+        while core.has_work():
+            outs = core.step()
             if t_first is None:
                 t_first = time.perf_counter()
                 t_prefill = t_first - t0
-            still = []
-            for row, tok in zip(live, chosen):
-                chunk = self._advance(seqs[row], row, tok, stops, sp)
-                if seen is not None:
-                    seen[row, tok] = True
-                if chunk.finish_reason is None:
-                    still.append(row)
-                elif reuse and row == 0 and self.lynx is None:
+                self._session = list(prompts[0]) if reuse else []
+            else:
+                n_decode += 1
+            for i, o in enumerate(outs):
+                row = int(o.request_id)
+                chunk = Chunk(o.text, o.token_ids, row, o.finish_reason)
+                if o.finish_reason is not None and row == 0 and reuse and self.lynx is None:
                     # the last sampled token never ran through the model; with LYNX on, the answer's
                     # K/V came from approximate decode routing, so the next turn prefills it exactly
-                    self._session += seqs[0].out[:-1]
-                if chunk.finish_reason is not None and not still and row == live[-1]:
+                    self._session += reqs[o.request_id].seq.out[:-1]
+                if i == len(outs) - 1 and not core.has_work():
+                    seqs = [r.seq for r in reqs.values()]
                     chunk.stats = self._summary(seqs, t_prefill, time.perf_counter() - t_first, n_decode)
                     self.last_stats = chunk.stats
                 yield chunk
-            keep = [i for i, r in enumerate(live) if r in still]
-            live = still
-            if live:
-                logits = decode_step(self.model, self.kv, live, tokens[keep])
-                n_decode += 1
 
     def _advance(self, s: _Seq, row: int, tok: int, stops: set[int], sp: SamplingParams) -> Chunk:
         """Account for one new token of a sequence; → the chunk to emit."""
