@@ -70,10 +70,13 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--pad", type=int, default=8192, help="0: skip the padded run")
     ap.add_argument("--lynx", default="lynx")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=None, help="default: lynx_edge.threads (idle cores)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/lynx_cpu.json"))
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    from lynx_edge.bench import cpu_isa
+    from lynx_edge.threads import set_threads
+
+    args.threads = set_threads(args.threads, explicit=True)  # the Engine keeps it; recorded with the ISA
     from lynx_edge import Engine
     from lynx_edge.eval import load_sequences
 
@@ -82,7 +85,7 @@ def main() -> None:
     prompts = load_sequences(eng, num_seqs=max(batches), seq_len=args.prompt)
     modes = ["off", args.lynx]
     out = {"benchmark": "CPU decode TPOT, LYNX vs exact (median of reps, alternated)", "model": args.model,
-           "lynx": args.lynx, "threads": args.threads, "new_tokens": args.new, "prompt_tokens": args.prompt, "runs": []}
+           "lynx": args.lynx, "threads": args.threads, "isa": cpu_isa(), "new_tokens": args.new, "prompt_tokens": args.prompt, "runs": []}
     for label, pad in (("as-is", 0), (f"padded-I{args.pad}", args.pad)):
         if label != "as-is" and not pad:
             continue

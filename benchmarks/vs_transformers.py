@@ -47,10 +47,13 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=None, help="default: lynx_edge.threads (idle cores)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/vs_transformers.json"))
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    from lynx_edge.bench import cpu_isa
+    from lynx_edge.threads import set_threads
+
+    args.threads = set_threads(args.threads, explicit=True)  # the Engine keeps it; recorded with the ISA
     import transformers
 
     from lynx_edge import Engine
@@ -80,7 +83,7 @@ def main() -> None:
         print(json.dumps(res), flush=True)
     out = {"benchmark": "decode tok/s, lynx-edge vs transformers generate (CPU, fp32, same process)",
            "model": "mixtral-style random: 8 layers, D=512, 8 experts top-2, I=1024, vocab 8192",
-           "transformers": transformers.__version__, "torch": torch.__version__, "threads": args.threads,
+           "transformers": transformers.__version__, "torch": torch.__version__, "threads": args.threads, "isa": cpu_isa(),
            "prompt_tokens": args.prompt, "new_tokens": args.new, "repeats": args.repeats, "results": rows}
     Path(args.out).write_text(json.dumps(out, indent=2))
 
