@@ -50,10 +50,11 @@ def moe_ref(
 ) -> torch.Tensor:
     """Σ_k weights[t,k] · expert_{ids[t,k]}(x[t]) → [T, D] in x's dtype: the CPU path.
 
-    No Python per expert and no host sync: the T·K slots are sorted expert-major, their rows
-    gathered, and each projection is one grouped GEMM over the stacked weights (torch's
-    `_grouped_mm`: the weights are read in place, never gathered or copied; experts with no rows
-    cost an empty group). The same ~20 ops whatever the number of active experts. Each slot's
+    No Python per expert: the T·K slots are sorted expert-major, their rows gathered, and each
+    projection is one grouped GEMM over the stacked weights of the expert range in use (torch's
+    `_grouped_mm`: the weights are read in place, never gathered or copied; unused experts
+    inside the range cost an empty group). Two host reads (the range bounds; CPU tensors, so
+    no device sync). The same ~20 ops whatever the number of active experts. Each slot's
     product is weighted in fp32 and the K slots of a token summed in slot order (k = 0..K-1), a
     fixed order, so results are deterministic. Falls back to moe_ref_loop where torch has no CPU
     grouped GEMM or the strides are not 16-byte multiples (its requirement)."""
