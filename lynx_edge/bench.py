@@ -224,9 +224,9 @@ def compare(rows: list[dict], base_mode: str, paired: dict | None = None) -> lis
 
 def verdict(c: dict) -> str:
     """One plain phrase for a compare row: does LYNX pay at this batch size on this machine?"""
-    if c.get("unique_reduction_pct") is not None and c["unique_reduction_pct"] <= 0.0:
-        return "no change (nothing to pool)"
     lo, hi = c.get("speedup_min", c["speedup"]), c.get("speedup_max", c["speedup"])
+    if c.get("unique_reduction_pct") is not None and c["unique_reduction_pct"] <= 0.0:
+        return "slower: nothing to pool, routing cost only" if hi < 1.0 else "no change (nothing to pool)"
     if lo > 1.0:
         return "faster"
     if hi < 1.0:

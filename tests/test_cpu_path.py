@@ -207,7 +207,9 @@ def test_compare_carries_the_paired_spread_and_a_plain_verdict():
     assert c[16]["speedup"] == pytest.approx(1.1)
     assert (c[16]["speedup_min"], c[16]["speedup_max"]) == (pytest.approx(1.0), pytest.approx(1.2))
     assert c[16]["verdict"].startswith("within noise")  # the spread touches 1.0: no claim
-    assert c[1]["verdict"].startswith("no change") and c[16]["unique_reduction_pct"] == pytest.approx(25.0)
+    assert c[1]["verdict"].startswith("slower: nothing to pool") and c[16]["unique_reduction_pct"] == pytest.approx(25.0)
+    paired[1, "on"] = [49.0, 50.0, 51.0]
+    assert compare(rows, "off", paired)[1]["verdict"].startswith("no change")
     assert c[4]["verdict"].startswith("slower") and c[4]["speedup_max"] == pytest.approx(0.875)
     paired[16, "on"] = [110.0, 100.0, 121.0]
     assert compare(rows, "off", paired)[0]["verdict"] == "faster"
