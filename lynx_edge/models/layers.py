@@ -250,7 +250,7 @@ class RoutingContext:
         self.stats.begin_step(is_decode)
         begin = getattr(self.route, "begin_step", None)
         if begin is not None:
-            begin()
+            begin(is_decode)  # the router takes its branches on this host bool: no device sync
 
 
 class MoEBlock(nn.Module):
