@@ -25,12 +25,11 @@ from .config import ConfigError, ModelConfig
 from .loader import _LAYER_RE, internal_name, load_weights
 from .models import FAMILIES
 from .models.layers import AttnBatch, Rope, RoutingContext
-from .models.transformer import DecoderLayer
+from .models.transformer import DecoderLayer, router_spec
 from .quant.experts import group_size_for
 from .quant.formats import GPTQConfig, read_quant_config
 from .quant.gptq import expert_gptq_tensors, quantize_experts_gptq
 from .quant.int4 import quantize_experts
-from .routing import RouterSpec
 
 _COPY = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja", "heldout.txt",
          "special_tokens_map.json", "tokenizer.model")
@@ -114,7 +113,7 @@ def quantize_model(src, out_dir, method: str = "gptq", group_size: int = 128, sy
     weight_map = _write_shard(out, "model-head.safetensors", {n: _copy16(ckpt.get(n)) for n in by_layer.get(-1, [])})
     naming = "mixtral" if cfg.model_type == "mixtral" else "qwen"
     for i in range(cfg.num_layers):
-        layer = DecoderLayer(cfg, i, RoutingContext(_spec(cfg)), torch.float32, torch.device("cpu"))
+        layer = DecoderLayer(cfg, i, RoutingContext(router_spec(cfg)), torch.float32, torch.device("cpu"))
         load_weights(_OneLayer(cfg, i, layer), ckpt, family)
         tensors = {n: _copy16(ckpt.get(n)) for n in by_layer.get(i, []) if ".experts." not in n}
         if cfg.moe_layers[i]:
@@ -144,10 +143,6 @@ def quantize_model(src, out_dir, method: str = "gptq", group_size: int = 128, sy
         if (model_dir / f).is_file():
             shutil.copy(model_dir / f, out / f)
     return out
-
-
-def _spec(cfg: ModelConfig) -> RouterSpec:
-    return RouterSpec(cfg.num_experts, cfg.top_k, cfg.norm_topk_prob, int(bool(cfg.shared_expert_intermediate_size)))
 
 
 def _copy16(t: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,11 @@ from ..routing import RouterSpec
 from .layers import Attention, AttnBatch, DenseMLP, Linear, MoEBlock, RMSNorm, Rope, RoutingContext, _param
 
 
+def router_spec(cfg: ModelConfig) -> RouterSpec:
+    """The family's router as the routing hook sees it."""
+    return RouterSpec(cfg.num_experts, cfg.top_k, cfg.norm_topk_prob, int(bool(cfg.shared_expert_intermediate_size)))
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, i: int, ctx: RoutingContext, dtype, device, experts=None):
         super().__init__()
@@ -38,7 +43,7 @@ class MoEForCausalLM(nn.Module):
         """experts: layer → the expert backend of that MoE layer (None: resident 16-bit)."""
         super().__init__()
         self.cfg, self.dtype, self.device = cfg, dtype, device
-        spec = RouterSpec(cfg.num_experts, cfg.top_k, cfg.norm_topk_prob, int(bool(cfg.shared_expert_intermediate_size)))
+        spec = router_spec(cfg)
         self.routing = RoutingContext(spec)
         self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.routing, dtype, device, experts) for i in range(cfg.num_layers))

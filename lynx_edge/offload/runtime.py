@@ -243,21 +243,15 @@ def attach_offload(model, options: OffloadOptions | None = None, profile=None) -
     blocks = [model.layers[i].mlp for i in cfg.moe_layer_ids]
     on_host = sum(p.numel() * p.element_size() for b in blocks for p in b.experts.parameters() if p.device.type == "cpu")
     on_dev = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type == "cuda")
-    fmt = expert_format(opts.expert_format, model.dtype, cfg.hidden_size, cfg.moe_intermediate_size, opts.int4_group)
-    prof = profile or (load_profile(opts.profile) if opts.profile else detect_profile(dev))
-    plan = make_plan(cfg, opts, model.dtype, dev, prof, host_available=psutil.virtual_memory().available + on_host,
-                     device_bytes_in_use=on_dev)
-    want_pin = opts.pin == "on" or (opts.pin == "auto" and dev.type == "cuda")
-    store = HostExpertStore(fmt, cfg.num_experts, want_pin, plan.pin_limit_bytes, opts.staging_slots)
+    rt = make_runtime(cfg, opts, model.dtype, dev, profile, device_bytes_in_use=on_dev, host_extra=on_host)
     for i, block in zip(cfg.moe_layer_ids, blocks):
-        store.put(i, block.experts.gate_up.data, block.experts.down.data)
+        rt.store.put(i, block.experts.gate_up.data, block.experts.down.data)
         block.experts = torch.nn.Identity()  # frees this layer's stacked experts before the next one
     if dev != model.device:
         model.to(dev)
         model.device = dev
     if dev.type == "cuda":
         torch.cuda.empty_cache()
-    rt = OffloadRuntime(cfg, dev, plan, opts, store, prof)
     for i, block in zip(cfg.moe_layer_ids, blocks):
         block.experts = OffloadedExperts(rt, i)
     rt.bind(model)
