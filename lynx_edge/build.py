@@ -43,6 +43,7 @@ class LoadOptions:
     int4_group: int = 128
     allow_pickle: bool = False
     ctx: int = 4096  # for the offload plan's KV share
+    batch: int = 1  # KV rows the caller will allocate (serve: --max-num-seqs), for the plans' KV share
     offload_options: dict | None = None  # OffloadOptions fields (budget, slots, policy, profile…)
 
 
@@ -143,9 +144,9 @@ def _check_memory(cfg: ModelConfig, opts: LoadOptions, dev, dt, qc, file_bytes: 
     from .offload.memory import plan_memory
 
     extra = {k: v for k, v in (opts.offload_options or {}).items() if k != "profile"}
-    oo = OffloadOptions(device=str(dev), ctx=opts.ctx, int4_group=opts.int4_group, **extra)
+    oo = OffloadOptions(device=str(dev), ctx=opts.ctx, batch=opts.batch, int4_group=opts.int4_group, **extra)
     plan = plan_memory(cfg, device=dev.type, dtype=dt, offload=opts.offload, int4=opts.int4, quant=qc,
-                       ctx=opts.ctx, opts=oo, file_bytes=file_bytes)
+                       ctx=opts.ctx, batch=opts.batch, opts=oo, file_bytes=file_bytes)
     plan.check()
 
 
@@ -176,8 +177,8 @@ def _offload_runtime(cfg, opts: LoadOptions, dt, dev, name, group, sym, mixed):
         warnings.warn(f"layers {list(mixed)} of this 4-bit checkpoint keep some experts 16-bit; offloaded "
                       "as INT4 they are RTN-quantised (approximate)", RuntimeWarning, stacklevel=3)
     extra = dict(opts.offload_options or {})
-    oo = OffloadOptions(device=str(dev), ctx=opts.ctx, expert_format="int4" if name == "int4" else "auto",
-                        int4_group=group or 128, **extra)
+    oo = OffloadOptions(device=str(dev), ctx=opts.ctx, batch=opts.batch,
+                        expert_format="int4" if name == "int4" else "auto", int4_group=group or 128, **extra)
     fmt = expert_format(oo.expert_format, dt, cfg.hidden_size, cfg.moe_intermediate_size, group or 128,
                         sym if sym is not None else True)
     return make_runtime(cfg, oo, dt, dev, fmt=fmt)

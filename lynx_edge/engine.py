@@ -36,6 +36,7 @@ class EngineConfig:
     dtype: str | torch.dtype | None = None  # None: bf16 on CUDA; CPU: fp32 up to 2 GiB checkpoints (build.py)
     device: str | None = None  # None: cuda when present, else cpu
     ctx_size: int | None = None  # None: min(max_position_embeddings, 4096)
+    max_num_seqs: int = 1  # KV rows the caller will allocate (serve: --max-num-seqs): the memory plan counts them
     lynx: str = "off"  # off | lynx | budget:m | … (see lynx.py)
     record_routing: bool = False  # keep expert ids per layer per step (routing stats)
     allow_pickle: bool = False  # load .bin checkpoints (unpickling: only for trusted files)
@@ -104,7 +105,8 @@ class Engine:
                            policy=config.policy, profile=config.profile)
         opts = LoadOptions(device=device, dtype=dtype, offload=config.offload, int4=config.int4,
                            int4_group=config.int4_group, allow_pickle=config.allow_pickle,
-                           ctx=config.ctx_size or min(cfg.max_position_embeddings, 4096), offload_options=offload)
+                           ctx=config.ctx_size or min(cfg.max_position_embeddings, 4096), batch=config.max_num_seqs,
+                           offload_options=offload)
         model = load_model(model_dir, cfg, opts, progress)
         return cls(model, tokenizer, config, model_dir)
 

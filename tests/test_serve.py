@@ -501,3 +501,33 @@ def test_load_with_faults_leaks_nothing(server, ref):
     assert _wait_free(app), app.state.core.counts()
     assert app.state.worker.in_flight() == 0
     assert httpx.get(url + "/health").json()["status"] == "ok"
+
+
+def test_offload_plan_counts_kv_for_max_num_seqs(tmp_path, monkeypatch):
+    """Serving B rows: the load's memory plan and offload plan hold the KV cache of B rows (not 1),
+    so under one device budget the expert slots shrink by what the extra rows take. Reference:
+    KVCache.bytes_needed and offload_slots on the plan's own numbers."""
+    from conftest import make_tiny
+
+    from lynx_edge.kv_cache import KVCache
+    from lynx_edge.offload import memory
+
+    plan_memory, checked = memory.plan_memory, []
+
+    def spy(*a, **k):
+        checked.append(k["batch"])
+        return plan_memory(*a, **k)
+
+    monkeypatch.setattr(memory, "plan_memory", spy)
+    offload_slots = memory.offload_slots
+    path = make_tiny(tmp_path / "m", "qwen3_moe", moe_intermediate_size=32)
+    plans = {}
+    for b in (1, 16):
+        eng = Engine.from_pretrained(path, device="cpu", offload=True, profile="cpu-only", ctx_size=256,
+                                     gpu_budget_gib=0.0025, max_num_seqs=b)
+        plans[b] = p = eng.model.offload.plan
+        assert p.batch == b and p.kv_bytes == KVCache.bytes_needed(eng.cfg, b, 256, eng.model.dtype)
+        fixed = p.non_expert_bytes + p.kv_bytes + p.reserve_bytes
+        assert p.expert_slots == offload_slots(p.budget_bytes, fixed, p.scratch_slots, p.expert_bytes,
+                                               p.num_moe_layers * p.num_experts)
+    assert plans[16].expert_slots < plans[1].expert_slots and checked == [1, 16]

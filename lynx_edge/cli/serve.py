@@ -41,7 +41,8 @@ def serve(
     except ModuleNotFoundError as exc:
         raise CliError(f"the server needs {exc.name}", "pip install fastapi uvicorn prometheus_client") from None
     opts = engine_options(lynx=lynx, offload=offload, int4=int4, profile=profile, ctx_size=ctx_size)
-    engine = load_engine(model, dtype=dtype, device=device, **opts)
+    # the memory plan (and --offload's expert slots) count the KV cache of max_num_seqs rows
+    engine = load_engine(model, dtype=dtype, device=device, max_num_seqs=max_num_seqs, **opts)
     if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         ui.line(f"warning: listening on {host} without --api-key")
     ui.line(f"starting {served_model_name or engine.model_dir.name} on http://{host}:{port}/v1 "
