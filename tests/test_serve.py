@@ -230,7 +230,7 @@ def server(model_path):
     from lynx_edge.server import create_app
 
     eng = Engine.from_pretrained(model_path, device="cpu")
-    app = create_app(eng, model_name="tiny", api_key=KEY, max_num_seqs=4, prefill_budget=16, max_waiting=32)
+    app = create_app(eng, model_name="tiny", api_key=KEY, max_num_seqs=8, prefill_budget=16, max_waiting=64)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
@@ -288,28 +288,42 @@ def test_openai_streaming_with_usage(server, ref):
     assert usage.completion_tokens == 7 and reasons[-1] == "length"
 
 
+def varied_prompts(n: int) -> list[str]:
+    """n prompts of n different lengths (3 .. ~250 characters), cut from PROMPTS at shifting offsets."""
+    src = "\n".join(PROMPTS) * 3
+    return [src[(13 * i) % 200:][: 3 + 8 * i] for i in range(n)]
+
+
 def test_concurrent_staggered_requests_equal_generate_alone(server, ref):
+    """The issue's batch invariance: 32 concurrent requests of 32 prompt lengths, arriving staggered
+    (8 rows: queueing and chunked prefill too), streamed and not, half of them sampled with their
+    own seeds (decoding side by side); each text = Engine.generate of that prompt alone."""
     app, url = server
     client = _client(url)
-    prompts = PROMPTS + [p[::-1] for p in PROMPTS[:2]]  # 10 requests on 4 rows: queueing too
+    prompts = varied_prompts(32)
+    greedy = dict(temperature=0)
+    sampled = lambda i: dict(temperature=0.9, top_p=0.9, seed=100 + i)  # noqa: E731
     got: dict[int, str] = {}
 
     def one(i):
-        time.sleep(0.03 * i)
+        time.sleep(0.01 * i)
+        kw = dict(model="tiny", prompt=prompts[i], max_tokens=10, extra_body={"ignore_eos": True},
+                  **(sampled(i) if i % 4 >= 2 else greedy))
         if i % 2:
-            s = client.completions.create(model="tiny", prompt=prompts[i], max_tokens=10, temperature=0, stream=True,
-                                          extra_body={"ignore_eos": True})
+            s = client.completions.create(stream=True, **kw)
             got[i] = "".join(c.choices[0].text for c in s if c.choices)
         else:
-            got[i] = client.completions.create(model="tiny", prompt=prompts[i], max_tokens=10, temperature=0,
-                                               extra_body={"ignore_eos": True}).choices[0].text
+            got[i] = client.completions.create(**kw).choices[0].text
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=120)
-    assert got == {i: ref.generate(p, max_new_tokens=10, ignore_eos=True) for i, p in enumerate(prompts)}
+    want = {i: ref.generate(p, max_new_tokens=10, ignore_eos=True,
+                            **(dict(do_sample=True, temperature=0.9, top_p=0.9, seed=100 + i) if i % 4 >= 2 else {}))
+            for i, p in enumerate(prompts)}
+    assert got == want
 
 
 def _wait_free(app, timeout=15.0):
@@ -388,7 +402,7 @@ def test_queue_full_is_429_with_retry_after(server, monkeypatch):
 def test_health_models_metrics(server):
     app, url = server
     h = httpx.get(url + "/health").json()
-    assert h["status"] == "ok" and h["max_num_seqs"] == 4
+    assert h["status"] == "ok" and h["max_num_seqs"] == 8
     assert httpx.get(url + "/v1/models").status_code == 401  # the API key guards /v1
     m = httpx.get(url + "/metrics").text
     for name in ("lynx_requests_total", "lynx_generation_tokens_total", "lynx_queue_waiting", "lynx_ttft_seconds_bucket",
@@ -460,16 +474,18 @@ def test_async_client_n_and_seeded_sampling(server, ref):
 
 
 def test_load_with_faults_leaks_nothing(server, ref):
-    """16 concurrent clients (bounded): good streams, mid-stream disconnects, bad JSON, an
-    over-long prompt. Every good request completes correctly; capacity returns to its start."""
+    """The issue's load: 64 concurrent streaming clients (bounded) on 8 rows: 54 good streams,
+    6 that disconnect mid-stream, 3 bad requests and one over-long prompt. Every good request
+    completes correctly; rows, queue and streams return to their start; /health answers."""
     import asyncio
 
     app, url = server
     assert _wait_free(app)
     headers = {"Authorization": f"Bearer {KEY}"}
-    good = {i: PROMPTS[i % len(PROMPTS)] for i in range(10)}
+    prompts = varied_prompts(16)
+    good = {i: prompts[i % len(prompts)] for i in range(54)}
 
-    async def stream(h, i, prompt, leave_after=None):
+    async def stream(h, prompt, leave_after=None):
         body = {"model": "tiny", "prompt": prompt, "max_tokens": 8 if leave_after is None else 300,
                 "temperature": 0, "stream": True, "ignore_eos": True}
         text, events = "", 0
@@ -484,20 +500,25 @@ def test_load_with_faults_leaks_nothing(server, ref):
                     return None
         return text
 
-    async def bad(h, raw, status):
-        r = await h.post(url + "/v1/completions", content=raw, headers={**headers, "Content-Type": "application/json"})
+    async def bad(h, raw, status, key=KEY):
+        r = await h.post(url + "/v1/completions", content=raw,
+                         headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
         assert r.status_code == status and "error" in r.json()
 
     async def main():
-        async with httpx.AsyncClient(timeout=60) as h:
-            jobs = [stream(h, i, p) for i, p in good.items()]
-            jobs += [stream(h, 100 + i, PROMPTS[i], leave_after=2) for i in range(3)]
+        limits = httpx.Limits(max_connections=100)
+        async with httpx.AsyncClient(timeout=60, limits=limits) as h:
+            jobs = [stream(h, p) for p in good.values()]
+            jobs += [stream(h, PROMPTS[i], leave_after=1 + i) for i in range(6)]
             jobs += [bad(h, b"{oops", 400), bad(h, b'{"prompt": "x", "max_tokens": -3}', 400),
+                     bad(h, b'{"prompt": "x"}', 401, key="wrong"),
                      bad(h, json.dumps({"prompt": [7] * 700}).encode(), 413)]
+            assert len(jobs) == 64
             return await asyncio.wait_for(asyncio.gather(*jobs), timeout=120)
 
     results = asyncio.run(main())
-    assert results[:10] == [ref.generate(p, max_new_tokens=8, ignore_eos=True) for p in good.values()]
+    want = {p: ref.generate(p, max_new_tokens=8, ignore_eos=True) for p in set(good.values())}
+    assert results[:54] == [want[p] for p in good.values()]
     assert _wait_free(app), app.state.core.counts()
     assert app.state.worker.in_flight() == 0
     assert httpx.get(url + "/health").json()["status"] == "ok"

@@ -87,9 +87,9 @@ class CoreWorker:
                 log.exception("engine step failed")
                 self._fail_all(exc)
                 continue
+            # metrics before delivery: a client that has its last token sees them in /metrics
             for out in outs:
                 self.metrics.observe_output(out)
-                self._deliver(out)
             self.metrics.observe_step(self.core)
             n += 1
             if n % self.telemetry_every == 0 or not self.core.running:
@@ -97,6 +97,8 @@ class CoreWorker:
                     self.metrics.observe_telemetry(self.core)
                 except Exception:  # telemetry never takes the server down
                     log.exception("telemetry failed")
+            for out in outs:
+                self._deliver(out)
 
     def _deliver(self, out: RequestOutput | Exception, rid: str | None = None) -> None:
         rid = rid or out.request_id
