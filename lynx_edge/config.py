@@ -1,47 +1,21 @@
 """Configuration parsed once: the model spec from an HF config.json, and the engine options.
 
-`ModelConfig.from_dict` understands the config.json of every supported family (mixtral,
-qwen2_moe, qwen3_moe, olmoe) in both transformers 4.x (rope_theta / rope_scaling) and 5.x
-(rope_parameters) spellings; anything it cannot honour is a one-line `ConfigError`.
+`ModelConfig.from_dict` reads the fields every family shares (sizes, heads, norms, RoPE in both
+transformers 4.x `rope_theta`/`rope_scaling` and 5.x `rope_parameters` spellings, ids) and asks
+the family module (lynx_edge/models/<model_type>.py) for the rest: its MoE shape, router rule,
+per-layer windows and layer kinds, and anything only it has (`arch`). A field absent from
+config.json takes transformers' config-class default for that family (the family's DEFAULTS).
+Anything it cannot honour is a one-line `ConfigError`.
 """
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Callable
 
-SUPPORTED_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
-
-# What each family reads from config.json when a field is absent: transformers 5.x's config-class
-# defaults (MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig, OlmoeConfig field defaults; rope_theta is
-# the class's `default_theta`). None means "derived" exactly as the class's __post_init__ does
-# (num_key_value_heads → num_attention_heads, head_dim → hidden_size // num_attention_heads).
-# tests/test_real_checkpoints.py walks this table against the installed transformers classes.
-# bos/eos ids are deliberately absent: generation reads them from the files as written.
-_COMMON = {"hidden_act": "silu", "tie_word_embeddings": False, "rope_theta": 10000.0}
-DEFAULTS: dict[str, dict] = {
-    "mixtral": {**_COMMON, "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
-                "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
-                "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "sliding_window": None,
-                "num_experts_per_tok": 2, "num_local_experts": 8, "rope_theta": 1e6},
-    "qwen2_moe": {**_COMMON, "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 5632,
-                  "num_hidden_layers": 24, "num_attention_heads": 16, "num_key_value_heads": 16,
-                  "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "use_sliding_window": False,
-                  "sliding_window": 4096, "max_window_layers": 28, "decoder_sparse_step": 1,
-                  "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632,
-                  "num_experts_per_tok": 4, "num_experts": 60, "norm_topk_prob": False,
-                  "mlp_only_layers": None, "qkv_bias": True},
-    "qwen3_moe": {**_COMMON, "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
-                  "num_hidden_layers": 24, "num_attention_heads": 32, "num_key_value_heads": 4,
-                  "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "attention_bias": False,
-                  "use_sliding_window": False, "sliding_window": 4096, "decoder_sparse_step": 1,
-                  "moe_intermediate_size": 768, "num_experts_per_tok": 8, "num_experts": 128,
-                  "norm_topk_prob": False, "mlp_only_layers": None},
-    "olmoe": {**_COMMON, "vocab_size": 50304, "hidden_size": 2048, "intermediate_size": 2048,
-              "num_hidden_layers": 16, "num_attention_heads": 16, "num_key_value_heads": None,
-              "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "attention_bias": False,
-              "clip_qkv": None, "num_experts_per_tok": 8, "num_experts": 64, "norm_topk_prob": False},
-}
+Getter = Callable[[str], Any]  # field name → config.json's value or the family default
 
 
 class ConfigError(ValueError):
@@ -51,8 +25,16 @@ class ConfigError(ValueError):
 @dataclass(frozen=True)
 class RopeConfig:
     theta: float = 10000.0
-    kind: str = "default"  # default | linear
-    factor: float = 1.0  # linear: positions are divided by factor
+    kind: str = "default"  # default | linear | yarn
+    factor: float = 1.0  # linear: positions / factor; yarn: the context extension factor
+    dim: int | None = None  # rotary dims per head (None: all of head_dim; partial_rotary_factor < 1)
+    # yarn (transformers' _compute_yarn_parameters): frequency blend between beta_fast and beta_slow
+    # rotations of the original context, and cos/sin scaled by attention_factor
+    original_max_position_embeddings: int = 0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float = 1.0
+    truncate: bool = True
 
 
 @dataclass(frozen=True)
@@ -72,16 +54,16 @@ class ModelConfig:
     moe_intermediate_size: int  # I
     norm_topk_prob: bool
     intermediate_size: int = 0  # dense MLP layers (Qwen mlp_only_layers / decoder_sparse_step)
-    shared_expert_intermediate_size: int = 0  # Qwen2-MoE shared expert (0 = none)
+    shared_expert_intermediate_size: int = 0  # always-on shared expert(s), summed (0 = none)
     attention_bias: bool = False  # q/k/v biases (Qwen2-MoE)
-    qk_norm: str = "none"  # none | head (Qwen3: per head_dim) | full (OLMoE: over all heads)
-    clip_qkv: float | None = None  # OLMoE
+    qk_norm: str = "none"  # none | head (RMSNorm on each head's hd, before RoPE)
     tie_word_embeddings: bool = False
     sliding_windows: tuple[int | None, ...] = ()  # per layer; None = full attention
     moe_layers: tuple[bool, ...] = ()  # per layer; False = dense MLP
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None  # the checkpoint's dtype as written in config.json
+    arch: Any = None  # what only this family has (a frozen dataclass from its module), e.g. OLMoE clip_qkv
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
@@ -100,13 +82,15 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, c: dict) -> "ModelConfig":
+        from .models import FAMILIES  # the families import this module: resolve them at call time
+
         mt = c.get("model_type")
-        if mt not in SUPPORTED_MODEL_TYPES:
-            raise ConfigError(
-                f"unsupported model_type {mt!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
+        family = FAMILIES.get(mt) if isinstance(mt, str) else None
+        if family is None:
+            raise ConfigError(f"unsupported model_type {mt!r}; supported: {', '.join(FAMILIES)}")
+        get = family_getter(family.DEFAULTS, c)
         try:
-            return _parse(mt, c)
+            return cls(**common_fields(c, get), **family.parse(c, get), raw=c)
         except KeyError as exc:
             raise ConfigError(f"config.json lacks required field {exc.args[0]!r}") from None
 
@@ -115,105 +99,94 @@ class ModelConfig:
         return [i for i, m in enumerate(self.moe_layers) if m]
 
 
-def _rope(c: dict, default_theta: float) -> RopeConfig:
-    # transformers 5.x: rope_parameters = {rope_theta, rope_type, factor}; 4.x: rope_theta + rope_scaling
-    params = dict(c.get("rope_parameters") or {})
-    scaling = c.get("rope_scaling") or {}
-    theta = params.get("rope_theta", c.get("rope_theta", default_theta))
-    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    factor = params.get("factor", scaling.get("factor", 1.0))
-    if kind not in ("default", "linear"):
-        raise ConfigError(f"rope scaling type {kind!r} is not supported (supported: default, linear)")
-    if kind == "linear" and not factor > 0:
-        raise ConfigError(f"rope linear scaling factor must be > 0, got {factor}")
-    return RopeConfig(theta=float(theta), kind=kind, factor=float(factor) if kind == "linear" else 1.0)
-
-
-def _sliding(mt: str, c: dict, n: int) -> tuple[int | None, ...]:
-    """Per-layer attention window, as transformers 5 builds it for each family."""
-    g = lambda name: _get(mt, c, name)  # noqa: E731
-    if mt == "olmoe":
-        return tuple([None] * n)
-    if mt == "mixtral":
-        return tuple([g("sliding_window") or None] * n)
-    window = g("sliding_window") if g("use_sliding_window") else None
-    if mt == "qwen3_moe":  # one mask for all layers
-        return tuple([window or None] * n)
-    # qwen2_moe: layer_types, or its __post_init__ default (even layers below max_window_layers)
-    layer_types = c.get("layer_types") or [
-        "sliding_attention" if (i + 1) % 2 and i < g("max_window_layers") and g("use_sliding_window")
-        else "full_attention" for i in range(n)]
-    if len(layer_types) != n:
-        raise ConfigError(f"layer_types has {len(layer_types)} entries for {n} layers")
-    return tuple(window or None if t == "sliding_attention" else None for t in layer_types)
-
-
-def _moe_layers(mt: str, c: dict, n: int, num_experts: int) -> tuple[bool, ...]:
-    if mt in ("mixtral", "olmoe"):
-        return tuple([True] * n)
-    step = _get(mt, c, "decoder_sparse_step") or 1
-    dense = set(_get(mt, c, "mlp_only_layers") or [])
-    return tuple(i not in dense and num_experts > 0 and (i + 1) % step == 0 for i in range(n))
-
-
-def _get(mt: str, c: dict, name: str):
+def family_getter(defaults: dict, c: dict) -> Getter:
     """config.json's value, or transformers' class default for this family when the field is absent
     (present-but-null stays None: transformers distinguishes the two, e.g. Mixtral num_key_value_heads)."""
-    return c[name] if name in c else DEFAULTS[mt][name]
+    return lambda name: c[name] if name in c else defaults[name]
 
 
-def _parse(mt: str, c: dict) -> ModelConfig:
-    g = lambda name: _get(mt, c, name)  # noqa: E731
-    n = int(g("num_hidden_layers"))
-    heads = int(g("num_attention_heads"))
-    hidden = int(g("hidden_size"))
-    kv = int(g("num_key_value_heads") or heads)  # None → heads, as the config classes' __post_init__
-    if mt == "mixtral":
-        E, inter_e, norm_topk = int(g("num_local_experts")), int(g("intermediate_size")), True
-    else:
-        # transformers 5 writes num_local_experts for qwen3_moe; older configs num_experts
-        E = int(c["num_local_experts"] if c.get("num_experts") is None and c.get("num_local_experts") is not None
-                else g("num_experts"))
-        inter_e = int(g("intermediate_size") if mt == "olmoe" else g("moe_intermediate_size"))
-        norm_topk = bool(g("norm_topk_prob"))
-    K = int(g("num_experts_per_tok"))
-    if not 0 < K <= E:
-        raise ConfigError(f"num_experts_per_tok={K} must be in 1..{E}")
+def common_fields(c: dict, get: Getter) -> dict:
+    """The ModelConfig fields every family reads the same way."""
+    n = int(get("num_hidden_layers"))
+    heads, hidden = int(get("num_attention_heads")), int(get("hidden_size"))
+    kv = int(get("num_key_value_heads") or heads)  # None → heads, as the config classes' __post_init__
     if heads % kv:
         raise ConfigError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}")
-    if g("hidden_act") != "silu":
-        raise ConfigError(f"hidden_act {g('hidden_act')!r} is not supported (only silu)")
+    head_dim = int(c.get("head_dim") or hidden // heads)
     eos = c.get("eos_token_id")  # as written: transformers' generate reads the file, not class defaults
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-    vocab = int(g("vocab_size"))
-    return ModelConfig(
-        model_type=mt,
-        vocab_size=vocab,
-        hidden_size=hidden,
-        num_layers=n,
-        num_heads=heads,
-        num_kv_heads=kv,
-        head_dim=int(c.get("head_dim") or hidden // heads),
-        rms_norm_eps=float(g("rms_norm_eps")),
-        rope=_rope(c, DEFAULTS[mt]["rope_theta"]),
-        max_position_embeddings=int(g("max_position_embeddings")),
-        num_experts=E,
-        top_k=K,
-        moe_intermediate_size=inter_e,
-        norm_topk_prob=norm_topk,
-        intermediate_size=int(g("intermediate_size")),
-        shared_expert_intermediate_size=int(g("shared_expert_intermediate_size")) if mt == "qwen2_moe" else 0,
-        attention_bias=bool(g("qkv_bias")) if mt == "qwen2_moe" else bool(c.get("attention_bias", False)),
-        qk_norm={"qwen3_moe": "head", "olmoe": "full"}.get(mt, "none"),
-        clip_qkv=g("clip_qkv") if mt == "olmoe" else None,
-        tie_word_embeddings=bool(g("tie_word_embeddings")),
-        sliding_windows=_sliding(mt, c, n),
-        moe_layers=_moe_layers(mt, c, n, E),
+    vocab = int(get("vocab_size"))
+    return dict(
+        model_type=c["model_type"], vocab_size=vocab, hidden_size=hidden, num_layers=n, num_heads=heads,
+        num_kv_heads=kv, head_dim=head_dim, rms_norm_eps=float(get("rms_norm_eps")),
+        rope=parse_rope(c, get("rope_theta"), head_dim, int(get("max_position_embeddings"))),
+        max_position_embeddings=int(get("max_position_embeddings")),
+        tie_word_embeddings=bool(get("tie_word_embeddings")),
         bos_token_id=c.get("bos_token_id"),
         eos_token_ids=tuple(i for i in eos_ids if isinstance(i, int) and 0 <= i < vocab),
         torch_dtype=c.get("torch_dtype") or c.get("dtype"),
-        raw=c,
     )
+
+
+def check_top_k(K: int, E: int) -> None:
+    if not 0 < K <= E:
+        raise ConfigError(f"num_experts_per_tok={K} must be in 1..{E}")
+
+
+def check_act(get: Getter, allowed: tuple[str, ...] = ("silu",)) -> None:
+    if get("hidden_act") not in allowed:
+        raise ConfigError(f"hidden_act {get('hidden_act')!r} is not supported (only {', '.join(allowed)})")
+
+
+def routed_experts(c: dict, get: Getter) -> int:
+    """E: transformers 5 writes num_local_experts for some families whose older configs say num_experts."""
+    if c.get("num_experts") is None and c.get("num_local_experts") is not None:
+        return int(c["num_local_experts"])
+    return int(get("num_experts"))
+
+
+def sparse_step_layers(get: Getter, n: int, E: int) -> tuple[bool, ...]:
+    """Which layers are MoE under Qwen's decoder_sparse_step / mlp_only_layers."""
+    step = get("decoder_sparse_step") or 1
+    dense = set(get("mlp_only_layers") or [])
+    return tuple(i not in dense and E > 0 and (i + 1) % step == 0 for i in range(n))
+
+
+def _yarn_mscale(scale: float, m: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+
+def parse_rope(c: dict, default_theta: float, head_dim: int, max_pos: int) -> RopeConfig:
+    """transformers 5.x: rope_parameters = {rope_theta, rope_type, factor, …}; 4.x: rope_theta +
+    rope_scaling. yarn's derived values follow transformers' _compute_yarn_parameters."""
+    params = dict(c.get("rope_parameters") or {})
+    params = {**(c.get("rope_scaling") or {}), **params}
+    theta = params.get("rope_theta", c.get("rope_theta", default_theta))
+    kind = params.get("rope_type") or params.get("type") or "default"
+    partial = params.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0)) or 1.0
+    dim = int(head_dim * partial) if partial != 1.0 else None
+    if kind not in ("default", "linear", "yarn"):
+        raise ConfigError(f"rope scaling type {kind!r} is not supported (supported: default, linear, yarn)")
+    factor = params.get("factor", 1.0)
+    if kind == "default":
+        return RopeConfig(theta=float(theta), dim=dim)
+    if kind == "linear":
+        if not (factor or 0) > 0:
+            raise ConfigError(f"rope linear scaling factor must be > 0, got {factor}")
+        return RopeConfig(theta=float(theta), kind="linear", factor=float(factor), dim=dim)
+    orig = params.get("original_max_position_embeddings") or c.get("original_max_position_embeddings")
+    if not orig:
+        raise ConfigError("rope yarn needs original_max_position_embeddings")
+    if factor is None:  # DeepSeek-V3 style: the extension is max / original
+        factor = max_pos / orig
+    attn = params.get("attention_factor")
+    if attn is None:
+        ms, ms_all = params.get("mscale"), params.get("mscale_all_dim")
+        attn = _yarn_mscale(factor, ms) / _yarn_mscale(factor, ms_all) if ms and ms_all else _yarn_mscale(factor)
+    return RopeConfig(theta=float(theta), kind="yarn", factor=float(factor), dim=dim,
+                      original_max_position_embeddings=int(orig),
+                      beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
+                      attention_factor=float(attn), truncate=bool(params.get("truncate", True)))
 
 
 # generation_config.json fields used as sampling defaults when the caller gives none

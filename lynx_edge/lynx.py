@@ -22,7 +22,7 @@ import torch
 
 from .kernels import lynx_route as _kernel
 from .kernels.moe_gemm import expert_table
-from .routing import RouterSpec, rank_experts
+from .routing import RouterSpec, rank_experts, scale_weights
 
 _MODES = ("off", "lynx", "budget", "lynx-mass")
 # CPU tensors take a host path (_select_cpu, numpy telemetry) that reads them as numpy arrays:
@@ -216,6 +216,19 @@ def _pad(allowed: torch.Tensor, score: torch.Tensor, k: int) -> torch.Tensor:
     return allowed | torch.zeros_like(allowed).scatter_(0, order, add)
 
 
+def _select_masked(logits, is_decode, spec, cfg, layer, resident, probs) -> LynxResult:
+    """lynx_select for families whose rule excludes experts per token (−inf scores)."""
+    return _select(logits, is_decode, spec, cfg, layer, resident, probs.float(), torch.isfinite(logits))
+
+
+def _has_candidate(order, ids, drop, allowed, finite) -> torch.Tensor:
+    """[T, K] bool: the token has at least as many allowed finite unchosen experts as the rank of
+    this dropped slot among its dropped slots (else that slot must stay)."""
+    chosen = torch.zeros(order.shape, dtype=torch.bool, device=ids.device).scatter_(1, ids, True)
+    n = (allowed.unsqueeze(0) & finite & ~chosen).sum(1, keepdim=True)  # [T, 1]
+    return drop.long().cumsum(1) <= n
+
+
 def _remap(order: torch.Tensor, ids: torch.Tensor, drop: torch.Tensor, allowed: torch.Tensor):
     """order [T, E] (rank_experts), ids/drop [T, K], allowed [E] → new ids [T, K]. Survivors keep
     their slot; the i-th dropped slot (in slot order) gets the token's i-th best allowed expert
@@ -264,7 +277,7 @@ def _result(E, ids0, ids, weights, n_dec, drop_mass, n_drop, resident) -> LynxRe
 
 def lynx_select(logits: torch.Tensor, is_decode: "bool | torch.Tensor", spec: RouterSpec,
                 cfg: Optional[LynxConfig] = None, layer: int = 0,
-                resident: Optional[torch.Tensor] = None) -> LynxResult:
+                resident: Optional[torch.Tensor] = None, probs: Optional[torch.Tensor] = None) -> LynxResult:
     """logits [T, E] fp32; is_decode: a bool (every token has that phase: host decisions) or a
     [T] bool tensor (mixed or unknown: read on the device only); resident [E] bool (on GPU).
 
@@ -275,8 +288,25 @@ def lynx_select(logits: torch.Tensor, is_decode: "bool | torch.Tensor", spec: Ro
     vote scores in any batch); a non-critical, non-resident slot (rank-0 excepted if protected)
     moves to the token's best unchosen expert in C ∪ resident. Without `resident` such small
     batches stay exact. No host sync (no .item(), nonzero or Python branch on device values)
-    except `fetch` when resident is given.
+    except `fetch` when resident is given. probs [T, E]: where the gate weights come from when the
+    family's are not softmax(logits) (routing.py); then a −inf logit (an expert the family's own
+    rule excludes for that token) is never a remap target, and a slot with no finite candidate
+    left stays where it is.
     """
+    if probs is not None:
+        return _scaled(_select_masked(logits, is_decode, spec, cfg, layer, resident, probs), spec)
+    return _scaled(_select(logits, is_decode, spec, cfg, layer, resident), spec)
+
+
+def _scaled(r: LynxResult, spec: RouterSpec) -> LynxResult:
+    if spec.routed_scaling_factor != 1.0:
+        r.weights = scale_weights(r.weights, spec)
+    return r
+
+
+def _select(logits, is_decode, spec: RouterSpec, cfg, layer, resident, probs=None, finite=None) -> LynxResult:
+    """lynx_select without the weight scaling. finite [T, E] bool or None: remap targets allowed
+    per token (None: all)."""
     cfg = cfg or LynxConfig()
     E, K = spec.num_experts, spec.top_k
     T, dev = logits.shape[0], logits.device
@@ -286,7 +316,8 @@ def lynx_select(logits: torch.Tensor, is_decode: "bool | torch.Tensor", spec: Ro
     z = logits.float()
     order = rank_experts(z)  # [T, E] the tie rule, shared by top-k and the remap
     ids0 = order[:, :K]
-    probs = torch.softmax(z, dim=-1, dtype=torch.float32)
+    if probs is None:
+        probs = torch.softmax(z, dim=-1, dtype=torch.float32)
     p0 = probs.gather(1, ids0)  # [T, K] original top-k probs
     w0 = p0 / p0.sum(1, keepdim=True) if spec.norm_topk_prob else p0
     if T == 1 and res is None:
@@ -298,7 +329,8 @@ def lynx_select(logits: torch.Tensor, is_decode: "bool | torch.Tensor", spec: Ro
         vec = _const([1.0, 0, 0, K, K, 0, 0], dev) + isd.double() * _const([0, 1, K, 0, 0, 0, 0], dev)
         return LynxResult(ids0, w0, vec, None)
     n_dec = (T if is_decode else 0) if host else isd.sum()
-    if (CPU_HOST_PATH and host and is_decode and res is None and dev.type == "cpu" and cfg.kind != "off" and E > K
+    if (CPU_HOST_PATH and finite is None and host and is_decode and res is None and dev.type == "cpu"
+            and cfg.kind != "off" and E > K
             and layer not in cfg.skip_layers and T >= max(cfg.min_batch, 2) and T ** (cfg.beta + 1) * K < 2**53):
         return _select_cpu(z, order, probs, p0, w0, spec, cfg)  # ~10 torch ops, same results
     if cfg.kind == "off" or layer in cfg.skip_layers or E <= K or T == 0 or is_decode is False:
@@ -333,6 +365,9 @@ def lynx_select(logits: torch.Tensor, is_decode: "bool | torch.Tensor", spec: Ro
     drop = ~allowed[ids0]  # [T, K]; a prefill row never drops (its experts are needed)
     if not host and res is None:
         drop = drop & pooled  # below min_batch nothing moves (a device bool: no sync)
+    if finite is not None:  # a slot with no allowed finite candidate left keeps its expert; the
+        # others take finite ones, as −inf experts rank after every finite one in `order`
+        drop = drop & _has_candidate(order, ids0, drop, allowed, finite)
     new = _remap(order, ids0, drop, allowed)
     weights = _reweight(probs, new, w0, drop.any(1), spec.norm_topk_prob)
     return _result(E, ids0, new, weights, n_dec, (p0 * drop).sum(), drop.sum(), res)
@@ -538,7 +573,7 @@ class LynxRouter:
         self.phase = None if is_decode is None else bool(is_decode)
         self.telemetry.begin_step()
 
-    def __call__(self, logits: torch.Tensor, is_decode: torch.Tensor, layer: int):
+    def __call__(self, logits: torch.Tensor, is_decode: torch.Tensor, layer: int, probs=None):
         res = self.resident(layer) if self.resident is not None else None
         if self.use_triton is None:
             self.use_triton = _kernel.available(logits.device)
@@ -547,13 +582,15 @@ class LynxRouter:
         a = self._args.get(layer)
         if a is None:
             a = self._args[layer] = kernel_args(self.spec, self.cfg, layer)
-        if (self.use_triton and res is None and phase is not False
+        # the kernel computes softmax weights itself: families with their own probs take the torch path
+        if (self.use_triton and res is None and probs is None and phase is not False
                 and _kernel.fits(T, E, a["top_k"], a["mode"], a["beta"])):
             mask = is_decode if torch.is_tensor(is_decode) else torch.full((T,), bool(phase), device=logits.device)
             ids, w, active, counts, table, vec = _kernel.lynx_route(logits, mask, **a)
-            r = LynxResult(ids, w, vec, None, _kernel.gemm_table(active, counts, table, a["top_k"]))
+            r = LynxResult(ids, scale_weights(w, self.spec), vec, None,
+                           _kernel.gemm_table(active, counts, table, a["top_k"]))
         else:
-            r = lynx_select(logits, phase, self.spec, self.cfg, layer, res)
+            r = lynx_select(logits, phase, self.spec, self.cfg, layer, res, probs)
         self.last = r
         self.telemetry.record(layer, r)
         return r.ids, r.weights

@@ -1,7 +1,6 @@
 """What a model is, from its config.json alone (no weights loaded): parameter counts, total and
 active per token, and the size of one expert — what `lynx-edge info` prints and what placement
-plans size against. Glossary: D hidden, H/Hkv heads, hd head dim, E experts, K top-k,
-I expert intermediate, V vocab.
+plans size against. Glossary: E experts, K top-k.
 """
 from __future__ import annotations
 
@@ -20,39 +19,18 @@ def bytes_per_param(dtype: str | None) -> float:
     return _BYTES.get(str(dtype or "bfloat16").replace("torch.", ""), 2)
 
 
-def _attention(cfg: ModelConfig) -> int:
-    D, hd = cfg.hidden_size, cfg.head_dim
-    q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
-    n = D * q + 2 * D * kv + q * D  # q, k, v, o
-    if cfg.attention_bias:
-        n += q + 2 * kv
-    if cfg.qk_norm == "head":
-        n += 2 * hd
-    elif cfg.qk_norm == "full":
-        n += q + kv
-    return n
-
-
 def param_counts(cfg: ModelConfig, dtype: str | None = None) -> dict:
     """→ dict(total, active, expert, non_expert, expert_bytes_per_expert, …) in parameters
     (bytes for the last, at `dtype` or the checkpoint's dtype). Active = what one token touches:
-    everything but the routed experts, plus K of them per MoE layer."""
-    D, E, K, I = cfg.hidden_size, cfg.num_experts, cfg.top_k, cfg.moe_intermediate_size
-    per_expert = 3 * D * I  # gate, up [I, D]; down [D, I]
-    n_moe = sum(cfg.moe_layers)
-    n_dense = cfg.num_layers - n_moe
-    shared = 3 * D * cfg.shared_expert_intermediate_size + D if cfg.shared_expert_intermediate_size else 0
-    non_expert = (
-        cfg.num_layers * (_attention(cfg) + 2 * D)  # attention + its two norms
-        + n_moe * (E * D + shared)  # router + the always-on shared expert
-        + n_dense * 3 * D * cfg.intermediate_size
-        + cfg.vocab_size * D * (1 if cfg.tie_word_embeddings else 2)
-        + D  # final norm
-    )
-    expert = n_moe * E * per_expert
+    everything but the routed experts, plus K of them per MoE layer. Counted from the modules the
+    family builds (on the meta device), so every family's own layers are counted as built."""
+    from .models.transformer import count_params
+
+    non_expert, expert, n_moe = count_params(cfg)
+    per_expert = expert // max(n_moe * cfg.num_experts, 1)
     return {
         "total": non_expert + expert,
-        "active": non_expert + n_moe * K * per_expert,
+        "active": non_expert + n_moe * cfg.top_k * per_expert,
         "expert": expert,
         "non_expert": non_expert,
         "params_per_expert": per_expert,

@@ -120,7 +120,7 @@ def quantize_model(src, out_dir, method: str = "gptq", group_size: int = 128, sy
             ex = layer.mlp.experts
             if x is not None:
                 cap = layer.mlp.experts = _Capture(ex)
-                x = _run_layer(layer, x, rope)
+                x = _run_layer(layer, x, rope, family.cache_spec(cfg, i, x.shape[1]))
                 rows = cap.rows
                 x_in = [torch.cat(rows[e]) if e in rows else torch.empty(0, cfg.hidden_size) for e in range(ex.num_experts)]
                 packed = quantize_experts_gptq(ex.gate_up.data, ex.down.data, x_in, None, G, sym)
@@ -129,7 +129,7 @@ def quantize_model(src, out_dir, method: str = "gptq", group_size: int = 128, sy
                 packed = quantize_experts(ex.gate_up.data, ex.down.data, G, sym)
             tensors.update(expert_gptq_tensors(packed, i, naming))
         elif x is not None:
-            x = _run_layer(layer, x, rope)
+            x = _run_layer(layer, x, rope, family.cache_spec(cfg, i, x.shape[1]))
         weight_map.update(_write_shard(out, f"model-{i:05d}-of-{cfg.num_layers:05d}.safetensors", tensors))
         del layer, tensors
         if progress:
@@ -178,10 +178,10 @@ def _calibration_states(cfg, ckpt: Checkpoint, model_dir: Path, text: str | None
 
 
 @torch.inference_mode()
-def _run_layer(layer: DecoderLayer, x: torch.Tensor, rope: Rope, rows: int = 8) -> torch.Tensor:
-    """x [n, w, D] → the float layer's outputs, `rows` windows at a time (bounded KV and activations)."""
+def _run_layer(layer: DecoderLayer, x: torch.Tensor, rope: Rope, cache_spec, rows: int = 8) -> torch.Tensor:
+    """x [n, w, D] → the float layer's outputs, `rows` windows at a time (bounded KV and activations).
+    cache_spec: the layer's cache shapes per row for w positions (its family's cache_spec)."""
     n, w, _ = x.shape
-    attn = layer.self_attn
     out = torch.empty_like(x)
     for r0 in range(0, n, rows):
         xb = x[r0 : r0 + rows]
@@ -189,7 +189,7 @@ def _run_layer(layer: DecoderLayer, x: torch.Tensor, rope: Rope, rows: int = 8) 
         pos = torch.arange(w)[None].expand(B, w)
         ab = AttnBatch(positions=pos, rows=slice(0, B), kv_len=w)
         ab.cos, ab.sin = rope.cos_sin(pos, xb.dtype)
-        kv = tuple(torch.zeros(B, attn.Hkv, w, attn.hd) for _ in range(2))
+        kv = tuple(torch.zeros(B, *shape) for shape in cache_spec)
         out[r0 : r0 + rows] = layer(xb, ab, kv, torch.zeros(B * w, dtype=torch.bool))
     return out
 

@@ -2,10 +2,16 @@
 
 A routing function has the signature
 
-    route(logits [T, E] fp32, is_decode [T] bool, layer: int) -> (ids [T, K] int64, weights [T, K] fp32)
+    route(logits [T, E] fp32, is_decode [T] bool, layer: int, probs=None)
+        -> (ids [T, K] int64, weights [T, K] fp32)
 
-`exact_route` reproduces each HF family's own router (softmax → top-k → optional renorm),
-bit-for-bit with transformers whenever the top-k probabilities are distinct. LYNX (lynx.py) and
+`logits` are the scores the family selects its top-k on; `probs` [T, E] (optional) the
+probabilities its gate weights come from when they are not softmax(logits) — e.g. DeepSeek
+selects among the experts of its best groups (the others at −inf in `logits`) but weighs by the
+softmax over all experts. A router never picks an expert whose score is −inf while the token has
+a finite one left. `exact_route` reproduces each HF family's own router (top-k → weights from
+probs → optional renorm → × routed_scaling_factor), bit-for-bit with transformers whenever the
+top-k scores are distinct. LYNX (lynx.py) and
 offload plug in by replacing the function on the Engine, never by touching model files.
 
 Tie rule (one rule for exact_route, lynx_select and the Triton kernel kernels/lynx_route.py):
@@ -31,11 +37,12 @@ class RouterSpec:
     top_k: int  # K experts per token
     norm_topk_prob: bool  # renormalise the top-k probabilities to sum to 1 (Mixtral, Qwen3-MoE)
     num_shared_experts: int = 0  # always-on experts outside the routed set (Qwen2-MoE: 1)
+    routed_scaling_factor: float = 1.0  # gate weights × this (DeepSeek)
 
 
 class RouteFn(Protocol):
     def __call__(
-        self, logits: torch.Tensor, is_decode: torch.Tensor, layer: int
+        self, logits: torch.Tensor, is_decode: torch.Tensor, layer: int, probs: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -44,15 +51,21 @@ def rank_experts(logits: torch.Tensor) -> torch.Tensor:
     return torch.sort(logits, dim=-1, descending=True, stable=True).indices
 
 
-def exact_route(logits: torch.Tensor, spec: RouterSpec) -> tuple[torch.Tensor, torch.Tensor]:
+def exact_route(logits: torch.Tensor, spec: RouterSpec,
+                probs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact top-k routing as transformers does it. logits [T, E] → ids [T, K], weights [T, K] fp32.
     Softmax is monotone, so the top-k by logit are the top-k by probability (ties: module doc)."""
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    if probs is None:
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     ids = rank_experts(logits)[..., : spec.top_k]
     weights = probs.gather(-1, ids)
     if spec.norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
-    return ids, weights
+    return ids, scale_weights(weights, spec)
+
+
+def scale_weights(weights: torch.Tensor, spec: RouterSpec) -> torch.Tensor:
+    return weights if spec.routed_scaling_factor == 1.0 else weights * spec.routed_scaling_factor
 
 
 @dataclass
@@ -97,8 +110,8 @@ class ExactRouter:
     def __init__(self, spec: RouterSpec):
         self.spec = spec
 
-    def __call__(self, logits, is_decode, layer):
-        return exact_route(logits, self.spec)
+    def __call__(self, logits, is_decode, layer, probs=None):
+        return exact_route(logits, self.spec, probs)
 
 
 RouteFactory = Callable[[RouterSpec], RouteFn]

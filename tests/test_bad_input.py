@@ -154,9 +154,13 @@ def test_prompt_over_context(tiny_models):
 
 def test_unknown_rope_scaling_rejected(model_copy):
     cfg = json.loads((model_copy / "config.json").read_text())
-    cfg["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
+    cfg["rope_parameters"] = {"rope_type": "longrope", "factor": 4.0, "rope_theta": 10000.0}
     (model_copy / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ConfigError, match="'yarn'"):
+    with pytest.raises(ConfigError, match="'longrope'"):
+        Engine.from_pretrained(model_copy)
+    cfg["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}  # without its length
+    (model_copy / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="original_max_position_embeddings"):
         Engine.from_pretrained(model_copy)
 
 

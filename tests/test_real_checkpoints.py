@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from lynx_edge import Engine
-from lynx_edge.config import DEFAULTS, ModelConfig
+from lynx_edge.config import ModelConfig
+from lynx_edge.models import FAMILIES
 from lynx_edge.tokenizer import Detokenizer, Tokenizer
 
 REAL = Path(__file__).parent / "fixtures" / "real"
@@ -120,6 +121,9 @@ def real_models(tmp_path_factory) -> dict[str, Path]:
     out["qwen3_moe:no-norm_topk_prob"] = variant(out["qwen3_moe"], root / "q3-nonorm", norm_topk_prob=None)
     # item 3: clip_qkv is applied after OLMoE's q/k norm
     out["olmoe:clip_qkv"] = variant(out["olmoe"], root / "olmoe-clip", clip_qkv=0.5)
+    # YaRN, the way Qwen3 model cards extend the context: the prompt runs past the original length
+    out["qwen3_moe:yarn"] = variant(out["qwen3_moe"], root / "q3-yarn", rope_scaling={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16})
     return out
 
 
@@ -128,14 +132,14 @@ HF_CLASSES = {"mixtral": "MixtralConfig", "qwen2_moe": "Qwen2MoeConfig", "qwen3_
               "olmoe": "OlmoeConfig"}
 
 
-@pytest.mark.parametrize("family", list(DEFAULTS))
+@pytest.mark.parametrize("family", list(HF_CLASSES))
 def test_defaults_table_matches_transformers(family):
     import transformers
 
     cls = getattr(transformers, HF_CLASSES[family])
     declared = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
                 for f in dataclasses.fields(cls)}
-    for name, value in DEFAULTS[family].items():
+    for name, value in FAMILIES[family].DEFAULTS.items():
         ref = cls.default_theta if name == "rope_theta" else declared.get(name, "<not a field>")
         assert ref == value and type(ref) is type(value), f"{family}.{name}: table {value!r}, transformers {ref!r}"
     # and what a config.json with nothing but model_type parses to, against the class instance
@@ -169,13 +173,14 @@ def test_sliding_window_layers_match_transformers(family):
 
 
 def test_defaults_table_test_catches_a_wrong_value(monkeypatch):
-    monkeypatch.setitem(DEFAULTS["olmoe"], "rms_norm_eps", 1e-6)  # the old guess
+    monkeypatch.setitem(FAMILIES["olmoe"].DEFAULTS, "rms_norm_eps", 1e-6)  # the old guess
     with pytest.raises(AssertionError, match="rms_norm_eps"):
         test_defaults_table_matches_transformers("olmoe")
 
 
 # logits and greedy ids per model -------------------------------------------------------------------
-CASES = ["mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "qwen3_moe:no-norm_topk_prob", "olmoe:clip_qkv"]
+CASES = ["mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "qwen3_moe:no-norm_topk_prob", "olmoe:clip_qkv",
+         "qwen3_moe:yarn"]
 
 
 @pytest.mark.parametrize("case", CASES)

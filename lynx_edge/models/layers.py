@@ -8,7 +8,9 @@ S cache length, E experts, K top-k, I expert intermediate.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -47,22 +49,54 @@ class RMSNorm(nn.Module):
 
 
 class Rope(nn.Module):
-    """Rotary embeddings (rotate-half layout), default or linear position scaling."""
+    """Rotary embeddings (rotate-half layout): default, linear or YaRN frequencies, over the first
+    `rope.dim` dims of each head (all of head_dim unless partial_rotary_factor < 1)."""
 
-    def __init__(self, cfg: ModelConfig, device):
+    def __init__(self, cfg: ModelConfig, device, head_dim: int | None = None):
         super().__init__()
-        hd = cfg.head_dim
-        inv = 1.0 / (cfg.rope.theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float().to(device) / hd))
-        self.register_buffer("inv_freq", inv / cfg.rope.factor, persistent=False)
+        r = cfg.rope
+        dim = r.dim or head_dim or cfg.head_dim
+        # [dim/2] base frequencies, computed as transformers does (int64 arange, then float), on
+        # the CPU as transformers' init does (and no meta-device op when only counting parameters)
+        pos_freqs = r.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+        self.scale = 1.0  # cos/sin multiplier (YaRN's attention factor)
+        if r.kind == "yarn":
+            inv, self.scale = _yarn_inv_freq(pos_freqs, dim, r), r.attention_factor
+        else:
+            inv = (1.0 / pos_freqs) / r.factor
+        self.register_buffer("inv_freq", inv.to(device), persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions [B, T] → cos, sin [B, 1, T, hd]
+        # positions [B, T] → cos, sin [B, 1, T, dim]
         freqs = positions[..., None].float() * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]
+        if self.scale != 1.0:
+            return (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
+def _yarn_inv_freq(pos_freqs: torch.Tensor, dim: int, r) -> torch.Tensor:
+    """YaRN (arXiv 2309.00071): dims that rotate fewer than beta_slow times over the original
+    context are interpolated (÷ factor), those above beta_fast extrapolated (kept), a linear ramp
+    between — the formula of transformers' _compute_yarn_parameters."""
+    def corr_dim(rot: float) -> float:  # the dim whose wavelength fits `rot` turns in the original context
+        return dim * math.log(r.original_max_position_embeddings / (rot * 2 * math.pi)) / (2 * math.log(r.theta))
+
+    low, high = corr_dim(r.beta_fast), corr_dim(r.beta_slow)
+    if r.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no singular ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extra = 1 - ramp  # 1: extrapolate (high-frequency dims), 0: interpolate
+    return (1.0 / (r.factor * pos_freqs)) * (1 - extra) + (1.0 / pos_freqs) * extra
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    d = cos.shape[-1]
+    if d < x.shape[-1]:  # partial rotary: the first d dims rotate, the rest pass through
+        return torch.cat((_rotate(x[..., :d], cos, sin), x[..., d:]), dim=-1)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
@@ -93,24 +127,26 @@ class AttnBatch:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, dtype, device):
+    """Grouped-query attention over a KV cache (k, v) of [Bmax, Hkv, S, hd] per layer.
+
+    A family that differs subclasses one step: `project` (x → flat q, k, v: e.g. OLMoE's norm
+    and clip over all heads) or `sdpa` (the attention itself: e.g. gpt-oss's sinks).
+    """
+
+    def __init__(self, cfg: ModelConfig, layer: int, dtype, device, o_bias: bool = False):
         super().__init__()
         D, H, Hkv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.H, self.Hkv, self.hd, self.layer = H, Hkv, hd, layer
         self.window = cfg.sliding_windows[layer]
-        self.clip = cfg.clip_qkv
         b = cfg.attention_bias
         self.q_proj = Linear(H * hd, D, b, dtype, device)
         self.k_proj = Linear(Hkv * hd, D, b, dtype, device)
         self.v_proj = Linear(Hkv * hd, D, b, dtype, device)
-        self.o_proj = Linear(D, H * hd, False, dtype, device)
+        self.o_proj = Linear(D, H * hd, o_bias, dtype, device)
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm == "head":  # Qwen3: RMSNorm over each head's hd
             self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype, device)
             self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype, device)
-        elif cfg.qk_norm == "full":  # OLMoE: RMSNorm over all heads at once
-            self.q_norm = RMSNorm(H * hd, cfg.rms_norm_eps, dtype, device)
-            self.k_norm = RMSNorm(Hkv * hd, cfg.rms_norm_eps, dtype, device)
 
     def _fused(self) -> torch.Tensor | None:
         """One [(H + 2·Hkv)·hd, D] weight for q, k and v (one GEMM instead of three), built at the
@@ -137,17 +173,16 @@ class Attention(nn.Module):
         self._qkv = ((w, b), True, self.q_proj.weight.data_ptr())
         return self._qkv[0]
 
-    def forward(self, x: torch.Tensor, ab: AttnBatch, kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        B, T, _ = x.shape
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, T, D] → q [B, T, H·hd], k, v [B, T, Hkv·hd]."""
         fused = self._fused()
         if fused is not None:
-            q, k, v = F.linear(x, *fused).split([self.H * self.hd, self.Hkv * self.hd, self.Hkv * self.hd], -1)
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        if self.qk_norm == "full":
-            q, k = self.q_norm(q), self.k_norm(k)
-        if self.clip is not None:  # OLMoE clips after the q/k norm, as transformers does
-            q, k, v = (t.clamp(-self.clip, self.clip) for t in (q, k, v))
+            return F.linear(x, *fused).split([self.H * self.hd, self.Hkv * self.hd, self.Hkv * self.hd], -1)
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+
+    def forward(self, x: torch.Tensor, ab: AttnBatch, kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.project(x)
         q = q.view(B, T, self.H, self.hd).transpose(1, 2)  # [B, H, T, hd]
         k = k.view(B, T, self.Hkv, self.hd).transpose(1, 2)  # [B, Hkv, T, hd]
         v = v.view(B, T, self.Hkv, self.hd).transpose(1, 2)
@@ -158,11 +193,14 @@ class Attention(nn.Module):
         _write_kv(k_cache, v_cache, k, v, ab)
         keys = k_cache[ab.rows, :, : ab.kv_len]  # [B, Hkv, kv_len, hd]
         vals = v_cache[ab.rows, :, : ab.kv_len]
+        out = self.sdpa(q, keys, vals, ab, T)  # [B, H, T, hd]
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.H * self.hd))
+
+    def sdpa(self, q, keys, vals, ab: AttnBatch, T: int) -> torch.Tensor:
         mask, causal = self.attend(ab, T)
-        out = F.scaled_dot_product_attention(
+        return F.scaled_dot_product_attention(
             q, keys, vals, attn_mask=mask, is_causal=causal, enable_gqa=self.H != self.Hkv
         )
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.H * self.hd))
 
     def attend(self, ab: AttnBatch, T: int) -> tuple[torch.Tensor | None, bool]:
         """(attn_mask, is_causal) for SDPA. No mask is built when every row sits at the same
@@ -253,28 +291,47 @@ class RoutingContext:
             begin(is_decode)  # the router takes its branches on this host bool: no device sync
 
 
+Scorer = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]
+
+
 class MoEBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, ctx: RoutingContext, dtype, device, experts=None):
+    """Router → routing hook → expert backend (+ an always-on shared expert).
+
+    What a family may change, all fixed at build time: `router_bias` (gpt-oss), `scorer`
+    (router logits [N, E] → (scores the family selects its top-k on, probabilities its gate
+    weights come from, or None for softmax(scores)); e.g. DeepSeek's group-limited choice),
+    the expert backend (the builder's `experts`), and whether the shared expert is sigmoid-gated
+    (Qwen2-MoE) or plain (DeepSeek).
+    """
+
+    def __init__(self, cfg: ModelConfig, layer: int, ctx: RoutingContext, dtype, device, experts=None, *,
+                 router_bias: bool = False, scorer: Scorer | None = None, shared_gate: bool = True):
         super().__init__()
         D, E = cfg.hidden_size, cfg.num_experts
-        self.layer, self.ctx = layer, ctx
-        self.gate = Linear(E, D, False, dtype, device)  # the router
+        self.layer, self.ctx, self.scorer = layer, ctx, scorer
+        self.gate = Linear(E, D, router_bias, dtype, device)  # the router
         # the expert backend, chosen by the builder (default: resident 16-bit)
         self.experts = experts if experts is not None else StackedExperts(E, D, cfg.moe_intermediate_size, dtype, device)
-        self.shared_expert = None
+        self.shared_expert = self.shared_expert_gate = None
         if cfg.shared_expert_intermediate_size:
             self.shared_expert = DenseMLP(D, cfg.shared_expert_intermediate_size, dtype, device)
-            self.shared_expert_gate = Linear(1, D, False, dtype, device)
+            if shared_gate:
+                self.shared_expert_gate = Linear(1, D, False, dtype, device)
 
     def forward(self, x: torch.Tensor, is_decode: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # [N, D]
         logits = self.gate(x).float()  # [N, E]
-        ids, weights = self.ctx.route(logits, is_decode, self.layer)
+        if self.scorer is None:
+            ids, weights = self.ctx.route(logits, is_decode, self.layer)
+        else:
+            scores, probs = self.scorer(logits)
+            ids, weights = self.ctx.route(scores, is_decode, self.layer, probs=probs)
         self.ctx.stats.add(self.layer, ids)
         y = self.experts(x, ids, weights)
         if self.shared_expert is not None:
-            y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            s = self.shared_expert(x)
+            y = y + (s if self.shared_expert_gate is None else torch.sigmoid(self.shared_expert_gate(x)) * s)
         return y.view(shape)
 
 

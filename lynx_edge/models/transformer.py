@@ -1,36 +1,59 @@
-"""The decoder shared by every supported family: embeddings → N × (attention, MLP/MoE) → norm → head.
+"""The decoder every family builds: embeddings → N × (token mixer, MLP/MoE) → norm → head.
 
-Family files (mixtral.py, qwen2_moe.py, …) only say how their checkpoint names map onto this
-module tree; what differs in the maths (q/k norm, biases, shared expert, sliding windows) is
-switched by ModelConfig fields parsed once from config.json.
+A family module (mixtral.py, qwen3_moe.py, …) says what its layer i is made of through two
+hooks, `attention(cfg, i, dtype, device)` and `mlp(cfg, i, ctx, dtype, device, experts)`, and
+what its cache holds per layer (`cache_spec`). The shared defaults a family picks from are here.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import nn
 
 from ..config import ModelConfig
 from ..routing import RouterSpec
-from .layers import Attention, AttnBatch, DenseMLP, Linear, MoEBlock, RMSNorm, Rope, RoutingContext, _param
+from .layers import AttnBatch, DenseMLP, Linear, MoEBlock, RMSNorm, Rope, RoutingContext, _param
+
+
+def family_of(cfg: ModelConfig):
+    from . import FAMILIES  # the package imports this module: resolve at call time
+
+    return FAMILIES[cfg.model_type]
 
 
 def router_spec(cfg: ModelConfig) -> RouterSpec:
-    """The family's router as the routing hook sees it."""
+    """The model's router as the routing hook sees it (the family's `router_spec`)."""
+    return family_of(cfg).router_spec(cfg)
+
+
+def softmax_router(cfg: ModelConfig) -> RouterSpec:
+    """softmax → top-k → optional renorm (Mixtral, Qwen-MoE, OLMoE)."""
     return RouterSpec(cfg.num_experts, cfg.top_k, cfg.norm_topk_prob, int(bool(cfg.shared_expert_intermediate_size)))
+
+
+def moe_or_dense(cfg: ModelConfig, i: int, ctx: RoutingContext, dtype, device, experts=None) -> nn.Module:
+    """Layer i's MLP: the MoE block where cfg.moe_layers says, else a dense SwiGLU MLP."""
+    if cfg.moe_layers[i]:
+        return MoEBlock(cfg, i, ctx, dtype, device, experts(i) if experts else None)
+    return DenseMLP(cfg.hidden_size, cfg.intermediate_size, dtype, device)
+
+
+def kv_cache_spec(cfg: ModelConfig, i: int, ctx: int) -> tuple[tuple[int, ...], ...]:
+    """Layer i's cache tensors per batch row: K and V, [Hkv, ctx, hd] each."""
+    shape = (cfg.num_kv_heads, ctx, cfg.head_dim)
+    return shape, shape
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, i: int, ctx: RoutingContext, dtype, device, experts=None):
         super().__init__()
-        D = cfg.hidden_size
+        family, D = family_of(cfg), cfg.hidden_size
         self.input_layernorm = RMSNorm(D, cfg.rms_norm_eps, dtype, device)
-        self.self_attn = Attention(cfg, i, dtype, device)
+        self.self_attn = family.attention(cfg, i, dtype, device)
         self.post_attention_layernorm = RMSNorm(D, cfg.rms_norm_eps, dtype, device)
-        if cfg.moe_layers[i]:
-            self.mlp = MoEBlock(cfg, i, ctx, dtype, device, experts(i) if experts else None)
-        else:
-            self.mlp = DenseMLP(D, cfg.intermediate_size, dtype, device)
-        self.is_moe = cfg.moe_layers[i]
+        self.mlp = family.mlp(cfg, i, ctx, dtype, device, experts)
+        self.is_moe = isinstance(self.mlp, MoEBlock)
 
     def forward(self, x, ab: AttnBatch, kv, is_decode: torch.Tensor):
         x = x + self.self_attn(self.input_layernorm(x), ab, kv)
@@ -59,7 +82,7 @@ class MoEForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,  # [B, T]
         ab: AttnBatch,
-        kv_cache: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_cache: list[tuple[torch.Tensor, ...]],  # per layer: what its family's cache_spec says
         is_decode: torch.Tensor,  # [B·T] bool: the phase of each token, for the routing hook
         logits_for: str = "last",  # last | all
     ) -> torch.Tensor:
@@ -72,3 +95,17 @@ class MoEForCausalLM(nn.Module):
             x = x[:, -1]
         x = self.norm(x)
         return torch.nn.functional.linear(x, self.head_weight()).float()
+
+
+@functools.lru_cache(maxsize=16)
+def count_params(cfg: ModelConfig) -> tuple[int, int, int]:
+    """(non-expert params, routed-expert params, MoE layers) of the model exactly as this module
+    builds it, counted on the meta device (no memory): every family's own layers count themselves."""
+    model = MoEForCausalLM(cfg, torch.bfloat16, torch.device("meta"))
+    expert = non_expert = 0
+    for name, p in model.named_parameters():
+        if ".mlp.experts." in name:
+            expert += p.numel()
+        else:
+            non_expert += p.numel()
+    return non_expert, expert, sum(1 for layer in model.layers if layer.is_moe)

@@ -227,21 +227,11 @@ def expert_block_bytes(cfg: ModelConfig, dtype: torch.dtype, four_bit: bool, gro
 
 
 def non_expert_bytes(cfg: ModelConfig, elem: int) -> int:
-    """Bytes of every weight except the routed experts (as models/transformer.py allocates them)."""
-    D, hd, H, Hkv = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
-    n = cfg.vocab_size * D * (1 if cfg.tie_word_embeddings else 2) + D  # embed (+ head), final norm
-    attn = D * H * hd * 2 + D * Hkv * hd * 2 + 2 * D  # q, o, k, v, two layer norms
-    attn += (H * hd + 2 * Hkv * hd) if cfg.attention_bias else 0
-    attn += {"head": 2 * hd, "full": H * hd + Hkv * hd}.get(cfg.qk_norm, 0)
-    for moe in cfg.moe_layers:
-        n += attn
-        if moe:
-            n += cfg.num_experts * D  # router
-            if cfg.shared_expert_intermediate_size:
-                n += 3 * D * cfg.shared_expert_intermediate_size + D
-        else:
-            n += 3 * D * cfg.intermediate_size
-    return n * elem
+    """Bytes of every weight except the routed experts, as the family's modules allocate them
+    (counted on the meta device)."""
+    from ..models.transformer import count_params
+
+    return count_params(cfg)[0] * elem
 
 
 def offload_slots(budget: int, fixed: int, scratch: int, eb: int, total: int) -> int:

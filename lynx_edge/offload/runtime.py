@@ -42,11 +42,11 @@ class ResidencyRoute:
         self.spec, self.cfg, self.rt = spec, LynxConfig.parse(cfg), runtime
         self.telemetry = telemetry
 
-    def __call__(self, logits, is_decode, layer):
+    def __call__(self, logits, is_decode, layer, probs=None):
         from ..lynx import lynx_select
 
         res = self.rt.resident_mask(layer)
-        r = lynx_select(logits, is_decode, self.spec, self.cfg, layer, resident=res)
+        r = lynx_select(logits, is_decode, self.spec, self.cfg, layer, resident=res, probs=probs)
         if self.telemetry is not None:
             self.telemetry.record(layer, r)
         ids0 = torch.topk(logits, self.spec.top_k, dim=-1).indices  # the exact choices (as a set)
