@@ -88,9 +88,12 @@ class ModelConfig:
         family = FAMILIES.get(mt) if isinstance(mt, str) else None
         if family is None:
             raise ConfigError(f"unsupported model_type {mt!r}; supported: {', '.join(FAMILIES)}")
+        raw = c
+        if isinstance(c.get("text_config"), dict):  # a multimodal wrapper: the text model's fields
+            c = {**{k: v for k, v in c.items() if k != "text_config"}, **c["text_config"], "model_type": mt}
         get = family_getter(family.DEFAULTS, c)
         try:
-            return cls(**common_fields(c, get), **family.parse(c, get), raw=c)
+            return cls(**common_fields(c, get), **family.parse(c, get), raw=raw)
         except KeyError as exc:
             raise ConfigError(f"config.json lacks required field {exc.args[0]!r}") from None
 
