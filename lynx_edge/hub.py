@@ -16,6 +16,13 @@ ALIASES = {
     "qwen1.5-moe-a2.7b": "Qwen/Qwen1.5-MoE-A2.7B-Chat",
     "qwen2-57b-a14b": "Qwen/Qwen2-57B-A14B-Instruct",
     "olmoe-1b-7b": "allenai/OLMoE-1B-7B-0125-Instruct",
+    "gpt-oss-20b": "openai/gpt-oss-20b",
+    "deepseek-v2-lite": "deepseek-ai/DeepSeek-V2-Lite-Chat",
+    "deepseek-coder-v2-lite": "deepseek-ai/DeepSeek-Coder-V2-Lite-Instruct",
+    "qwen3.6-35b-a3b": "Qwen/Qwen3.6-35B-A3B",
+    "qwen3.5-35b-a3b": "Qwen/Qwen3.5-35B-A3B",
+    "qwen3-next-80b-a3b": "Qwen/Qwen3-Next-80B-A3B-Instruct",
+    "lfm2-8b-a1b": "LiquidAI/LFM2-8B-A1B",
 }
 # What a runtime needs from a repo: never pickles, never remote code.
 ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*"]
