@@ -93,7 +93,8 @@ class EngineCore:
         self.wakeup = threading.Event()  # set when the inbox gets something
         self._ids = itertools.count()
         self.last_step: dict = {}  # telemetry of the latest step (tokens per phase, unique experts)
-        self.totals = {"steps": 0, "decode_tokens": 0, "prefill_tokens": 0}
+        self.totals = {"steps": 0, "decode_tokens": 0, "opted_out_tokens": 0, "prefill_tokens": 0, "mixed_steps": 0}
+        self._mixed_lynx: torch.Tensor | None = None  # [1 + S] LYNX sums over forwards not all-decode
 
     # thread-safe API ------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], sp: SamplingParams, request_id: str | None = None,
@@ -149,18 +150,26 @@ class EngineCore:
         n_prefill = sum(n for _, n in chunks) + (0 if chunks else self._prefill_chunks(outs))
         if self.per_step_stats:
             stats.clear()  # bounded: only this step's ids were kept
-        self.last_step = {"decode_tokens": len(ready), "prefill_tokens": n_prefill, "unique_experts": unique}
+        # tokens per phase: decode (LYNX may remap them), decode of opted-out requests (exact),
+        # prefill (exact); mixed: the prefill chunks shared the decode forward
+        self.last_step = {"decode_tokens": len(ready), "opted_out_tokens": sum(not r.lynx for r in ready),
+                          "prefill_tokens": n_prefill, "mixed": bool(chunks), "unique_experts": unique}
         self.totals["steps"] += 1
-        self.totals["decode_tokens"] += len(ready)
-        self.totals["prefill_tokens"] += n_prefill
+        for k in ("decode_tokens", "opted_out_tokens", "prefill_tokens"):
+            self.totals[k] += self.last_step[k]
+        self.totals["mixed_steps"] += bool(chunks)
         for r in [r for r in self.running if r.seq.finish is not None]:
             self._release(r)
         return outs
 
     def lynx_summary(self) -> dict | None:
-        """LYNX telemetry since start (pure decode steps), or None when LYNX is off. Core thread only."""
-        lynx = self.engine.lynx
-        return lynx.telemetry.summary() if lynx is not None else None
+        """LYNX telemetry since start, or None when LYNX is off. Core thread only (a host read).
+        The top level: pure decode forwards; "mixed": forwards that also held prefill chunks or
+        opted-out requests' tokens (exact), where only the opted-in decode slots can be remapped."""
+        tel = getattr(self.engine.lynx, "telemetry", None)
+        if tel is None:
+            return None
+        return {**tel.summary(), "mixed": _mixed_summary(self._mixed_lynx)}
 
     # internals ----------------------------------------------------------------------------
     def _drain_inbox(self, outs: list[RequestOutput]) -> None:
@@ -276,6 +285,7 @@ class EngineCore:
             rc.stats.decode[-1] = True
         is_decode = torch.tensor(flags, dtype=torch.bool, device=dev)  # [B]
         logits = self.model(tokens.view(-1, 1), ab, kv.layers, is_decode)  # [N, V]
+        self._add_mixed_lynx()
         B = len(reqs)
         for r in reqs:
             kv.lengths[r.row] += 1
@@ -289,6 +299,17 @@ class EngineCore:
         if done:
             outs += self._sample([r for r, _ in done], logits[[i for _, i in done]])
         return outs
+
+    def _add_mixed_lynx(self) -> None:
+        """LynxTelemetry keeps running sums of pure decode forwards only; this adds the latest
+        (packed) forward's per-layer stat vectors to the core's own sums, on the device (no sync)."""
+        tel = getattr(self.engine.lynx, "telemetry", None)
+        last = tel.steps[-1] if tel is not None and tel.steps else None
+        if not last:
+            return
+        vecs = torch.stack([v.double() for v in last.values()])  # [L, S]
+        row = torch.cat([torch.full((1,), float(len(last)), dtype=torch.float64, device=vecs.device), vecs.sum(0)])
+        self._mixed_lynx = row if self._mixed_lynx is None else self._mixed_lynx + row
 
     def _sample(self, reqs: list[_Request], logits: torch.Tensor) -> list[RequestOutput]:
         """logits [B, V] → one token per request (its own params and generator) → outputs."""
@@ -314,6 +335,20 @@ class EngineCore:
                 out.tpot_s = (now - r.t_first) / (n - 1)
             outs.append(out)
         return outs
+
+
+def _mixed_summary(acc: torch.Tensor | None) -> dict:
+    """Core sums [layer-forwards, *lynx._STATS] → means per MoE layer per forward, as LynxTelemetry's."""
+    from .lynx import _STATS
+
+    n, *tot = acc.tolist() if acc is not None else [0.0] * (1 + len(_STATS))
+    d = dict(zip(_STATS, tot))
+    div = lambda a, b: a / b if b else 0.0  # noqa: E731
+    before, after = div(d["unique_before"], n), div(d["unique_after"], n)
+    return {"layer_steps": int(n), "tokens": div(d["tokens"], n), "decode_tokens": div(d["decode_tokens"], n),
+            "unique_before": before, "unique_after": after, "reduction_pct": 100.0 * div(before - after, before),
+            "remap_rate_pct": 100.0 * div(d["remapped_slots"], d["decode_slots"]),
+            "displaced_mass_per_token": div(d["displaced_mass"], d["decode_tokens"])}
 
 
 def _check_kv_fits(engine: Engine, rows: int) -> int:

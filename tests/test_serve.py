@@ -148,7 +148,8 @@ def test_core_mixed_steps_prefill_stays_exact_under_lynx(model_path, ref):
     """Mixed steps with LYNX on (strict budget:3): prompt chunks share the forward with remapped
     decode tokens. Reference: exact_route on the same router logits — the chunk tokens (the last P
     of each mixed forward) get exactly its experts, while some decode tokens are remapped; and
-    every request's first token (from its prefill) equals exact generate's."""
+    every request's first token (from its prefill) equals exact generate's. The core's LYNX
+    telemetry of mixed forwards (lynx_summary()["mixed"]) = the same sums taken from the spy."""
     from lynx_edge.routing import exact_route
 
     eng = Engine.from_pretrained(model_path, device="cpu", lynx="budget:3")
@@ -165,6 +166,7 @@ def test_core_mixed_steps_prefill_stays_exact_under_lynx(model_path, ref):
     core = EngineCore(eng, max_num_seqs=8, prefill_budget=4, mixed_steps=True)
     sp = eng.sampling_params(max_new_tokens=6, ignore_eos=True)
     first, mixed, remapped = {}, 0, 0
+    exp = dict.fromkeys(("n", "tokens", "dec", "slots", "moved", "before", "after"), 0)
     pending = {3 * i: (f"r{i}", eng.encode_prompt(p)) for i, p in enumerate(PROMPTS)}
     for step in range(500):
         if step in pending:
@@ -180,12 +182,23 @@ def test_core_mixed_steps_prefill_stays_exact_under_lynx(model_path, ref):
                 exact = exact_route(logits, spec)[0]
                 assert ids[B:].sort(-1).values.equal(exact[B:].sort(-1).values)
                 remapped += int(not ids[:B].sort(-1).values.equal(exact[:B].sort(-1).values))
+                exp["n"], exp["tokens"], exp["dec"] = exp["n"] + 1, exp["tokens"] + B + P, exp["dec"] + B
+                exp["before"] += exact.unique().numel()
+                exp["after"] += ids.unique().numel()
+                exp["slots"] += B * spec.top_k
+                exp["moved"] += sum(len(set(e) - set(c)) for e, c in zip(exact[:B].tolist(), ids[:B].tolist()))
         if step > max(pending) and not core.has_work():
             break
     want = {f"r{i}": [next(iter(ref.stream(p, max_new_tokens=1, ignore_eos=True))).token_ids[0]]
             for i, p in enumerate(PROMPTS)}
     assert mixed > 5 and remapped > 0 and first == want
     assert core.free_rows == 8
+    got, n = core.lynx_summary()["mixed"], exp["n"]
+    assert got["layer_steps"] == n and core.totals["mixed_steps"] == mixed
+    assert got["tokens"] == pytest.approx(exp["tokens"] / n) and got["decode_tokens"] == pytest.approx(exp["dec"] / n)
+    assert got["unique_before"] == pytest.approx(exp["before"] / n)
+    assert got["unique_after"] == pytest.approx(exp["after"] / n) and exp["after"] < exp["before"]
+    assert got["remap_rate_pct"] == pytest.approx(100 * exp["moved"] / exp["slots"]) and exp["moved"] > 0
 
 
 @pytest.mark.parametrize("opts", [dict(int4=True, int4_group=32), dict(offload=True, expert_slots=4, profile="cpu-only")])
@@ -204,22 +217,34 @@ def test_core_int4_and_offload_equal_generate_alone(tmp_path, opts):
 
 
 def test_metrics_report_lynx_and_unique_experts(model_path):
-    """A LYNX server (routing recorded, as the CLI does): after a 4-prompt batch /metrics has the
-    distinct-experts histogram and the LYNX remap gauges; /health reports lynx on."""
+    """A LYNX server with mixed steps (routing recorded, as the CLI does): an 8-prompt batch opted
+    in, then one opted out. /metrics has the distinct-experts histogram, the LYNX remap gauges of
+    pure decode and of mixed forwards, and tokens per phase = the usage counts (12 tokens a prompt:
+    the first from prefill, 11 from decode forwards); /health reports lynx on."""
     from fastapi.testclient import TestClient
 
     from lynx_edge.server import create_app
 
     eng = Engine.from_pretrained(model_path, device="cpu", lynx="budget:3", record_routing=True)
-    with TestClient(create_app(eng, model_name="t", max_num_seqs=4)) as client:
-        r = client.post("/v1/completions", json={"prompt": PROMPTS[:4], "max_tokens": 6, "ignore_eos": True})
-        assert r.status_code == 200 and len(r.json()["choices"]) == 4
-        assert r.json()["usage"]["completion_tokens"] == 24
+    prompt_tokens = 0
+    with TestClient(create_app(eng, model_name="t", max_num_seqs=8, prefill_budget=4, mixed_steps=True)) as client:
+        for lynx in (True, False):
+            r = client.post("/v1/completions", json={"prompt": PROMPTS, "max_tokens": 12, "ignore_eos": True,
+                                                     "lynx": lynx})
+            assert r.status_code == 200 and len(r.json()["choices"]) == 8
+            assert r.json()["usage"]["completion_tokens"] == 96
+            prompt_tokens += r.json()["usage"]["prompt_tokens"]
         m = client.get("/metrics").text
         assert client.get("/health").json()["lynx"] is True
-    count = float(next(line.split()[-1] for line in m.splitlines() if line.startswith("lynx_unique_experts_per_layer_count")))
-    remap = float(next(line.split()[-1] for line in m.splitlines() if line.startswith('lynx_lynx{stat="remap_rate_pct"}')))
-    assert count >= 5 and remap > 0
+
+    def value(name):
+        return float(next(line.split()[-1] for line in m.splitlines() if line.startswith(name + " ")))
+
+    assert value("lynx_unique_experts_per_layer_count") >= 5 and value('lynx_lynx{stat="remap_rate_pct"}') >= 0
+    assert value('lynx_step_tokens_total{phase="prefill"}') == prompt_tokens
+    assert value('lynx_step_tokens_total{phase="decode"}') == value('lynx_step_tokens_total{phase="decode_opted_out"}') == 88
+    assert value("lynx_mixed_steps_total") > 0 and value('lynx_lynx_mixed{stat="layer_steps"}') > 0
+    assert value('lynx_lynx_mixed{stat="remap_rate_pct"}') > 0
 
 
 # the real server --------------------------------------------------------------------------
