@@ -124,7 +124,10 @@ def load_weights(model, ckpt: Checkpoint, family, quant=None, progress: Progress
             if kind == "qexpert":
                 _, prefix, e, part = u
                 _check_expert(experts[prefix], e, names[0], ckpt)
-                experts[prefix].load_quant_part(e, part, ql)
+                try:
+                    experts[prefix].load_quant_part(e, part, ql)
+                except ValueError as exc:  # act-order where unsupported, a layout mismatch: one line
+                    raise LoadError(f"{ckpt.refs[names[0]].file.name}: {names[0].rsplit('.', 1)[0]}: {exc}") from None
                 got[prefix].add((e, part))
             else:
                 n = u[1]

@@ -124,6 +124,99 @@ def test_layout_rejects_bad_sizes():
         quantize_rtn(torch.randn(4, 96), 64)
 
 
+# ------------------------------------------------------------------ int4.py: the fast load path
+
+
+def _tricky(n: int, k: int, group: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """_weights plus the cases rounding can get wrong: an all-zero group, a tiny one, a
+    one-signed one, and exact ties w/s = m + ½ (row 3: s = 1 sym and asym; row 4: asym s = 1
+    with the odd zero point 3, where ties-to-even of round(w/s) + z differs from round(w/s + z))."""
+    w = _weights(n, k, seed=seed)
+    w[0, :group] = 0.0
+    w[1, :group] = 1e-9
+    w[2, :group] = -torch.rand(group, generator=torch.Generator().manual_seed(seed)) - 0.5
+    w[3, :group] = torch.arange(group) % 16 - 7.5  # −7.5 … 7.5, every value a tie
+    w[4, :group] = torch.arange(group) % 15 - 2.5  # −2.5 … 11.5
+    w[4, :2] = torch.tensor([-3.0, 12.0])  # asym range [−3, 12]: s = 1, z = 3
+    return w.to(dtype)
+
+
+@pytest.mark.parametrize("group,sym", CASES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("chunk", [None, 3 * 256 + 7])  # one chunk / many, the last one short
+def test_fast_rtn_is_bit_identical_to_the_spec(group, sym, dtype, chunk, monkeypatch):
+    from lynx_edge.quant import int4
+
+    if chunk:
+        monkeypatch.setattr(int4, "CHUNK_ELEMS", chunk)
+    w = _tricky(40, 256, group, dtype, seed=group)
+    q, s, z = quantize_rtn(w, group, sym)  # the spec
+    for src in (w, w.t().contiguous().t()):  # a view with any strides (fused [E, in, out] files)
+        got_q = torch.empty(40, 128, dtype=torch.uint8)
+        got_s = torch.empty(256 // group, 40, dtype=torch.float16)
+        got_z = None if sym else torch.empty(256 // group, 40, dtype=torch.uint8)
+        int4.rtn_pack_into(src, got_q, got_s, got_z, group, sym)
+        assert torch.equal(got_q, pack(q))
+        assert torch.equal(got_s, s)
+        assert sym or torch.equal(got_z, z)
+
+
+@pytest.mark.parametrize("group,sym", [(32, True), (64, False)])
+def test_quantize_part_streams_the_stacked_spec(group, sym):
+    from lynx_edge.quant.int4 import quantize_part
+
+    E, D, I = 3, 128, 64
+    gu, dn = _weights(E, 2 * I, D, seed=4).bfloat16(), _weights(E, D, I, seed=5).bfloat16()
+    want = quantize_experts(gu.float(), dn.float(), group, sym)
+    got = Int4Experts.empty(E, want.layout)
+    for e in range(E):
+        quantize_part(got, e, "gate", gu[e, :I])
+        quantize_part(got, e, "up", gu[e, I:])
+        quantize_part(got, e, "down", dn[e])
+    assert torch.equal(got.data, want.data)
+    with pytest.raises(ValueError, match="shape"):
+        quantize_part(got, 0, "down", gu[0, :I])
+
+
+def _slow_gptq_codes(qweight: torch.Tensor) -> torch.Tensor:
+    """q[o, i] = nibble i % 8 of qweight[i // 8, o], read one code at a time → [out, in]."""
+    words = (qweight.long() % 2**32).tolist()
+    n_in, n_out = 8 * len(words), len(words[0])
+    return torch.tensor([[(words[i // 8][o] >> 4 * (i % 8)) & 15 for i in range(n_in)] for o in range(n_out)],
+                        dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("sym,v1", [(True, True), (False, True), (True, False), (False, False)])
+def test_gptq_bytes_land_unchanged_and_equal_the_slow_decode(sym, v1):
+    """A non-act-order GPTQ linear goes into the INT4 block as its own bytes (qweight transposed,
+    never unpacked); the block equals one written from an independent per-nibble decode."""
+    from lynx_edge.quant.experts import write_quant
+    from lynx_edge.quant.formats import QuantConfig, linear_from_checkpoint
+    from lynx_edge.quant.int4 import write_part
+
+    D, I, G = 128, 64, 32
+    g = torch.Generator().manual_seed(3)
+    codes = torch.randint(0, 16, (I, D), generator=g, dtype=torch.uint8)  # a gate projection [out, in]
+    zeros = torch.full((D // G, I), 8, dtype=torch.uint8) if sym else \
+        torch.randint(0, 16, (D // G, I), generator=g, dtype=torch.uint8)
+    if not sym:
+        zeros[0, :8] = 0  # v1's stored −1 borrows across nibbles
+    scales = (torch.rand(D // G, I, generator=g) * 0.01 + 1e-3).half()
+    tensors = {"qweight": formats.pack_qweight(codes), "qzeros": formats.pack_qzeros(zeros, v1), "scales": scales,
+               "g_idx": (torch.arange(D) // G).int()}
+    qc = QuantConfig("gptq", 4, G, sym, False, "gptq_v1" if v1 else "gptq_v2")
+    ql = linear_from_checkpoint(tensors, qc, "m")
+    assert ql.perm is None and ql._codes is None and ql.packed.dtype == torch.int32  # nothing unpacked
+    layout = Int4Layout(D, I, G, sym)
+    fast, ref = Int4Experts.empty(2, layout), Int4Experts.empty(2, layout)
+    write_quant(fast, 1, "up", ql)
+    slow = _slow_gptq_codes(tensors["qweight"])
+    assert torch.equal(slow, codes)
+    write_part(ref, 1, "up", slow, scales, formats.unpack_qzeros(tensors["qzeros"], v1))
+    assert torch.equal(fast.data, ref.data)
+    assert torch.equal(fast.dequant_expert(1)[0][I:], ql.dequant())
+
+
 def test_int4_moe_ref_dequantises_only_active_experts(monkeypatch):
     E, D, I, T, K = 8, 64, 64, 5, 2
     p = quantize_experts(_weights(E, 2 * I, D), _weights(E, D, I, seed=7), 32, sym=True)

@@ -141,6 +141,23 @@ def test_4bit_checkpoint_offloaded_equals_resident(tmp_path):
     assert torch.equal(_logits(off), ref)
 
 
+def test_gptq_checkpoint_offloaded_store_holds_the_resident_blocks():
+    """The GPTQ bytes go into the offload store as into the resident INT4 block (same fast path)."""
+    src = FIX / "gptq_tiny"
+    res, off = _engine(src), _engine(src, offload=True, offload_options=dict(profile="cpu-only", expert_slots=2))
+    for i in res.cfg.moe_layer_ids:
+        assert torch.equal(off.model.offload.store.layers[i], res.model.layers[i].mlp.experts.packed.data)
+
+
+def test_act_order_experts_offloaded_fail_in_one_line():
+    from lynx_edge.loader import LoadError
+
+    with pytest.raises(LoadError, match=r"act-order \(desc_act\) expert weights are not supported") as info:
+        _engine(FIX / "gptq_actorder_tiny", offload=True, offload_options=dict(profile="cpu-only", expert_slots=2))
+    msg = str(info.value)
+    assert "\n" not in msg and ".mlp.experts." in msg and "model.safetensors" in msg, msg
+
+
 def test_bad_quantization_config_is_one_line(tmp_path):
     dst = tmp_path / "bad"
     shutil.copytree(FIX / "awq_tiny", dst)

@@ -73,6 +73,21 @@ def test_awq_unpack_matches_slow_decode_and_roundtrips():
     assert torch.equal(awq.pack_awq_words(awq.unpack_awq_words(words)), words)
 
 
+def test_awq_packs_straight_to_int4_bytes():
+    """awq_packed (no per-byte codes) equals int4.pack of the slow per-nibble decode; an AWQ
+    QuantLinear carries those bytes and unpacks only when asked."""
+    from lynx_edge.quant.int4 import pack
+
+    g = torch.Generator().manual_seed(1)
+    for n_in, n8 in ((32, 1), (64, 3), (2, 2)):
+        words = torch.randint(-(2**31), 2**31, (n_in, n8), generator=g, dtype=torch.int64).to(torch.int32)
+        assert torch.equal(awq.awq_packed(words), pack(_slow_awq_decode(words).t().contiguous())), (n_in, n8)
+    zeros = torch.randint(0, 16, (2, 16), generator=g, dtype=torch.uint8)
+    codes = torch.randint(0, 16, (16, 64), generator=g, dtype=torch.uint8)
+    ql = linear_from_checkpoint(awq.pack_awq(codes, zeros, torch.rand(2, 16).half()), AWQ, "m")
+    assert ql._codes is None and torch.equal(ql.packed, pack(codes)) and torch.equal(ql.codes, codes)
+
+
 # ------------------------------------------------------------------ fixtures decode exactly
 
 

@@ -53,7 +53,7 @@ class DenseFormat:
             gu = _typed(block, 0, self.gu_shape, self.dtype)
             (gu[:I] if part == "gate" else gu[I:]).copy_(w)
 
-    def write_quant_part(self, block: torch.Tensor, part: str, ql) -> None:
+    def write_quant_part(self, block: torch.Tensor, part: str, ql, name: str = "expert") -> None:
         self.write_part(block, part, ql.dequant(self.dtype))  # a 4-bit expert kept 16-bit: exact
 
     def weights(self, block: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,10 +83,10 @@ class Int4Format:
 
         quantize_part(self._view(block), 0, part, w)
 
-    def write_quant_part(self, block: torch.Tensor, part: str, ql) -> None:
+    def write_quant_part(self, block: torch.Tensor, part: str, ql, name: str = "expert") -> None:
         from ..quant.experts import write_quant
 
-        write_quant(self._view(block), 0, part, ql)
+        write_quant(self._view(block), 0, part, ql, name)  # GPTQ/AWQ bytes as read (act-order refused)
 
     def pack_into(self, dst: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> None:
         from ..quant.int4 import quantize_experts
@@ -212,7 +212,7 @@ class HostExpertStore:
         self.fmt.write_part(self.ensure_layer(layer)[e], part, w)
 
     def write_quant_part(self, layer: int, e: int, part: str, ql) -> None:
-        self.fmt.write_quant_part(self.ensure_layer(layer)[e], part, ql)
+        self.fmt.write_quant_part(self.ensure_layer(layer)[e], part, ql, f"layer {layer} expert {e} {part}")
 
     def block(self, layer: int, e: int) -> torch.Tensor:
         return self.layers[layer][e]

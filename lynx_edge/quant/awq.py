@@ -72,4 +72,27 @@ def unpack_awq(
     return codes.view(-1, b.shape[1]), unpack_awq_words(qzeros)
 
 
-__all__ = ["AWQ_ORDER", "AWQ_REVERSE_ORDER", "pack_awq", "pack_awq_words", "unpack_awq", "unpack_awq_words"]
+_LOW = 0x0F0F0F0F  # the even nibbles of a word (nibble 2b: low half of byte b)
+_HIGH = 0xF0F0F0F0 - 2**32  # the odd nibbles, as an int32 constant
+
+
+def awq_packed(qweight: torch.Tensor) -> torch.Tensor:
+    """qweight [in, out/8] → int4.py's packed codes [out, in/2] uint8 (= pack(unpack_awq(…)[0])),
+    without unpacking to one code per byte. A packed byte pairs inputs 2j (low nibble) and 2j+1
+    of one output; AWQ keeps an output's code at the same nibble of rows 2j and 2j+1, so per
+    word pair (E = row 2j, O = row 2j+1): lo = E's even nibbles | O's even nibbles << 4 holds,
+    in byte b, output column AWQ_ORDER[2b]'s packed byte; hi (the odd nibbles) AWQ_ORDER[2b+1]'s.
+    AWQ_ORDER[2b + h] = 4·(b % 2) + 2·h + b // 2, so one axis permutation puts every byte in place."""
+    n_in, n8 = qweight.shape
+    qt = qweight.t().contiguous()  # [out/8, in]: one int32 transpose, rows then pair up cheaply
+    even, odd = qt[:, 0::2], qt[:, 1::2]  # [out/8, in/2]
+    lohi = torch.empty(n8, n_in // 2, 2, dtype=torch.int32, device=qweight.device)
+    torch.bitwise_or(even & _LOW, (odd & _LOW) << 4, out=lohi[..., 0])
+    torch.bitwise_or((even >> 4) & _LOW, odd & _HIGH, out=lohi[..., 1])
+    b = lohi.view(torch.uint8).view(n8, n_in // 2, 2, 2, 2)  # [out/8, in/2, h, b // 2, b % 2]
+    out = torch.empty(n8, 2, 2, 2, n_in // 2, dtype=torch.uint8, device=qweight.device)  # [out/8, b%2, h, b//2, in/2]
+    out.copy_(b.permute(0, 4, 2, 3, 1))
+    return out.view(8 * n8, n_in // 2)
+
+
+__all__ = ["AWQ_ORDER", "AWQ_REVERSE_ORDER", "awq_packed", "pack_awq", "pack_awq_words", "unpack_awq", "unpack_awq_words"]

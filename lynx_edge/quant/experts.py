@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..kernels.moe_gemm import fused_moe_int4
-from .int4 import GROUP_SIZES, Int4Experts, Int4Layout, quantize_part, write_part
+from .int4 import GROUP_SIZES, Int4Experts, Int4Layout, quantize_part, write_packed
 
 
 def group_size_for(hidden: int, inter: int, wanted: int = 128) -> int:
@@ -25,16 +25,17 @@ def group_size_for(hidden: int, inter: int, wanted: int = 128) -> int:
 
 
 def write_quant(packed: Int4Experts, e: int, part: str, ql, name: str = "expert", act_order: bool = False) -> None:
-    """A checkpoint's 4-bit projection (QuantLinear) → expert e's block, exactly. Its columns are
-    written in the checkpoint's order; act-order permutations are the caller's (Int4MoEExperts)."""
+    """A checkpoint's 4-bit projection (QuantLinear) → expert e's block, exactly: its packed bytes
+    (a GPTQ qweight as stored, transposed in the copy), scales and zeros. Its columns are written
+    in the checkpoint's order; act-order permutations are the caller's (Int4MoEExperts)."""
     if ql.perm is not None and not act_order:
         raise ValueError(f"{name}: act-order (desc_act) expert weights are not supported here "
                          "(offloaded experts); load without offload, or re-quantize with desc_act=False")
     G = packed.group_size
-    if ql.scales.shape[0] * G != ql.codes.shape[1]:
-        raise ValueError(f"{name}: group size {ql.codes.shape[1] // max(1, ql.scales.shape[0])} does not "
+    if ql.scales.shape[0] * G != ql.n_in:
+        raise ValueError(f"{name}: group size {ql.n_in // max(1, ql.scales.shape[0])} does not "
                          f"match the layer's INT4 layout (group {G})")
-    write_part(packed, e, part, ql.codes, ql.scales, ql.zeros)
+    write_packed(packed, e, part, ql.packed, ql.scales, ql.zeros)  # GPTQ/AWQ: the bytes as read, one copy
 
 
 class Int4MoEExperts(nn.Module):

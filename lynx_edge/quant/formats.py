@@ -19,6 +19,7 @@ up,down}_proj.*` and Mixtral's `{prefix}.{l}.block_sparse_moe.experts.{e}.{w1,w3
 """
 from __future__ import annotations
 
+import functools
 import json
 import re
 import sys
@@ -27,8 +28,8 @@ from pathlib import Path
 
 import torch
 
-from lynx_edge.quant.awq import unpack_awq
-from lynx_edge.quant.int4 import GROUP_SIZES, SYM_ZERO, Int4Experts
+from lynx_edge.quant.awq import awq_packed, unpack_awq_words
+from lynx_edge.quant.int4 import GROUP_SIZES, SYM_ZERO, Int4Experts, pack, unpack
 
 assert sys.byteorder == "little", "GPTQ/AWQ words are read as little-endian bytes"
 V1_OFFSET = 0x11111111  # v1 stores every zero nibble minus one
@@ -106,8 +107,10 @@ def read_quant_config(model_dir: str | Path, config: dict) -> QuantConfig | None
         return QuantConfigError(f"{path}: {pre}{field} = {qc.get(field)!r} {why}")
 
     method = str(qc.get("quant_method", "gptq" if path.endswith("quantize_config.json") else "")).lower()
+    if method == "mxfp4":  # gpt-oss as published: e2m1 experts, one e8m0 scale per 32 (its family reads them)
+        return QuantConfig("mxfp4", 4, 32, True, False, "mxfp4", tuple(qc.get("modules_to_not_convert") or ()))
     if method not in ("gptq", "awq"):
-        raise bad("quant_method", "is not supported; lynx-edge reads 4-bit GPTQ and AWQ (GEMM) checkpoints")
+        raise bad("quant_method", "is not supported; lynx-edge reads 4-bit GPTQ, AWQ (GEMM) and MXFP4 (gpt-oss) checkpoints")
     bits_key = "w_bit" if "w_bit" in qc and "bits" not in qc else "bits"
     if qc.get(bits_key) != 4:
         raise bad(bits_key, "is not supported; lynx-edge reads 4-bit GPTQ/AWQ only")
@@ -168,18 +171,46 @@ def _gptq_config(qc: dict, bad, G: int, where: str) -> QuantConfig:
     )
 
 
-@dataclass
 class QuantLinear:
-    """One linear W [out, in] in lynx-edge's INT4 group layout, unpacked (one code per byte)."""
+    """One linear W [out, in] in lynx-edge's INT4 group layout: its codes either unpacked (one per
+    byte) or packed as int4.py stores them, whichever the reader had; the other form is derived on
+    first use. Sinks that store INT4 take `packed` (no unpack/repack for GPTQ or AWQ), 16-bit
+    sinks take dequant().
+        codes   [out, in] uint8 0..15, columns in `perm` order when perm is not None
+        packed  [out, in/2] uint8 (int4.pack's layout), or the same bytes as little-endian int32
+                words [out, in/8] — a GPTQ qweight transposed, a strided view of the file
+        scales  [in/G, out] fp16;  zeros [in/G, out] uint8
+        perm    [in] int64 or None: W[:, perm] is what codes/scales/zeros describe"""
 
-    codes: torch.Tensor  # [out, in] uint8 0..15, columns in `perm` order when perm is not None
-    scales: torch.Tensor  # [in/G, out] fp16
-    zeros: torch.Tensor  # [in/G, out] uint8
-    perm: torch.Tensor | None = None  # [in] int64: W[:, perm] is what codes/scales/zeros describe
+    def __init__(self, codes: torch.Tensor | None, scales: torch.Tensor, zeros: torch.Tensor,
+                 perm: torch.Tensor | None = None, *, packed: torch.Tensor | None = None):
+        if (codes is None) == (packed is None):
+            raise ValueError("QuantLinear takes its codes either unpacked or packed (exactly one)")
+        self._codes, self._packed = codes, packed
+        self.scales, self.zeros, self.perm = scales, zeros, perm
+
+    @property
+    def codes(self) -> torch.Tensor:
+        if self._codes is None:
+            p = self._packed
+            self._codes = unpack(p if p.dtype == torch.uint8 else p.contiguous().view(torch.uint8))
+        return self._codes
+
+    @property
+    def packed(self) -> torch.Tensor:
+        if self._packed is None:
+            self._packed = pack(self._codes)
+        return self._packed
+
+    @property
+    def n_in(self) -> int:
+        if self._codes is not None:
+            return self._codes.shape[1]
+        return self._packed.shape[1] * (2 if self._packed.dtype == torch.uint8 else 8)
 
     @property
     def group_size(self) -> int:
-        return self.codes.shape[1] // self.scales.shape[0]
+        return self.n_in // self.scales.shape[0]
 
     @property
     def sym(self) -> bool:
@@ -216,9 +247,17 @@ def _shape(t: torch.Tensor, want: tuple[int, ...], name: str, part: str) -> None
         raise ValueError(f"{name}.{part}: shape {tuple(t.shape)}, expected {want} for this linear")
 
 
+@functools.lru_cache(maxsize=32)
+def _natural_groups(n: int, group_size: int) -> torch.Tensor:
+    """int32 [n] = i // G: a non-act-order g_idx."""
+    return (torch.arange(n, dtype=torch.int32) // group_size).to(torch.int32)
+
+
 def act_order_perm(g_idx: torch.Tensor, group_size: int, name: str = "?") -> torch.Tensor | None:
     """g_idx [in] → None when it is i // G, else perm = stable argsort(g_idx) [in] int64, checked so
     that g_idx[perm] == i // G (every group exactly G columns)."""
+    if g_idx.dtype == torch.int32 and torch.equal(g_idx, _natural_groups(g_idx.numel(), group_size)):
+        return None  # the common case, checked without temporaries
     g = g_idx.to(torch.long).cpu()
     natural = torch.arange(g.numel()) // group_size
     if torch.equal(g, natural):
@@ -249,19 +288,18 @@ def linear_from_checkpoint(tensors: dict[str, torch.Tensor], qc: QuantConfig, na
     scales = _scales_fp16(tensors["scales"], name)
     _shape(scales, (n_in // G, n_out), name, "scales")
     _shape(qzeros, (n_in // G, (n_out + 7) // 8), name, "qzeros")
-    perm = None
     if qc.method == "awq":
         if "g_idx" in tensors:
             raise ValueError(f"{name}.g_idx: AWQ checkpoints have no g_idx")
-        codes, zeros = unpack_awq(qweight, qzeros)
-    else:
-        codes = unpack_qweight(qweight)
-        zeros = unpack_qzeros(qzeros, qc.zero_format == "gptq_v1")[:, :n_out].contiguous()
-        if "g_idx" in tensors:
-            _shape(tensors["g_idx"], (n_in,), name, "g_idx")
-            perm = act_order_perm(tensors["g_idx"], G, name)
-        if perm is not None:
-            codes = codes[:, perm].contiguous()  # column j of codes is input column perm[j]
+        return QuantLinear(None, scales, unpack_awq_words(qzeros), packed=awq_packed(qweight))
+    zeros = unpack_qzeros(qzeros, qc.zero_format == "gptq_v1")[:, :n_out]
+    perm = None
+    if "g_idx" in tensors:
+        _shape(tensors["g_idx"], (n_in,), name, "g_idx")
+        perm = act_order_perm(tensors["g_idx"], G, name)
+    if perm is None:  # qweight transposed is already int4.py's packed layout: no decode at all
+        return QuantLinear(None, scales, zeros, packed=qweight.t())
+    codes = unpack_qweight(qweight)[:, perm].contiguous()  # column j of codes is input column perm[j]
     return QuantLinear(codes, scales, zeros, perm)
 
 
@@ -337,12 +375,17 @@ def pack_qzeros(zeros: torch.Tensor, v1: bool = True) -> torch.Tensor:
 
 
 def unpack_qzeros(qzeros: torch.Tensor, v1: bool = True) -> torch.Tensor:
-    """qzeros int32 [groups, out/8] → zeros [groups, out] uint8."""
-    words = qzeros.to(torch.int64) % 2**32
+    """qzeros int32 [groups, out/8] → zeros [groups, out] uint8. Each word's little-endian bytes
+    hold two zeros (low nibble first); a v1 word gets its 0x11111111 back first, added in int64 so
+    the sum's low 32 bits are the word mod 2³² (a carry past bit 31 lands in bytes 4-7, unread)."""
+    words = qzeros.to(torch.int64)
     if v1:
-        words = (words + V1_OFFSET) % 2**32
-    z = (words[..., None] >> (4 * torch.arange(8, device=words.device))) & 0xF
-    return z.flatten(1).to(torch.uint8)
+        words += V1_OFFSET
+    b = words.view(torch.uint8).view(*qzeros.shape, 8)[..., :4]  # [groups, out/8, 4]
+    z = torch.empty(*qzeros.shape, 4, 2, dtype=torch.uint8, device=qzeros.device)
+    z[..., 0] = b & 0xF
+    z[..., 1] = b >> 4
+    return z.view(qzeros.shape[0], -1)
 
 
 def gptq_to_codes(

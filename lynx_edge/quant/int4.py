@@ -25,6 +25,7 @@ K top-k, I expert intermediate, G group size.
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -249,45 +250,151 @@ def quantize_experts(
     )
 
 
+def part_views(
+    packed: Int4Experts, e: int, part: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Expert e's destination for one projection (views into packed.data): part gate | up
+    (rows [:I] / [I:] of gate_up) or down → (q [N, Kin/2] uint8, scales [Kin/G, N] fp16,
+    zeros [Kin/G, N] uint8 or None when sym). gate/up scales are strided views (row stride 2I)."""
+    if part == "down":
+        return packed.dn_q[e], packed.dn_s[e], None if packed.sym else packed.dn_z[e]
+    if part not in ("gate", "up"):
+        raise ValueError(f"unknown expert projection {part!r} (gate, up or down)")
+    I = packed.inter
+    rows = slice(0, I) if part == "gate" else slice(I, 2 * I)
+    z = None if packed.sym else packed.gu_z[e, :, rows]
+    return packed.gu_q[e, rows], packed.gu_s[e, :, rows], z
+
+
 def write_part(
     packed: Int4Experts, e: int, part: str, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
 ) -> None:
-    """Write one projection of expert e in place: part gate | up ([I, D] codes, rows [:I] / [I:]
-    of gate_up) or down ([D, I]); scales/zeros [Kin/G, N]. A symmetric layout stores no zeros,
-    so it needs every zero to be 8 (ValueError otherwise). Works on any device (host → device
-    copies of one projection)."""
+    """Write one projection of expert e in place from unpacked codes [out, in] (0..15) and
+    scales/zeros [in/G, out] (write_packed after pack)."""
+    write_packed(packed, e, part, pack(codes), scales, zeros)
+
+
+def write_packed(
+    packed: Int4Experts, e: int, part: str, qbytes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
+) -> None:
+    """Write one projection of expert e in place, already packed: qbytes [out, in/2] uint8 in
+    pack()'s layout, or the same bytes as little-endian int32 words [out, in/8] (any strides: a
+    GPTQ qweight [in/8, out] transposed is exactly this, so it lands with one copy). scales/zeros
+    [in/G, out]. A symmetric layout stores no zeros, so it needs every zero to be 8 (ValueError
+    otherwise). Works on any device (host → device copies of one projection)."""
     if packed.sym and not bool((zeros == SYM_ZERO).all()):
         raise ValueError("asymmetric zero points in a symmetric INT4 layout")
-    dev = packed.data.device
-    q, s, z = pack(codes).to(dev), scales.to(dev, torch.float16), zeros.to(dev, torch.uint8)
-    if part == "down":
-        packed.dn_q[e].copy_(q)
-        packed.dn_s[e].copy_(s)
-        if not packed.sym:
-            packed.dn_z[e].copy_(z)
-        return
-    I = packed.inter
-    rows = slice(0, I) if part == "gate" else slice(I, 2 * I)
-    packed.gu_q[e, rows].copy_(q)
-    packed.gu_s[e, :, rows].copy_(s)
-    if not packed.sym:
-        packed.gu_z[e, :, rows].copy_(z)
+    q, s, z = part_views(packed, e, part)
+    dst = q.view(qbytes.dtype)
+    if dst.shape != qbytes.shape or s.shape != scales.shape:
+        raise ValueError(f"{part} projection: packed {tuple(qbytes.shape)} / scales {tuple(scales.shape)}, "
+                         f"expected {tuple(dst.shape)} / {tuple(s.shape)} for this INT4 layout")
+    dst.copy_(qbytes)
+    s.copy_(scales)  # casts to fp16 in the copy (exact for fp16 checkpoints: checked by the reader)
+    if z is not None:
+        z.copy_(zeros)
 
 
-def quantize_part(
-    packed: Int4Experts, e: int, part: str, w: torch.Tensor, chunk_rows: int = 2048
+# ------------------------------------------------------------------ fast RTN (load path)
+#
+# quantize_rtn + pack above are the spec; rtn_pack_into computes the same bytes in a few in-place
+# passes over an L2-sized fp32 chunk instead of ~20 full-size temporaries (bit-identical; tested
+# against the spec in tests/test_int4.py). Rounding: x + 1.5·2²³ is x rounded to an integer, ties
+# to even (the fp32 add rounds once, in the default mode, and the ulp there is 1; 1.5·2²³ and the
+# symmetric zero 8 are even, so ties land as torch.round's do); for 2²³ ≤ v < 2²⁴ the low mantissa
+# byte of v is v − 1.5·2²³, so after clamping to [M, M + 15] byte 0 of each fp32 word (little
+# endian) is the code, and pairs of those bytes pack with one uint8 op straight into the block.
+
+_MAGIC = 12582912.0  # 1.5·2²³
+CHUNK_ELEMS = 1 << 18  # fp32 elements per chunk (1 MiB: the chain of passes stays in L2)
+_scratch = threading.local()
+
+
+def _chunk_buffer(n: int) -> torch.Tensor:
+    """A reused fp32 scratch of ≥ n elements (per thread; about CHUNK_ELEMS, one row if longer)."""
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.numel() < n:
+        buf = _scratch.buf = torch.empty(n, dtype=torch.float32)
+    return buf[:n]
+
+
+def _range_params(mn: torch.Tensor, mx: torch.Tensor, sym: bool):
+    """group_params from per-group min/max fp32 [n, ng] (both modified in place) → scales fp16
+    [n, ng], their fp32 values, zeros as fp32 and uint8 [n, ng] (None, None when sym). The same
+    values as group_params in fewer small ops (all exact rewrites):
+    sym: max(−min(mn, 0), max(mx, 0)) = max(mx, −mn, 0), the range 2·xmax (doubling is exact),
+    an empty group has xmax = 0; rounding a positive fp16 scale up one step is +1 on its bits."""
+    if sym:
+        xmax = torch.maximum(mx, mn.neg_(), out=mx).clamp_(min=0)
+        xmax.masked_fill_(xmax == 0, 1.0)
+        s32 = xmax.mul_(2)
+    else:
+        mn.clamp_(max=0)
+        mx.clamp_(min=0)
+        empty = mn == mx  # both 0 (mn ≤ 0 ≤ mx)
+        mn.masked_fill_(empty, -1.0)
+        s32 = mx.masked_fill_(empty, 1.0).sub_(mn)
+    s32.div_(15).clamp_(min=2.0**-14)
+    s = s32.half()
+    s = (s.view(torch.int16) + (s.float() < s32)).view(torch.float16)  # s > 0: next fp16 up = bits + 1
+    sf = s.float()
+    if sym:
+        return s, sf, None, None
+    zf = torch.round(mn.neg_().div_(sf)).clamp_(0, 15)
+    return s, sf, zf, zf.to(torch.uint8)
+
+
+def rtn_pack_into(
+    w: torch.Tensor, q_out: torch.Tensor, s_out: torch.Tensor, z_out: torch.Tensor | None, group_size: int,
+    sym: bool,
 ) -> None:
-    """RTN-quantise one 16/32-bit projection w [out, in] into expert e's block (write_part).
-    Works through `chunk_rows` output rows at a time so the fp32 temporaries stay small."""
-    G, sym = packed.group_size, packed.sym
-    if w.shape[0] <= chunk_rows:
-        write_part(packed, e, part, *quantize_rtn(w, G, sym))
+    """RTN of w [N, K] (any float dtype and strides, e.g. a view of a checkpoint's mmap) written
+    into CPU tensors q_out [N, K/2] uint8 (packed), s_out [K/G, N] fp16 and z_out [K/G, N] uint8
+    (None when sym), chunk by chunk: the same bytes as pack(quantize_rtn(w)) and its scales/zeros."""
+    N, K = w.shape
+    G = group_size
+    _check_group(K, G)
+    if w.device.type != "cpu":
+        w = w.cpu()
+    chunks = -(-N * K // CHUNK_ELEMS)  # ≥ 1; rows split evenly (no one-row tail chunk)
+    rows = -(-N // chunks)
+    buf = _chunk_buffer(rows * K)
+    for r0 in range(0, N, rows):
+        r1 = min(N, r0 + rows)
+        n = r1 - r0
+        x = buf[: n * K].view(n, K // G, G)
+        x.view(n, K).copy_(w[r0:r1])
+        s, sf, zf, z = _range_params(x.amin(-1), x.amax(-1), sym)
+        x.div_(sf[..., None])
+        if sym:
+            x.add_(_MAGIC + SYM_ZERO)
+        else:
+            x.add_(_MAGIC).add_(zf[..., None])
+        x.clamp_(_MAGIC, _MAGIC + 15)
+        b = x.view(n, K // 2, 2).view(torch.uint8)  # [n, K/2, 8]: byte 0 = even code, byte 4 = odd
+        torch.add(b[..., 0], b[..., 4], alpha=16, out=q_out[r0:r1])
+        s_out[:, r0:r1].copy_(s.t())
+        if z_out is not None:
+            z_out[:, r0:r1].copy_(z.t())
+
+
+def quantize_part(packed: Int4Experts, e: int, part: str, w: torch.Tensor) -> None:
+    """RTN-quantise one 16/32-bit projection w [out, in] into expert e's block (part as in
+    part_views), through rtn_pack_into: fp32 temporaries of one chunk, not of the projection.
+    A device block gets the host result with one copy per tensor."""
+    q, s, z = part_views(packed, e, part)
+    if tuple(w.shape) != (q.shape[0], 2 * q.shape[1]):
+        raise ValueError(f"{part} projection: shape {tuple(w.shape)}, expected {(q.shape[0], 2 * q.shape[1])}")
+    if packed.data.device.type == "cpu":
+        rtn_pack_into(w, q, s, z, packed.group_size, packed.sym)
         return
-    codes, scales, zeros = [], [], []
-    for r0 in range(0, w.shape[0], chunk_rows):
-        c, s_, z_ = quantize_rtn(w[r0 : r0 + chunk_rows], G, sym)
-        codes.append(c), scales.append(s_), zeros.append(z_)
-    write_part(packed, e, part, torch.cat(codes), torch.cat(scales, 1), torch.cat(zeros, 1))
+    hq, hs = torch.empty(q.shape, dtype=torch.uint8), torch.empty(s.shape, dtype=torch.float16)
+    hz = None if z is None else torch.empty(z.shape, dtype=torch.uint8)
+    rtn_pack_into(w, hq, hs, hz, packed.group_size, packed.sym)
+    q.copy_(hq)
+    s.copy_(hs)
+    if z is not None:
+        z.copy_(hz)
 
 
 def dequantize_experts(
@@ -313,6 +420,6 @@ def int4_moe_ref(
 
 __all__ = [
     "GROUP_SIZES", "Int4Experts", "Int4Layout", "dequant", "dequantize_experts", "group_params",
-    "int4_moe_ref", "pack", "quantize_experts", "quantize_part", "quantize_rtn", "quantize_with", "unpack",
-    "write_part",
+    "int4_moe_ref", "pack", "part_views", "quantize_experts", "quantize_part", "quantize_rtn", "quantize_with",
+    "rtn_pack_into", "unpack", "write_packed", "write_part",
 ]
