@@ -93,7 +93,8 @@ class ModelConfig:
             c = {**{k: v for k, v in c.items() if k != "text_config"}, **c["text_config"], "model_type": mt}
         get = family_getter(family.DEFAULTS, c)
         try:
-            return cls(**common_fields(c, get), **family.parse(c, get), raw=raw)
+            # a family's parse may also override a common field (e.g. its own rope default)
+            return cls(**{**common_fields(c, get), **family.parse(c, get)}, raw=raw)
         except KeyError as exc:
             raise ConfigError(f"config.json lacks required field {exc.args[0]!r}") from None
 

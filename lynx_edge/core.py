@@ -84,7 +84,10 @@ class EngineCore:
         self.per_step_stats = not session
         self.ctx = engine.ctx
         self.max_num_seqs, self.prefill_budget, self.max_waiting = max_num_seqs, prefill_budget, max_waiting
-        self.mixed_steps = mixed_steps  # prefill chunks ride in the decode forward (one forward per step)
+        # prefill chunks ride in the decode forward (one forward per step); not with sequence state
+        # (linear attention, convolutions): a chunk packed as one token per row would run a row's
+        # tokens side by side, while its state must see them in order (kv_cache.py)
+        self.mixed_steps = mixed_steps and not self.kv.stateful
         self._free = list(range(max_num_seqs))  # min-heap: low rows first, so batches stay contiguous
         self.waiting: deque[_Request] = deque()
         self.running: list[_Request] = []  # admitted, in admission order

@@ -256,10 +256,13 @@ class Engine:
         # first step (one prefill call each), then one decode step per token for the live rows
         core = EngineCore(self, max_num_seqs=len(prompts), prefill_budget=sum(map(len, prompts)), session=True)
         start = 0
+        stateful = core.kv.stateful  # linear attention / conv state: a prefix is continued, never cut
         if reuse:  # longest common prefix with the cached session in row 0 (≥ 1 token left to run)
             ids, sess = prompts[0], self._session
             while start < min(len(ids) - 1, len(sess)) and ids[start] == sess[start]:
                 start += 1
+            if stateful and start < len(sess):
+                start = 0  # the state holds all of the session: reuse only a prompt that extends it, else recompute
         self._reused = start
         seeds = sp.seed if isinstance(sp.seed, (list, tuple)) else [sp.seed] * len(prompts)
         for b, p in enumerate(prompts):
@@ -271,7 +274,8 @@ class Engine:
             if t_first is None:
                 t_first = time.perf_counter()
                 t_prefill = t_first - t0
-                self._session = list(prompts[0]) if reuse else []
+                # a state advances with every decode step: its session is recorded only when the answer ends
+                self._session = list(prompts[0]) if reuse and not stateful else []
             else:
                 n_decode += 1
             for i, o in enumerate(outs):
@@ -280,6 +284,8 @@ class Engine:
                 if o.finish_reason is not None and row == 0 and reuse and self.lynx is None:
                     # the last sampled token never ran through the model; with LYNX on, the answer's
                     # K/V came from approximate decode routing, so the next turn prefills it exactly
+                    # (a stateful model then recomputes the whole conversation: its state has the answer)
+                    self._session = list(prompts[0]) if stateful else self._session
                     self._session += reqs[o.request_id].seq.out[:-1]
                 if i == len(outs) - 1 and not core.has_work():
                     seqs = [r.seq for r in reqs.values()]

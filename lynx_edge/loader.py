@@ -42,11 +42,19 @@ def internal_name(name: str, renames) -> str:
     return "embed_tokens" if name == "embed_tokens.weight" else name
 
 
+def _ignored(n: str, family) -> bool:
+    """Tensors a family deliberately does not run (its IGNORED prefixes: e.g. multi-token-prediction
+    heads or a vision tower), whatever their form: skipped before any expert-name matching."""
+    return n.startswith(getattr(family, "IGNORED", ()))
+
+
 def expert_storage(ckpt: Checkpoint, family) -> dict[int, set[str]]:
     """layer → how its experts are stored: {"dense"} / {"quant"} / both (a mixed layer)."""
     kinds: dict[int, set[str]] = defaultdict(set)
     for name in ckpt.names():
         n = internal_name(name, family.RENAMES)
+        if _ignored(n, family):
+            continue
         m = _EXPERT_RE.match(n)
         if m and m.group(3) in family.EXPERT_PARTS:
             kinds[_layer_of(m.group(1))].add("dense" if m.group(4) == "weight" else "quant")
@@ -68,6 +76,8 @@ class _Units:
         quant: dict[tuple, dict[str, str]] = {}
         for name in ckpt.names():
             n = internal_name(name, family.RENAMES)
+            if _ignored(n, family):
+                continue
             m = _EXPERT_RE.match(n)
             if m and m.group(1) in experts and m.group(3) in family.EXPERT_PARTS:
                 prefix, e, part = m.group(1), int(m.group(2)), family.EXPERT_PARTS[m.group(3)]

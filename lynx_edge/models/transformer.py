@@ -49,9 +49,10 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, i: int, ctx: RoutingContext, dtype, device, experts=None):
         super().__init__()
         family, D = family_of(cfg), cfg.hidden_size
-        self.input_layernorm = RMSNorm(D, cfg.rms_norm_eps, dtype, device)
+        norm = getattr(family, "norm", RMSNorm)  # a family may use its own norm (e.g. Qwen3-Next's 1 + w)
+        self.input_layernorm = norm(D, cfg.rms_norm_eps, dtype, device)
         self.self_attn = family.attention(cfg, i, dtype, device)
-        self.post_attention_layernorm = RMSNorm(D, cfg.rms_norm_eps, dtype, device)
+        self.post_attention_layernorm = norm(D, cfg.rms_norm_eps, dtype, device)
         self.mlp = family.mlp(cfg, i, ctx, dtype, device, experts)
         self.is_moe = isinstance(self.mlp, MoEBlock)
 
@@ -70,7 +71,7 @@ class MoEForCausalLM(nn.Module):
         self.routing = RoutingContext(spec)
         self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.routing, dtype, device, experts) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.norm = getattr(family_of(cfg), "norm", RMSNorm)(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.vocab_size, cfg.hidden_size, False, dtype, device)
         self.rope = Rope(cfg, device)
 

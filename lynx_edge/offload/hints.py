@@ -38,7 +38,8 @@ def gpu_hint(plan, r, cfg, args: dict) -> str:
         if best:
             tips.append(best)
     else:
-        per_tok = KVCache.bytes_needed(cfg, args["batch"], 1, args["dtype"])
+        per_tok = KVCache.bytes_needed(cfg, args["batch"], 1, args["dtype"]) - \
+            KVCache.bytes_needed(cfg, args["batch"], 0, args["dtype"]) or 1  # sequence state is not per token
         kv = KVCache.bytes_needed(cfg, args["batch"], args["ctx"], args["dtype"])
         ctx_max = (r.available_bytes - (r.minimum_bytes - kv)) // per_tok
         if ctx_max >= 1:
