@@ -375,9 +375,13 @@ def pack_qzeros(zeros: torch.Tensor, v1: bool = True) -> torch.Tensor:
 
 
 def unpack_qzeros(qzeros: torch.Tensor, v1: bool = True) -> torch.Tensor:
-    """qzeros int32 [groups, out/8] → zeros [groups, out] uint8. Each word's little-endian bytes
-    hold two zeros (low nibble first); a v1 word gets its 0x11111111 back first, added in int64 so
-    the sum's low 32 bits are the word mod 2³² (a carry past bit 31 lands in bytes 4-7, unread)."""
+    """qzeros int32 [groups, out/8] → zeros [groups, out] uint8 (for a symmetric checkpoint, every
+    word 0x77777777 / v2 0x88888888, an expanded read-only view of 8). Each word's little-endian
+    bytes hold two zeros (low nibble first); a v1 word gets its 0x11111111 back first, added in
+    int64 so the sum's low 32 bits are the word mod 2³² (a carry past bit 31 lands in bytes 4-7)."""
+    shape = (qzeros.shape[0], 8 * qzeros.shape[1])
+    if qzeros.numel() and bool((qzeros == (0x77777777 if v1 else 0x88888888 - 2**32)).all()):
+        return torch.full((1, 1), SYM_ZERO, dtype=torch.uint8, device=qzeros.device).expand(shape)
     words = qzeros.to(torch.int64)
     if v1:
         words += V1_OFFSET
@@ -385,7 +389,7 @@ def unpack_qzeros(qzeros: torch.Tensor, v1: bool = True) -> torch.Tensor:
     z = torch.empty(*qzeros.shape, 4, 2, dtype=torch.uint8, device=qzeros.device)
     z[..., 0] = b & 0xF
     z[..., 1] = b >> 4
-    return z.view(qzeros.shape[0], -1)
+    return z.view(shape)
 
 
 def gptq_to_codes(
