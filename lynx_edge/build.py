@@ -153,12 +153,15 @@ def _check_memory(cfg: ModelConfig, opts: LoadOptions, dev, dt, qc, file_bytes: 
 def _backends(cfg: ModelConfig, dt, dev, int4: bool, group, sym, mixed, rt):
     """layer → its expert backend (a load sink), chosen once here."""
     D, I, E = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
+    own = getattr(FAMILIES[cfg.model_type], "experts", None)  # a family with its own expert math (gpt-oss)
 
     def make(layer: int):
         if rt is not None:
             from .offload.experts import OffloadedExperts
 
             return OffloadedExperts(rt, layer)
+        if own is not None:
+            return own(cfg, layer, dt, dev, four_bit=int4)
         if int4 and layer not in mixed:
             from .quant.experts import Int4MoEExperts
 

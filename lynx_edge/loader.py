@@ -31,6 +31,7 @@ _EXPERT_RE = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(\w+)\.(weight|qweight|qze
 _FUSED_RE = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 _QUANT_RE = re.compile(r"^(.*)\.(qweight|qzeros|scales|g_idx)$")
 _LAYER_RE = re.compile(r"^layers\.(\d+)\.")
+_OWN_RE = re.compile(r"^(.*\.mlp\.experts)\.(\w+)$")  # stacked tensors a backend reads itself (load_tensor)
 
 
 def internal_name(name: str, renames) -> str:
@@ -78,8 +79,10 @@ class _Units:
             n = internal_name(name, family.RENAMES)
             if _ignored(n, family):
                 continue
-            m = _EXPERT_RE.match(n)
-            if m and m.group(1) in experts and m.group(3) in family.EXPERT_PARTS:
+            m, own = _EXPERT_RE.match(n), _OWN_RE.match(n)
+            if own and hasattr(experts.get(own.group(1)), "load_tensor"):  # e.g. gpt-oss: biases, MXFP4
+                self.order.append(("own", own.group(1), own.group(2), name))
+            elif m and m.group(1) in experts and m.group(3) in family.EXPERT_PARTS:
                 prefix, e, part = m.group(1), int(m.group(2)), family.EXPERT_PARTS[m.group(3)]
                 if m.group(4) == "weight":
                     self.order.append(("expert", prefix, e, part, name))
@@ -123,6 +126,13 @@ def load_weights(model, ckpt: Checkpoint, family, quant=None, progress: Progress
             experts[prefix].load_part(e, part, _shaped(experts[prefix], part, ckpt.get(name), ckpt.refs[name]))
             got[prefix].add((e, part))
             names = [name]
+        elif kind == "own":
+            _, prefix, suffix, name = u
+            names = [name]
+            try:
+                got[prefix] |= experts[prefix].load_tensor(suffix, ckpt.get(name))
+            except ValueError as exc:
+                raise LoadError(f"{ckpt.refs[name].file.name}: tensor {name}: {exc}") from None
         elif kind == "fused":
             _, prefix, which, name = u
             names = [name]

@@ -216,6 +216,11 @@ def choose_dtype(dtype: str | None, device: str) -> torch.dtype:
 def expert_block_bytes(cfg: ModelConfig, dtype: torch.dtype, four_bit: bool, group: int, sym: bool) -> tuple[str, int]:
     """(format name, bytes of one expert block) as the store and the stacked experts hold them."""
     D, I = cfg.hidden_size, cfg.moe_intermediate_size
+    from ..models.transformer import family_of
+
+    own = getattr(family_of(cfg), "expert_block_bytes", None)  # a family with its own expert format (gpt-oss)
+    if own is not None:
+        return own(cfg, dtype, four_bit)
     if four_bit:
         from ..quant.int4 import Int4Layout
 

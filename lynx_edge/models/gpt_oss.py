@@ -1,0 +1,283 @@
+"""gpt-oss (model_type "gpt_oss"): how it differs.
+
+- Attention: q/k/v/o with biases; a learned sink logit per head joins every softmax (it takes
+  probability mass, contributes no value); sliding-window (128) and full layers alternate as
+  `layer_types` says; YaRN RoPE (config.parse_rope; transformers' default when the file has none).
+- Router: a linear with bias (`mlp.router`), top-k on the biased logits, softmax over the selected
+  ones (= softmax, top-k, renormalise: norm_topk_prob).
+- Experts: biased gate_up / down, the clamped SwiGLU (kernels/moe_mxfp4.py), stored in the
+  checkpoint as transformers' `gate_up_proj` [E, D, 2I] with gate/up columns interleaved and
+  `down_proj` [E, I, D] (16-bit), or as published: MXFP4 `*_blocks`/`*_scales` [E, out, in/32(, 16)].
+  OssExperts keeps them 16-bit or MXFP4 (never inflated: one expert is dequantised at a time).
+Glossary: B batch, T tokens, D hidden, H/Hkv heads, hd head dim, S keys, E experts, I intermediate.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ConfigError, check_top_k, parse_rope
+from ..kernels.moe_mxfp4 import fused_moe_oss, mxfp4_dequant, mxfp4_quantize, oss_moe_ref, triton_ok
+from ..routing import RouterSpec
+from .layers import Attention, MoEBlock, _param
+from .transformer import kv_cache_spec
+
+MODEL_TYPE = "gpt_oss"
+
+# transformers 5.x GptOssConfig defaults (rope_theta: the class's default_theta)
+DEFAULTS = {"hidden_act": "silu", "tie_word_embeddings": False, "rope_theta": 150000.0, "vocab_size": 201088,
+            "hidden_size": 2880, "intermediate_size": 2880, "num_hidden_layers": 36, "num_attention_heads": 64,
+            "num_key_value_heads": 8, "head_dim": 64, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+            "sliding_window": 128, "num_experts_per_tok": 4, "num_local_experts": 128, "swiglu_alpha": 1.702,
+            "swiglu_limit": 7.0, "attention_bias": True, "layer_types": None}
+# GptOssConfig.__post_init__'s rope when config.json has none
+DEFAULT_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                "original_max_position_embeddings": 4096}
+
+
+@dataclass(frozen=True)
+class GptOssArch:
+    swiglu_limit: float = 7.0
+    swiglu_alpha: float = 1.702
+    mxfp4: bool = False  # config.json quantization_config says the experts are MXFP4 on disk
+
+
+def parse(c: dict, get) -> dict:
+    if get("hidden_act") != "silu":
+        raise ConfigError(f"hidden_act {get('hidden_act')!r} is not supported (gpt-oss: silu)")
+    n, K = int(get("num_hidden_layers")), int(get("num_experts_per_tok"))
+    E = int(c["num_experts"]) if c.get("num_experts") is not None else int(get("num_local_experts"))
+    check_top_k(K, E)
+    types = get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
+    if len(types) != n:
+        raise ConfigError(f"layer_types has {len(types)} entries for {n} layers")
+    window = get("sliding_window") or None
+    out = dict(num_experts=E, top_k=K, moe_intermediate_size=int(get("intermediate_size")), norm_topk_prob=True,
+               intermediate_size=int(get("intermediate_size")), attention_bias=bool(get("attention_bias")),
+               sliding_windows=tuple(window if t == "sliding_attention" else None for t in types),
+               moe_layers=(True,) * n,
+               arch=GptOssArch(float(get("swiglu_limit")), float(get("swiglu_alpha")), _is_mxfp4(c)))
+    if not (c.get("rope_parameters") or c.get("rope_scaling")):  # transformers' default rope is YaRN
+        head_dim = int(c.get("head_dim") or get("head_dim"))
+        out["rope"] = parse_rope({"rope_scaling": DEFAULT_ROPE}, get("rope_theta"), head_dim,
+                                 int(get("max_position_embeddings")))
+    return out
+
+
+def _is_mxfp4(c: dict) -> bool:
+    q = c.get("quantization_config")
+    return isinstance(q, dict) and str(q.get("quant_method", "")).lower() == "mxfp4"
+
+
+class SinkAttention(Attention):
+    """GQA attention whose softmax has one more logit per head: the learned sink (no value).
+    Softmax over [scores, sink] then the sink's column dropped, as transformers' eager path;
+    computed in query chunks so a long prefill never holds all [H, T, S] scores at once."""
+
+    CHUNK_BYTES = 1 << 28
+
+    def __init__(self, cfg, layer: int, dtype, device):
+        super().__init__(cfg, layer, dtype, device, o_bias=cfg.attention_bias)
+        self.sinks = _param(self.H, dtype=dtype, device=device)  # [H]
+        self.scale = self.hd ** -0.5
+
+    def sdpa(self, q, keys, vals, ab, T: int) -> torch.Tensor:
+        # q [B, H, T, hd], keys/vals [B, Hkv, S, hd] → [B, H, T, hd]
+        mask, causal = self.attend(ab, T)
+        if causal:  # the no-mask fast path of a fresh prefill: plain causal over these T keys
+            mask = ab.mask(None)
+        B, S, G = q.shape[0], keys.shape[2], self.H // self.Hkv
+        qg = q.view(B, self.Hkv, G, T, self.hd)
+        k, v = keys[:, :, None], vals[:, :, None]  # [B, Hkv, 1, S, hd]
+        sink = self.sinks.view(1, self.Hkv, G, 1, 1).float()
+        step = max(1, self.CHUNK_BYTES // (4 * B * self.H * S))
+        out = []
+        for t0 in range(0, T, step):
+            s = torch.matmul(qg[..., t0 : t0 + step, :], k.transpose(-1, -2)).float() * self.scale  # [B,Hkv,G,t,S]
+            if mask is not None:
+                s = s.masked_fill(~mask[:, :, None, t0 : t0 + step], float("-inf"))
+            logits = torch.cat([s, sink.expand(*s.shape[:-1], 1)], dim=-1)
+            p = torch.softmax(logits, dim=-1)[..., :-1]
+            out.append(torch.matmul(p.to(v.dtype), v))
+        return torch.cat(out, dim=3).view(B, self.H, T, self.hd)
+
+
+class OssExperts(nn.Module):
+    """gpt-oss's experts of one layer, resident: the expert backend and its own load sink.
+
+    Weights 16-bit (gate_up [E, 2I, D], down [E, D, I]) or MXFP4 (bytes [E, out, in/2], e8m0
+    scales [E, out, in/32]); biases in the model dtype. gate/up rows are de-interleaved at load
+    (rows [:I] gate, [I:] up) — a row permutation, exact for MXFP4 too. A 16-bit checkpoint loads
+    into MXFP4 storage by round-to-nearest (`--int4` on gpt-oss), an MXFP4 one into 16-bit
+    storage by exact dequantisation.
+    """
+
+    def __init__(self, E: int, D: int, I: int, dtype, device, limit: float, alpha: float, mxfp4: bool = False):
+        super().__init__()
+        if mxfp4 and (D % 32 or I % 32):
+            raise ConfigError(f"MXFP4 experts need hidden ({D}) and intermediate ({I}) sizes divisible by 32")
+        self.num_experts, self.hidden, self.inter, self.dtype = E, D, I, dtype
+        self.limit, self.alpha, self.mxfp4 = limit, alpha, mxfp4
+        if mxfp4:
+            u8 = torch.uint8
+            self.gate_up = _param(E, 2 * I, D // 2, dtype=u8, device=device)  # [E, 2I, D/2] e2m1 pairs
+            self.gate_up_scales = _param(E, 2 * I, D // 32, dtype=u8, device=device)
+            self.down = _param(E, D, I // 2, dtype=u8, device=device)  # [E, D, I/2]
+            self.down_scales = _param(E, D, I // 32, dtype=u8, device=device)
+        else:
+            self.gate_up = _param(E, 2 * I, D, dtype=dtype, device=device)  # [E, 2I, D]
+            self.down = _param(E, D, I, dtype=dtype, device=device)  # [E, D, I]
+        self.gate_up_b = _param(E, 2 * I, dtype=dtype, device=device)  # [E, 2I]
+        self.down_b = _param(E, D, dtype=dtype, device=device)  # [E, D]
+        self._pending: dict[str, torch.Tensor] = {}  # a *_blocks tensor waiting for its *_scales
+        self._biases: set[str] = set()
+
+    def extra_repr(self) -> str:
+        return f"E={self.num_experts}, D={self.hidden}, I={self.inter}, {'mxfp4' if self.mxfp4 else self.dtype}"
+
+    # -- load sink ------------------------------------------------------------------------------
+    def _rows(self, part: str, e: int):
+        I = self.inter
+        rows = slice(0, I) if part == "gate" else slice(I, 2 * I) if part == "up" else slice(None)
+        if part == "down":
+            return self.down.data[e], (self.down_scales.data[e] if self.mxfp4 else None)
+        return self.gate_up.data[e, rows], (self.gate_up_scales.data[e, rows] if self.mxfp4 else None)
+
+    def load_part(self, e: int, part: str, w: torch.Tensor) -> None:
+        """One 16-bit projection w [out, in] (part gate | up | down)."""
+        dst, scales = self._rows(part, e)
+        if scales is None:
+            dst.copy_(w)
+            return
+        blocks, s = mxfp4_quantize(w.to(dst.device))
+        dst.copy_(blocks.flatten(-2))
+        scales.copy_(s)
+
+    def _load_mx(self, e: int, part: str, blocks: torch.Tensor, scales: torch.Tensor) -> None:
+        dst, dst_s = self._rows(part, e)
+        if dst_s is None:  # 16-bit storage: exact dequantisation
+            dst.copy_(mxfp4_dequant(blocks, scales, torch.float32))
+        else:
+            dst.copy_(blocks.flatten(-2))
+            dst_s.copy_(scales)
+
+    def load_tensor(self, name: str, w: torch.Tensor) -> set[tuple[int, str]]:
+        """A checkpoint tensor `mlp.experts.<name>` → its home; → the (expert, part)s completed."""
+        E, D, I = self.num_experts, self.hidden, self.inter
+        done: set[tuple[int, str]] = set()
+        if name in ("gate_up_proj_bias", "down_proj_bias"):
+            want = (E, 2 * I) if name == "gate_up_proj_bias" else (E, D)
+            _check(name, w, want)
+            if name == "gate_up_proj_bias":  # interleaved gate/up → [gate | up]
+                self.gate_up_b.data.copy_(torch.cat([w[:, 0::2], w[:, 1::2]], dim=1))
+            else:
+                self.down_b.data.copy_(w)
+            self._biases.add(name)
+        elif name in ("gate_up_proj", "down_proj"):  # transformers' 16-bit layout [E, in, out]
+            gu = name == "gate_up_proj"
+            _check(name, w, (E, D, 2 * I) if gu else (E, I, D))
+            for e in range(E):
+                if gu:
+                    self.load_part(e, "gate", w[e, :, 0::2].T)
+                    self.load_part(e, "up", w[e, :, 1::2].T)
+                    done |= {(e, "gate"), (e, "up")}
+                else:
+                    self.load_part(e, "down", w[e].T)
+                    done.add((e, "down"))
+        elif name.endswith(("_blocks", "_scales")):
+            base, kind = name.rsplit("_", 1)
+            if base not in ("gate_up_proj", "down_proj"):
+                raise ValueError(f"unknown gpt-oss expert tensor {name}")
+            self._pending[kind] = w
+            if "blocks" in self._pending and "scales" in self._pending:
+                done = self._load_mx_pair(base, self._pending.pop("blocks"), self._pending.pop("scales"))
+        else:
+            raise ValueError(f"unknown gpt-oss expert tensor {name}")
+        return done
+
+    def _load_mx_pair(self, base: str, blocks: torch.Tensor, scales: torch.Tensor) -> set[tuple[int, str]]:
+        E, D, I = self.num_experts, self.hidden, self.inter
+        rows, cols = (2 * I, D) if base == "gate_up_proj" else (D, I)
+        _check(base + "_blocks", blocks, (E, rows, cols // 32, 16))
+        _check(base + "_scales", scales, (E, rows, cols // 32))
+        done = set()
+        for e in range(E):
+            if base == "down_proj":
+                self._load_mx(e, "down", blocks[e], scales[e])
+                done.add((e, "down"))
+            else:  # interleaved rows: even = gate, odd = up
+                self._load_mx(e, "gate", blocks[e, 0::2], scales[e, 0::2])
+                self._load_mx(e, "up", blocks[e, 1::2], scales[e, 1::2])
+                done |= {(e, "gate"), (e, "up")}
+        return done
+
+    def finish_load(self) -> None:
+        missing = {"gate_up_proj_bias", "down_proj_bias"} - self._biases
+        if missing or self._pending:
+            what = sorted(missing) or [f"the *_scales/*_blocks partner of {sorted(self._pending)}"]
+            raise ValueError(f"gpt-oss experts: missing tensor(s) {', '.join(what)}")
+
+    # -- compute --------------------------------------------------------------------------------
+    def expert(self, e: int, dtype) -> tuple[torch.Tensor, ...]:
+        """(gate_up [2I, D], gate_up_bias [2I], down [D, I], down_bias [D]) of expert e in dtype."""
+        if self.mxfp4:
+            gu = mxfp4_dequant(self.gate_up[e].unflatten(-1, (-1, 16)), self.gate_up_scales[e], dtype)
+            dn = mxfp4_dequant(self.down[e].unflatten(-1, (-1, 16)), self.down_scales[e], dtype)
+        else:
+            gu, dn = self.gate_up[e].to(dtype), self.down[e].to(dtype)
+        return gu, self.gate_up_b[e].to(dtype), dn, self.down_b[e].to(dtype)
+
+    def forward(self, x, ids, weights):  # x [N, D], ids/weights [N, K] → [N, D]
+        if triton_ok(x, self.hidden, self.inter) and (self.mxfp4 or self.gate_up.dtype == x.dtype):
+            sc = dict(gu_scales=self.gate_up_scales, dn_scales=self.down_scales) if self.mxfp4 else {}
+            return fused_moe_oss(x, ids, weights, self.gate_up, self.gate_up_b, self.down, self.down_b,
+                                 self.limit, self.alpha, **sc)
+        return oss_moe_ref(x, ids, weights, self.num_experts, lambda e: self.expert(e, x.dtype),
+                           self.limit, self.alpha)
+
+
+def _check(name: str, w: torch.Tensor, want: tuple[int, ...]) -> None:
+    if tuple(w.shape) != want:
+        raise ValueError(f"{name} has shape {tuple(w.shape)}, expected {want}")
+
+
+def experts(cfg, layer: int, dtype, device, four_bit: bool = False) -> OssExperts:
+    """The resident backend the builder asks this family for: MXFP4 when the checkpoint is (kept
+    as published) or when 4-bit was asked for, else 16-bit in the model dtype."""
+    a = cfg.arch
+    return OssExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, dtype, device,
+                      a.swiglu_limit, a.swiglu_alpha, mxfp4=a.mxfp4 or four_bit)
+
+
+def expert_block_bytes(cfg, dtype, four_bit: bool) -> tuple[str, int]:
+    """(format, bytes of one expert) as OssExperts holds it: MXFP4 is in/2 bytes + in/32 scales per
+    row; biases [2I + D] in the model dtype either way."""
+    D, I = cfg.hidden_size, cfg.moe_intermediate_size
+    bias = (2 * I + D) * dtype.itemsize
+    if cfg.arch.mxfp4 or four_bit:
+        return "mxfp4", 3 * D * I * 17 // 32 + bias
+    name = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
+    return name, 3 * D * I * dtype.itemsize + bias
+
+
+def attention(cfg, i: int, dtype, device) -> SinkAttention:
+    return SinkAttention(cfg, i, dtype, device)
+
+
+def mlp(cfg, i: int, ctx, dtype, device, backends=None) -> MoEBlock:
+    backend = backends(i) if backends else experts(cfg, i, dtype, device)
+    return MoEBlock(cfg, i, ctx, dtype, device, backend, router_bias=True)
+
+
+def router_spec(cfg) -> RouterSpec:
+    """top-k on the biased logits, softmax over the k selected = softmax → top-k → renormalise."""
+    return RouterSpec(cfg.num_experts, cfg.top_k, True)
+
+
+cache_spec = kv_cache_spec
+
+RENAMES = ((".mlp.router.", ".mlp.gate."),)
+EXPERT_PARTS: dict[str, str] = {}  # no per-expert tensors: OssExperts.load_tensor reads the stacked ones

@@ -1,0 +1,321 @@
+"""gpt-oss (issue 12) against transformers: a tiny random checkpoint written by transformers from the
+real openai/gpt-oss-20b config.json (tests/fixtures/real/gpt-oss-20b, sizes shrunk, every other
+field kept), 16-bit and MXFP4 in the published tensor layout; the real Harmony chat template.
+References: transformers' GptOssForCausalLM (logits, greedy ids, its MXFP4 dequantisation),
+GptOssConfig (defaults), AutoTokenizer.apply_chat_template; kernels against their torch reference.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from lynx_edge import Engine
+from lynx_edge.config import ModelConfig
+from lynx_edge.models import FAMILIES
+
+REAL = Path(__file__).parent / "fixtures" / "real" / "gpt-oss-20b"
+DEMO_TOK = Path(__file__).parent.parent / "lynx_edge" / "demo" / "tokenizer.json"
+# sizes only (the window and YaRN's original length shrunk too, so short prompts run past both)
+SIZES = {"hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 1,
+         "head_dim": 16, "intermediate_size": 32, "num_local_experts": 8, "sliding_window": 8}
+ORIG_CTX = 16  # rope_scaling.original_max_position_embeddings, shrunk
+# o200k_harmony's special tokens at their real ids (ids between are reserved tokens)
+HARMONY = {199998: "<|startoftext|>", 199999: "<|endoftext|>", 200002: "<|return|>", 200003: "<|constrain|>",
+           200005: "<|channel|>", 200006: "<|start|>", 200007: "<|end|>", 200008: "<|message|>", 200012: "<|call|>"}
+
+
+def shrunk_config(mxfp4: bool = False) -> dict:
+    cfg = json.loads((REAL / "config.json").read_text())
+    cfg.update(SIZES)
+    cfg["layer_types"] = cfg["layer_types"][: SIZES["num_hidden_layers"]]
+    cfg["rope_scaling"] = dict(cfg["rope_scaling"], original_max_position_embeddings=ORIG_CTX)
+    if not mxfp4:  # a dequantized (16-bit) checkpoint carries no quantization_config
+        cfg.pop("quantization_config")
+    return cfg
+
+
+def write_tokenizer(dst: Path) -> None:
+    """A small byte-level BPE (the demo's 4096 tokens) padded to o200k's size, with the Harmony
+    specials at their real ids: the real vocabulary's ids without its 27 MB tokenizer.json."""
+    tok = json.loads(DEMO_TOK.read_text())
+    vocab = tok["model"]["vocab"]
+    for i in range(len(vocab), 199998):
+        vocab[f"<|filler_{i}|>"] = i  # never produced: no merge makes them
+    tok["added_tokens"] = [{"id": i, "content": HARMONY.get(i, f"<|reserved_{i}|>"), "single_word": False,
+                            "lstrip": False, "rstrip": False, "normalized": False, "special": True}
+                           for i in range(199998, 201088)]
+    (dst / "tokenizer.json").write_text(json.dumps(tok))
+    (dst / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|startoftext|>", "eos_token": "<|return|>",
+        "pad_token": "<|endoftext|>", "model_max_length": 131072, "clean_up_tokenization_spaces": False}))
+    for f in ("chat_template.jinja", "generation_config.json", "special_tokens_map.json"):
+        shutil.copy(REAL / f, dst / f)
+
+
+def build(dst: Path, seed: int = 0) -> Path:
+    """A tiny random 16-bit gpt-oss checkpoint written by transformers (config.json: the shrunk real one)."""
+    import transformers
+
+    dst.mkdir(parents=True, exist_ok=True)
+    write_tokenizer(dst)
+    cfg = shrunk_config()
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(dst),
+                                                          dtype=torch.float32)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("router.weight"):  # sharper routers: clear-cut top-k choices
+                p.normal_(0, 0.5)
+            elif n.endswith(("_bias", "router.bias", "sinks")):  # biases and sinks that matter
+                p.normal_(0, 0.5)
+            elif n.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+            elif n.endswith(("gate_up_proj", "down_proj")):  # big enough that the SwiGLU clamp cuts in
+                p.normal_(0, 0.6)
+    model.save_pretrained(dst)
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    return dst
+
+
+def hf_model(path: Path):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Path:
+    return build(tmp_path_factory.mktemp("gpt-oss") / "bf16")
+
+
+def prompt_ids(n: int = 40, seed: int = 1) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 4096, (n,), generator=g).tolist()
+
+
+# config ---------------------------------------------------------------------------------------------
+def test_defaults_table_matches_transformers():
+    import transformers
+
+    cls = transformers.GptOssConfig
+    declared = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+                for f in dataclasses.fields(cls)}
+    for name, value in FAMILIES["gpt_oss"].DEFAULTS.items():
+        ref = cls.default_theta if name == "rope_theta" else declared.get(name, "<not a field>")
+        assert ref == value and type(ref) is type(value), f"gpt_oss.{name}: table {value!r}, transformers {ref!r}"
+    ours, ref = ModelConfig.from_dict({"model_type": "gpt_oss"}), cls()
+    assert ours.num_experts == ref.num_local_experts and ours.top_k == ref.num_experts_per_tok
+    assert ours.sliding_windows == tuple(ref.sliding_window if t == "sliding_attention" else None
+                                         for t in ref.layer_types)
+    rp = ref.rope_parameters  # the YaRN default of __post_init__
+    assert (ours.rope.kind, ours.rope.factor, ours.rope.original_max_position_embeddings, ours.rope.truncate) == \
+        (rp["rope_type"], rp["factor"], rp["original_max_position_embeddings"], rp["truncate"])
+    assert ours.arch.swiglu_alpha == ref.swiglu_alpha and ours.arch.swiglu_limit == ref.swiglu_limit
+
+
+def test_real_config_maps_like_transformers():
+    import transformers
+
+    c = json.loads((REAL / "config.json").read_text())
+    ours, ref = ModelConfig.from_dict(c), transformers.GptOssConfig.from_dict(c)
+    assert ours.num_experts == 32 == ref.num_local_experts and ours.top_k == 4 == ref.num_experts_per_tok
+    assert ours.sliding_windows[:2] == (128, None) and ours.attention_bias and ours.arch.mxfp4
+    assert ours.rope.kind == "yarn" and ours.rope.original_max_position_embeddings == 4096
+    assert not ours.rope.truncate and ours.rope.factor == 32.0 and ours.rope.theta == 150000
+    # the frequencies and attention factor transformers computes from the same file
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from lynx_edge.models.layers import Rope
+    inv, scale = ROPE_INIT_FUNCTIONS["yarn"](ref, "cpu")
+    rope = Rope(ours, "cpu")
+    torch.testing.assert_close(rope.inv_freq, inv.float(), rtol=0, atol=0)
+    assert rope.scale == pytest.approx(scale, rel=1e-12)
+
+
+# parity ---------------------------------------------------------------------------------------------
+def test_prefill_logits_and_greedy_match_transformers(ckpt):
+    from lynx_edge.step import prefill
+
+    eng = Engine.from_pretrained(ckpt, device="cpu", dtype=torch.float32)
+    ids = prompt_ids()  # 40 tokens: past the window (8) and YaRN's original context (16)
+    ref = hf_model(ckpt)
+    ours = prefill(eng.model, eng._cache(1), 0, ids, 0, logits_for="all")[0]
+    with torch.no_grad():
+        want = ref(torch.tensor([ids])).logits[0].float()
+    err = (ours - want).abs().max().item()
+    assert err < 1e-5, err  # observed 1.3e-6 (the issue asks 1e-4)
+    out = [t for c in eng.stream(ids, max_new_tokens=32, do_sample=False, ignore_eos=True) for t in c.token_ids]
+    gen = ref.generate(torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32, do_sample=False,
+                       eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+    assert out == gen
+
+
+def test_batched_equals_single_and_cached_decode_equals_recompute(ckpt):
+    from lynx_edge.step import prefill
+
+    eng = Engine.from_pretrained(ckpt, device="cpu", dtype=torch.float32)
+    prompts = [prompt_ids(n, seed=n) for n in (3, 11, 29)]
+    single = [eng.generate(p, max_new_tokens=20, do_sample=False, ignore_eos=True) for p in prompts]
+    assert eng.generate_batch(prompts, max_new_tokens=20, do_sample=False, ignore_eos=True) == single
+    # the last cached decode step's logits = a fresh prefill of the whole sequence
+    ids = prompts[2]
+    toks = [t for c in eng.stream(ids, max_new_tokens=12, do_sample=False, ignore_eos=True) for t in c.token_ids]
+    full = ids + toks[:-1]
+    fresh = prefill(eng.model, eng._cache(1), 0, full, 0, logits_for="all")[0]
+    assert int(fresh[-1].argmax()) == toks[-1]
+    cache = eng._cache(1)
+    prefill(eng.model, cache, 0, full[:-1], 0)
+    step = prefill(eng.model, cache, 0, full[-1:], len(full) - 1)[0]
+    torch.testing.assert_close(step.reshape(-1), fresh[-1], atol=2e-5, rtol=2e-5)
+
+
+# MXFP4: the format, a published-layout checkpoint, the Triton kernel -----------------------------------
+def pack_mxfp4(src: Path, dst: Path) -> Path:
+    """src's 16-bit experts re-written as published: `*_blocks` / `*_scales` (gate/up rows interleaved,
+    as the checkpoint's columns), config.json with quantization_config mxfp4."""
+    from safetensors.torch import load_file, save_file
+
+    from lynx_edge.quant.mxfp4 import pack_linear
+
+    dst.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.suffix != ".safetensors" and f.name != "config.json":
+            shutil.copy(f, dst / f.name)
+    tensors = {}
+    for f in src.glob("*.safetensors"):
+        for name, t in load_file(f).items():
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                blocks, scales = pack_linear(t.transpose(1, 2))  # [E, out, in] rows → blocks
+                tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
+            else:
+                tensors[name] = t
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    (dst / "config.json").write_text(json.dumps(shrunk_config(mxfp4=True), indent=2))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def mx_ckpt(ckpt, tmp_path_factory) -> Path:
+    return pack_mxfp4(ckpt, tmp_path_factory.mktemp("gpt-oss-mx") / "mxfp4")
+
+
+def hf_dequantized(path: Path):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, quantization_config=transformers.Mxfp4Config(dequantize=True)).eval()
+
+
+def test_mxfp4_dequant_matches_transformers():
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from lynx_edge.quant.mxfp4 import pack_linear, unpack_linear
+
+    g = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 8, 2, 16), generator=g, dtype=torch.uint8)
+    scales = torch.randint(100, 140, (3, 8, 2), generator=g, dtype=torch.uint8)
+    want = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32).transpose(1, 2)  # [E, out, in]
+    assert torch.equal(unpack_linear(blocks, scales), want)
+    # packing what it unpacked gives the same values back (−0 and +0 may swap codes)
+    b2, s2 = pack_linear(want)
+    assert torch.equal(unpack_linear(b2, s2), want)
+    w = torch.randn(16, 64, generator=g)
+    err = (unpack_linear(*pack_linear(w)) - w).abs() / w.abs().reshape(16, 2, 32).amax(-1).repeat_interleave(32, 1)
+    assert err.max() < 1 / 3  # half the 4..6 gap (1 code unit) over amax ≥ 3 units (scale = 2^⌈log2(amax/6)⌉)
+
+
+def test_mxfp4_checkpoint_matches_transformers_dequantized(mx_ckpt):
+    from lynx_edge.step import prefill
+
+    eng = Engine.from_pretrained(mx_ckpt, device="cpu", dtype=torch.float32)
+    ex = eng.model.layers[0].mlp.experts
+    assert ex.mxfp4 and ex.gate_up.dtype == torch.uint8  # kept 4-bit in memory
+    E, D, I = 8, 64, 32
+    assert ex.gate_up.numel() + ex.gate_up_scales.numel() + ex.down.numel() + ex.down_scales.numel() == \
+        E * 3 * D * I * 17 // 32
+    ids = prompt_ids()
+    ref = hf_dequantized(mx_ckpt)
+    ours = prefill(eng.model, eng._cache(1), 0, ids, 0, logits_for="all")[0]
+    with torch.no_grad():
+        want = ref(torch.tensor([ids])).logits[0].float()
+    err = (ours - want).abs().max().item()
+    assert err < 1e-5, err  # observed ~1e-6
+    out = [t for c in eng.stream(ids, max_new_tokens=32, do_sample=False, ignore_eos=True) for t in c.token_ids]
+    gen = ref.generate(torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32, do_sample=False,
+                       eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+    assert out == gen
+
+
+def _oss_problem(T, K, E, D, I, dtype, mx: bool, seed=0):
+    from lynx_edge.kernels.moe_mxfp4 import mxfp4_dequant, mxfp4_quantize
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, D, generator=g) * 2
+    gu = torch.randn(E, 2 * I, D, generator=g) / D**0.5 * 3  # the clamp at ±7 cuts in
+    dn = torch.randn(E, D, I, generator=g) / I**0.5
+    gub, dnb = torch.randn(E, 2 * I, generator=g), torch.randn(E, D, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    w = torch.softmax(torch.randn(T, K, generator=g), -1)
+    if mx:
+        (gq, gs), (dq, ds) = mxfp4_quantize(gu), mxfp4_quantize(dn)
+        gu, dn = mxfp4_dequant(gq, gs, torch.float32), mxfp4_dequant(dq, ds, torch.float32)
+        packed = dict(gate_up=gq.flatten(-2), down=dq.flatten(-2), gu_scales=gs, dn_scales=ds)
+    else:
+        packed = dict(gate_up=gu.to(dtype), down=dn.to(dtype))
+    fetch = lambda e: (gu[e].to(dtype), gub[e].to(dtype), dn[e].to(dtype), dnb[e].to(dtype))  # noqa: E731
+    return x.to(dtype), ids, w, packed, gub.to(dtype), dnb.to(dtype), fetch
+
+
+OSS_CASES = [  # T, K, E, D, I, dtype, mxfp4 — T ≤ 4: the GEMV path, larger T: tl.dot
+    (1, 2, 4, 64, 32, torch.float32, True), (3, 4, 8, 64, 64, torch.float16, True),
+    (9, 2, 4, 64, 32, torch.float32, True), (5, 2, 4, 32, 64, torch.float16, False),
+    (2, 2, 4, 64, 32, torch.float32, False)]
+
+
+@pytest.mark.parametrize("case", OSS_CASES)
+def test_interp_fused_moe_oss_matches_reference(case):
+    from lynx_edge.kernels import moe_mxfp4
+
+    if not moe_mxfp4.triton_ok(torch.empty(1), 32, 32):
+        pytest.skip("runs in the TRITON_INTERPRET=1 subprocess of test_mxfp4_kernel_interpreter_suite")
+    T, K, E, D, I, dtype, mx = case
+    x, ids, w, packed, gub, dnb, fetch = _oss_problem(T, K, E, D, I, dtype, mx)
+    want = moe_mxfp4.oss_moe_ref(x.float(), ids, w, E, lambda e: tuple(t.float() for t in fetch(e)), 7.0, 1.702)
+    got = moe_mxfp4.fused_moe_oss(x, ids, w, packed["gate_up"], gub, packed["down"], dnb, 7.0, 1.702,
+                                  gu_scales=packed.get("gu_scales"), dn_scales=packed.get("dn_scales"))
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+
+
+def test_mxfp4_kernel_interpreter_suite():
+    import os
+
+    from conftest import run_interpreter_suite
+
+    from lynx_edge.kernels import moe_gemm
+
+    if moe_gemm.triton is None or os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("triton not installed" if moe_gemm.triton is None else "this is the subprocess")
+    run_interpreter_suite(__file__, len(OSS_CASES))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("T", [1, 4, 33])
+def test_fused_moe_oss_on_cuda(T):
+    from lynx_edge.kernels.moe_mxfp4 import fused_moe_oss, oss_moe_ref
+
+    E, D, I = 32, 2880, 2880  # gpt-oss-20b's expert shape
+    x, ids, w, packed, gub, dnb, fetch = _oss_problem(T, 4, E, D, I, torch.bfloat16, True)
+    cu = lambda t: t.cuda() if t is not None else None  # noqa: E731
+    got = fused_moe_oss(cu(x), cu(ids), cu(w), cu(packed["gate_up"]), cu(gub), cu(packed["down"]), cu(dnb), 7.0,
+                        1.702, gu_scales=cu(packed["gu_scales"]), dn_scales=cu(packed["dn_scales"]))
+    want = oss_moe_ref(x.float(), ids, w, E, lambda e: tuple(t.float() for t in fetch(e)), 7.0, 1.702)
+    err = (got.float().cpu() - want).abs().max() / want.abs().max()
+    assert err < 2e-2, err
