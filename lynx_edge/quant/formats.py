@@ -107,8 +107,10 @@ def read_quant_config(model_dir: str | Path, config: dict) -> QuantConfig | None
         return QuantConfigError(f"{path}: {pre}{field} = {qc.get(field)!r} {why}")
 
     method = str(qc.get("quant_method", "gptq" if path.endswith("quantize_config.json") else "")).lower()
+    if method == "mxfp4":  # gpt-oss as published: e2m1 experts, one e8m0 scale per 32 (its family reads them)
+        return QuantConfig("mxfp4", 4, 32, True, False, "mxfp4", tuple(qc.get("modules_to_not_convert") or ()))
     if method not in ("gptq", "awq"):
-        raise bad("quant_method", "is not supported; lynx-edge reads 4-bit GPTQ and AWQ (GEMM) checkpoints")
+        raise bad("quant_method", "is not supported; lynx-edge reads 4-bit GPTQ, AWQ (GEMM) and MXFP4 (gpt-oss) checkpoints")
     bits_key = "w_bit" if "w_bit" in qc and "bits" not in qc else "bits"
     if qc.get(bits_key) != 4:
         raise bad(bits_key, "is not supported; lynx-edge reads 4-bit GPTQ/AWQ only")
