@@ -50,6 +50,9 @@ class OffloadedExperts(nn.Module):
     def load_quant_part(self, e: int, part: str, ql) -> None:
         self.rt.store.write_quant_part(self.layer, e, part, ql)
 
+    def finish_load(self) -> None:
+        self.rt.store.finish_load()
+
     def _mlp(self, x: torch.Tensor, e: int, slot: int) -> torch.Tensor:
         gu, dn = self.rt.fmt.weights(self.rt.slot_block(self.layer, e, slot), x.dtype)
         return expert_mlp(x, gu, dn)

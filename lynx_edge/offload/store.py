@@ -44,17 +44,18 @@ class DenseFormat:
         _typed(dst, 0, self.gu_shape, self.dtype).copy_(gate_up)
         _typed(dst, self.dn_off, self.dn_shape, self.dtype).copy_(down)
 
-    def write_part(self, block: torch.Tensor, part: str, w: torch.Tensor) -> None:
-        """block uint8 [nbytes] ← one projection w [out, in] (gate | up | down), cast in the copy."""
-        I = self.inter
+    def write_part(self, buf: torch.Tensor, e: int, part: str, w: torch.Tensor) -> None:
+        """Expert e of a layer buffer uint8 [E, nbytes] ← one projection w [out, in] (gate | up |
+        down), cast in the copy."""
+        block, I = buf[e], self.inter
         if part == "down":
             _typed(block, self.dn_off, self.dn_shape, self.dtype).copy_(w)
         else:
             gu = _typed(block, 0, self.gu_shape, self.dtype)
             (gu[:I] if part == "gate" else gu[I:]).copy_(w)
 
-    def write_quant_part(self, block: torch.Tensor, part: str, ql, name: str = "expert") -> None:
-        self.write_part(block, part, ql.dequant(self.dtype))  # a 4-bit expert kept 16-bit: exact
+    def write_quant_part(self, buf: torch.Tensor, e: int, part: str, ql, name: str = "expert") -> None:
+        self.write_part(buf, e, part, ql.dequant(self.dtype))  # a 4-bit expert kept 16-bit: exact
 
     def weights(self, block: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """block uint8 [nbytes] → (gate_up [2I, D], down [D, I]); views when dtype matches."""
@@ -72,21 +73,31 @@ class Int4Format:
         self.name, self.hidden, self.inter = "int4", hidden, inter
         self.layout = Int4Layout(hidden, inter, group, sym)
         self.nbytes = self.layout.nbytes
+        self._last = None  # (layer buffer, its Int4Experts view): see _view
 
-    def _view(self, block: torch.Tensor):
+    def _view(self, buf: torch.Tensor):
+        """A layer buffer uint8 [E, nbytes] as Int4Experts; the last one is kept, since a load
+        writes a layer's projections one after another (building the views costs as much as
+        landing a small GPTQ projection)."""
         from ..quant.int4 import Int4Experts
 
-        return Int4Experts(block.view(1, -1), self.layout)
+        if self._last is None or self._last[0] is not buf:
+            self._last = (buf, Int4Experts(buf, self.layout))
+        return self._last[1]
 
-    def write_part(self, block: torch.Tensor, part: str, w: torch.Tensor) -> None:
+    def write_part(self, buf: torch.Tensor, e: int, part: str, w: torch.Tensor) -> None:
+        """Expert e of a layer buffer ← one 16/32-bit projection, RTN-quantised in place."""
         from ..quant.int4 import quantize_part
 
-        quantize_part(self._view(block), 0, part, w)
+        quantize_part(self._view(buf), e, part, w)
 
-    def write_quant_part(self, block: torch.Tensor, part: str, ql, name: str = "expert") -> None:
+    def write_quant_part(self, buf: torch.Tensor, e: int, part: str, ql, name: str = "expert") -> None:
         from ..quant.experts import write_quant
 
-        write_quant(self._view(block), 0, part, ql, name)  # GPTQ/AWQ bytes as read (act-order refused)
+        write_quant(self._view(buf), e, part, ql, name)  # GPTQ/AWQ bytes as read (act-order refused)
+
+    def finish_load(self) -> None:
+        self._last = None  # drop the cached view (it holds a layer buffer)
 
     def pack_into(self, dst: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> None:
         from ..quant.int4 import quantize_experts
@@ -209,10 +220,16 @@ class HostExpertStore:
 
     def write_part(self, layer: int, e: int, part: str, w: torch.Tensor) -> None:
         """Stream one projection of expert (layer, e) straight into its block (load sink)."""
-        self.fmt.write_part(self.ensure_layer(layer)[e], part, w)
+        self.fmt.write_part(self.ensure_layer(layer), e, part, w)
 
     def write_quant_part(self, layer: int, e: int, part: str, ql) -> None:
-        self.fmt.write_quant_part(self.ensure_layer(layer)[e], part, ql, f"layer {layer} expert {e} {part}")
+        self.fmt.write_quant_part(self.ensure_layer(layer), e, part, ql, f"layer {layer} expert {e} {part}")
+
+    def finish_load(self) -> None:
+        """After the load: formats drop what they cached while writing."""
+        finish = getattr(self.fmt, "finish_load", None)
+        if finish is not None:
+            finish()
 
     def block(self, layer: int, e: int) -> torch.Tensor:
         return self.layers[layer][e]
