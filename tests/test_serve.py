@@ -256,7 +256,7 @@ def server(model_path):
 
     eng = Engine.from_pretrained(model_path, device="cpu")
     app = create_app(eng, model_name="tiny", api_key=KEY, max_num_seqs=8, prefill_budget=16, max_waiting=64)
-    sock = socket.socket()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # asyncio: TCP_NODELAY
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     srv = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
@@ -577,3 +577,52 @@ def test_offload_plan_counts_kv_for_max_num_seqs(tmp_path, monkeypatch):
         assert p.expert_slots == offload_slots(p.budget_bytes, fixed, p.scratch_slots, p.expert_bytes,
                                                p.num_moe_layers * p.num_experts)
     assert plans[16].expert_slots < plans[1].expert_slots and checked == [1, 16]
+
+
+def test_cli_bench_serve_json(model_path):
+    """`lynx-edge bench --serve -o json`: per LYNX mode and concurrency one row from real streaming
+    clients (a process of their own) against the real server. References: every request's tokens
+    (ignore_eos: clients × 2 requests × -n) and the server's own counters (decode batch ≤ c,
+    experts per layer within [top-k, E])."""
+    from typer.testing import CliRunner
+
+    from lynx_edge.cli.main import app
+
+    r = CliRunner().invoke(app, ["bench", str(model_path), "--serve", "-b", "1,3", "-n", "4", "-p", "8", "-r", "1",
+                                 "--lynx", "both", "-o", "json", "--device", "cpu"])
+    assert r.exit_code == 0, r.output
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    rows = {(x["lynx"], x["concurrency"]): x for x in result["rows"]}
+    assert set(rows) == {("off", 1), ("off", 3), ("on", 1), ("on", 3)}
+    for (mode, c), x in rows.items():
+        assert x["requests"] == 2 * c and x["output_tokens"] == 2 * c * 4
+        assert 1 <= x["mean_decode_batch"] <= c and 2 <= x["unique_experts_per_layer"] <= 8
+        assert x["throughput_tok_s"] > 0 and 0 < x["ttft_p50_ms"] <= x["ttft_p90_ms"] and x["rss_peak_mib"] > 0
+    assert rows[("off", 1)]["mean_decode_batch"] == 1 and {c["concurrency"] for c in result["compare"]} == {1, 3}
+
+
+def test_pad_checkpoint_same_outputs(tmp_path, model_path, ref):
+    """The zero-padded checkpoint (the padded demo of the serving benchmark): wider experts on disk,
+    the same routing and greedy text as the original (reference: the original engine), a clear
+    error for a narrower size."""
+    from safetensors import safe_open
+
+    from lynx_edge.padded import pad_checkpoint
+
+    out = pad_checkpoint(model_path, tmp_path / "padded", 96)
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys() if ".mlp.experts.0." in k}
+    assert shapes and all(96 in s for s in shapes.values())
+    eng = Engine.from_pretrained(out, device="cpu", record_routing=True)
+    assert eng.cfg.moe_intermediate_size == 96
+    ref.model.routing.stats.record = True
+    for p in PROMPTS[:3]:
+        texts, steps = [], []
+        for e in (ref, eng):
+            e.model.routing.stats.clear()
+            texts.append(e.generate(p, max_new_tokens=8, ignore_eos=True))
+            steps.append([[ids.tolist() for ids in s.values()] for s in e.model.routing.stats.steps])
+        assert texts[0] == texts[1] and steps[0] == steps[1]
+    ref.model.routing.stats.record = False
+    with pytest.raises(ValueError, match="moe_intermediate_size"):
+        pad_checkpoint(model_path, tmp_path / "narrow", 8)

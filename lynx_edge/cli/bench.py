@@ -31,6 +31,8 @@ def bench(
     shape: Annotated[Optional[str], typer.Option("--shape", help="model shape for --simulate: this model, or mixtral-8x7b, qwen3-30b-a3b, olmoe-1b-7b")] = None,
     plot: Annotated[Optional[str], typer.Option("--plot", help="write a PNG: tok/s and unique experts vs batch size")] = None,
     seed: Seed = 0,
+    serve: Annotated[bool, typer.Option("--serve", help="load-test the OpenAI server instead: -b concurrent streaming clients, 2 requests each of -n tokens (prompts ~-p tokens), -r rounds; throughput, TTFT/TPOT percentiles, max throughput at --slo-ms")] = False,
+    slo_ms: Annotated[float, typer.Option("--slo-ms", min=0, help="with --serve: the TPOT p90 SLO for the max-throughput line")] = 50.0,
     offload: Offload = False,
     int4: Int4 = False,
     profile: Profile = None,
@@ -50,6 +52,18 @@ def bench(
         raise CliError("--plot needs matplotlib, which is not installed", "pip install 'lynx-edge[bench]'")
     if simulate:
         need([("lynx_edge.offload.projection", "project")], "--simulate", "run without --simulate")
+    if serve:
+        if simulate or plot:
+            raise CliError("--simulate and --plot do not apply to --serve")
+        need([("lynx_edge.server.load", "serve_load")], "--serve", "pip install fastapi uvicorn prometheus_client httpx")
+        opts = engine_options("off", offload, int4, profile, ctx_size or max(2 * prompt_len + gen_len + 8, 256))
+        engine = load_engine(model, dtype, device, max_num_seqs=max(sizes), **opts)  # the plan counts every row's KV
+        result = _serve(engine, sizes, modes, prompt_len, gen_len, reps, slo_ms)
+        _render_serve(result, output)
+        if save:
+            Path(save).write_text(json.dumps(result, default=str, indent=1) + "\n", encoding="utf-8")
+            ui.note(f"results written to {save}")
+        return
     opts = engine_options("off", offload, int4, profile, ctx_size or max(prompt_len + gen_len + 8, 256))  # ≥ 256: eval windows
     engine = load_engine(model, dtype, device, **opts)
     project = lib.projector(engine, simulate, shape) if simulate else None
@@ -71,6 +85,31 @@ def bench(
     if plot:
         path = lib.plot_bench(result, plot)
         ui.note(f"plot written to {path}")
+
+
+def _serve(engine, sizes: list[int], modes: list[str], prompt_len: int, gen_len: int, reps: int, slo_ms: float) -> dict:
+    from ..server import load
+
+    ui.note(f"threads {engine.config.threads} · serving {engine.model_dir.name} on 127.0.0.1 · concurrency "
+            f"{','.join(map(str, sizes))} × {len(modes)} modes × {reps} rounds", stderr=True)
+    rows = load.serve_load(engine, sizes, tuple(modes), reps, max_tokens=gen_len, prompt_len=prompt_len)
+    slo = load.slo_throughput(rows, slo_ms, lambda r: f"lynx {r['lynx']}")
+    config = {"model": str(engine.model_dir), "threads": engine.config.threads, "concurrency": sizes, "modes": modes,
+              "rounds": reps, "max_tokens": gen_len, "prompt_len_mean": prompt_len, "slo_tpot_p90_ms": slo_ms}
+    return {"config": config, "rows": rows, "compare": load.compare(rows), "max_throughput_at_slo": slo}
+
+
+def _render_serve(result: dict, output: TableJsonCsv) -> None:
+    from ..server.load import markdown
+
+    if output is TableJsonCsv.csv:
+        ui.csv_rows(result["rows"])
+    elif output is TableJsonCsv.table:
+        slo = result["max_throughput_at_slo"]
+        ui.write(markdown(result["rows"]) + f"\nmax throughput with TPOT p90 ≤ {result['config']['slo_tpot_p90_ms']:g} ms: "
+                 + ("; ".join(f"{k}: {v:.1f} tok/s" for k, v in slo.items()) or "no point meets it") + "\n")
+    else:
+        ui.json_line(result)
 
 
 def _merge_quality(result: dict, quality: list[dict] | None, source: str) -> None:
