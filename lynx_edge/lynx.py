@@ -20,6 +20,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
+from . import lynx_host as _host
 from .kernels import lynx_route as _kernel
 from .kernels.moe_gemm import expert_table
 from .routing import RouterSpec, rank_experts, scale_weights
@@ -314,10 +315,14 @@ def _select(logits, is_decode, spec: RouterSpec, cfg, layer, resident, probs=Non
     isd = None if host else is_decode.reshape(-1).to(dev, torch.bool, non_blocking=True)
     res = None if resident is None else resident.to(dev, torch.bool, non_blocking=True)
     z = logits.float()
-    order = rank_experts(z)  # [T, E] the tie rule, shared by top-k and the remap
-    ids0 = order[:, :K]
     if probs is None:
         probs = torch.softmax(z, dim=-1, dtype=torch.float32)
+    if (CPU_HOST_PATH and _host.route is not None and finite is None and host and is_decode and res is None
+            and dev.type == "cpu" and cfg.kind != "off" and E > K and layer not in cfg.skip_layers
+            and T >= max(cfg.min_batch, 2) and T ** (cfg.beta + 1) * K < 2**62):
+        return _select_host(z, probs, spec, cfg)  # compiled, same results
+    order = rank_experts(z)  # [T, E] the tie rule, shared by top-k and the remap
+    ids0 = order[:, :K]
     p0 = probs.gather(1, ids0)  # [T, K] original top-k probs
     w0 = p0 / p0.sum(1, keepdim=True) if spec.norm_topk_prob else p0
     if T == 1 and res is None:
@@ -329,10 +334,6 @@ def _select(logits, is_decode, spec: RouterSpec, cfg, layer, resident, probs=Non
         vec = _const([1.0, 0, 0, K, K, 0, 0], dev) + isd.double() * _const([0, 1, K, 0, 0, 0, 0], dev)
         return LynxResult(ids0, w0, vec, None)
     n_dec = (T if is_decode else 0) if host else isd.sum()
-    if (CPU_HOST_PATH and finite is None and host and is_decode and res is None and dev.type == "cpu"
-            and cfg.kind != "off" and E > K
-            and layer not in cfg.skip_layers and T >= max(cfg.min_batch, 2) and T ** (cfg.beta + 1) * K < 2**53):
-        return _select_cpu(z, order, probs, p0, w0, spec, cfg)  # ~10 torch ops, same results
     if cfg.kind == "off" or layer in cfg.skip_layers or E <= K or T == 0 or is_decode is False:
         return _result(E, ids0, ids0, w0, n_dec, 0.0, 0.0, res)
     mb = max(cfg.min_batch, 2)  # B = 1 pooled would make every S(e) = 1
@@ -373,83 +374,16 @@ def _select(logits, is_decode, spec: RouterSpec, cfg, layer, resident, probs=Non
     return _result(E, ids0, new, weights, n_dec, (p0 * drop).sum(), drop.sum(), res)
 
 
-def _select_cpu(z, order, probs, p0, w0, spec: RouterSpec, cfg: LynxConfig) -> LynxResult:
-    """lynx_select's all-decode pooled path on CPU tensors, bit-identical to it, in ~10 torch ops
-    instead of ~120: the integer and boolean decisions (levels, batch scores, critical set, mass
-    cap, padding, remap) run in numpy on tiny [T, K] / [E] arrays (~1 µs per op against ~5 µs for
-    a torch op); float reductions whose order numpy would change (row sums, the displaced mass)
-    stay in torch, and the cumsum accumulates in float64 as torch's CPU cumsum does.
-    z, probs [T, E] fp32; order [T, E] rank_experts(z); p0, w0 [T, K] (as in lynx_select)."""
+def _select_host(z, probs, spec: RouterSpec, cfg: LynxConfig) -> LynxResult:
+    """lynx_select's all-decode pooled path on CPU tensors in one compiled call (lynx_host.route),
+    after the softmax — fewer torch ops than the exact router. Ids and weights bit-identical.
+    z, probs [T, E] fp32."""
     E, K = spec.num_experts, spec.top_k
-    T = z.shape[0]
-    zn, on, p0n = z.numpy(), order.numpy(), p0.numpy()
-    rows = np.arange(T)[:, None]  # fancy indexing: far cheaper than take_along_axis on tiny arrays
-    ids0 = on[:, :K]  # [T, K]
-    zk = zn[rows, ids0]
-    gap = np.maximum(zk[:, :1] - zk, np.float32(0))  # fp32, as _levels
-    lv = np.clip(np.floor(gap * np.float32(cfg.alpha_for(E, K))), 0, cfg.beta).astype(np.int64)
-    flat = ids0.reshape(-1)
-    votes = (T ** (cfg.beta - lv)).reshape(-1).astype(np.float64)  # exact: T^(β+1)·K < 2^53
-    score = np.bincount(flat, weights=votes, minlength=E).astype(np.int64)  # [E] S(e)·T^β
-    if cfg.kind == "budget":
-        crit = np.zeros(E, dtype=bool)
-        crit[np.argsort(-score, kind="stable")[: cfg.arg]] = True
-        crit &= score > 0
-    else:
-        crit = score >= T ** max(cfg.beta - cfg.j, 0)
-    if cfg.protect_top1:
-        crit[ids0[:, 0]] = True
-    allowed = crit
-    if cfg.kind == "lynx-mass":
-        drop = ~allowed[ids0]
-        part = np.where(drop, p0n, np.float32(0))
-        tail = np.cumsum(part[:, ::-1].astype(np.float64), 1)[:, ::-1].astype(np.float32)
-        s0 = p0.sum(1, keepdim=True).numpy()  # torch's own reduction order
-        budget = np.float32(cfg.arg) * s0 * np.float32(_kernel.MASS_SLACK)
-        keep = np.zeros(E, dtype=bool)
-        keep[ids0[drop & (tail > budget)]] = True
-        allowed = allowed | keep
-    if allowed.sum() < K:  # _pad: the best-scoring experts outside, until |allowed| = K
-        rank = np.argsort(-score, kind="stable")
-        out = ~allowed[rank]
-        allowed = allowed.copy()
-        allowed[rank[out & (np.cumsum(out) <= K - allowed.sum())]] = True
-    drop = ~allowed[ids0]  # [T, K]
-    changed = drop.any(1)
-    if not changed.any():  # nothing moves: exact routing, exact weights
-        return _np_result(E, K, ids0, ids0, order[:, :K], w0, 0, torch.zeros((), dtype=torch.float32))
-    cand = allowed[on]  # [T, E] candidates in affinity order, minus the token's own choices
-    cand[:, :K] = False
-    first = np.argsort(~cand, axis=1, kind="stable")[:, :K]  # columns of the first K candidates
-    fill = on[rows, first]
-    gap_no = np.maximum(np.cumsum(drop, 1) - 1, 0)
-    new = np.where(drop, fill[rows, gap_no], ids0)
-    new_t, drop_t = torch.from_numpy(new), torch.from_numpy(drop)
-    weights = _reweight_np(probs.numpy()[rows, new], w0, changed, spec.norm_topk_prob)
-    return _np_result(E, K, ids0, new, new_t, weights, int(drop.sum()), (p0 * drop_t).sum())
-
-
-def _reweight_np(p, w0: torch.Tensor, changed, norm: bool) -> torch.Tensor:
-    """_reweight with the element-wise work in numpy (IEEE fp32: the same bits) and the row
-    sums in torch (their reduction order). p [T, K] fp32: original probs of the new experts."""
-    denom = torch.from_numpy(p).sum(1, keepdim=True).numpy()
-    tiny = np.float32(torch.finfo(torch.float32).tiny)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        w = np.where(denom > 0, p / np.maximum(denom, tiny), np.float32(1.0 / p.shape[1])).astype(np.float32)
-    w0n = w0.numpy()
-    if not norm:
-        w = w * w0.sum(1, keepdim=True).numpy()
-    return torch.from_numpy(np.where(changed[:, None], w, w0n))
-
-
-def _np_result(E, K, ids0, new, ids, weights, n_drop, drop_mass) -> LynxResult:
-    """_result for _select_cpu: the same stats vector (all decode), counted in numpy.
-    ids0/new numpy [T, K], ids the torch tensor returned; drop_mass a 0-dim fp32 tensor."""
-    T = ids0.shape[0]
-    u0 = np.count_nonzero(np.bincount(ids0.reshape(-1), minlength=E))
-    u1 = u0 if new is ids0 else np.count_nonzero(np.bincount(new.reshape(-1), minlength=E))
-    vec = torch.tensor([T, T, T * K, u0, u1, n_drop, float(drop_mass)], dtype=torch.float64)
-    return LynxResult(ids, weights, vec, None)
+    kind = {"lynx": _host.KIND_LYNX, "budget": _host.KIND_BUDGET, "lynx-mass": _host.KIND_MASS}[cfg.kind]
+    ids, w, vec = _host.route(z.numpy(), probs.numpy(), K, spec.norm_topk_prob, np.float32(cfg.alpha_for(E, K)),
+                              cfg.beta, cfg.j, kind, np.float32(cfg.arg or 0), cfg.protect_top1,
+                              np.float32(_kernel.MASS_SLACK))
+    return LynxResult(torch.from_numpy(ids), torch.from_numpy(w), torch.from_numpy(vec), None)
 
 
 _KERNEL_MODE = {"off": _kernel.OFF, "lynx": _kernel.LYNX, "budget": _kernel.BUDGET,

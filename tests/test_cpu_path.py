@@ -259,8 +259,9 @@ LYNX_CASES = ["lynx", "on", "lynx-mass:0.5", "lynx-mass:0", "budget:6", "budget:
 @pytest.mark.parametrize("mode", LYNX_CASES)
 @pytest.mark.parametrize("E,K,norm", [(32, 4, True), (8, 2, False), (64, 8, True), (16, 1, False)])
 def test_cpu_lynx_fast_path_is_bit_identical(mode, E, K, norm):
-    """The numpy decision path (host phase, all decode) against lynx_select's device-mask path
-    (the same rule in torch ops), on random and tie-heavy logits: ids, weights and stats equal."""
+    """The compiled decision path (lynx_host; host phase, all decode) against lynx_select's
+    device-mask path (the same rule in torch ops), on random and tie-heavy logits: ids, weights
+    and counts equal; the displaced-mass stat (summed in float64 there, fp32 in torch) to 2e-6."""
     from lynx_edge import lynx
     from lynx_edge.routing import RouterSpec
 
@@ -275,7 +276,8 @@ def test_cpu_lynx_fast_path_is_bit_identical(mode, E, K, norm):
             ref = lynx.lynx_select(z, torch.ones(T, dtype=torch.bool), spec, cfg)
             assert torch.equal(fast.ids, ref.ids), (mode, T, ties)
             assert torch.equal(fast.weights, ref.weights), (mode, T, ties)
-            assert torch.equal(fast.vec, ref.vec), (mode, T, ties, fast.vec, ref.vec)
+            assert torch.equal(fast.vec[:6], ref.vec[:6]), (mode, T, ties, fast.vec, ref.vec)
+            torch.testing.assert_close(fast.vec[6], ref.vec[6], rtol=2e-6, atol=1e-7)  # torch sums in fp32
 
 
 def test_cpu_lynx_fast_path_catches_a_wrong_rule(monkeypatch):
@@ -291,16 +293,20 @@ def test_cpu_lynx_fast_path_catches_a_wrong_rule(monkeypatch):
 
 
 def test_cpu_lynx_routing_is_a_handful_of_ops():
-    """LYNX routing of one decode layer at B=16 dispatches a bounded handful of torch ops."""
+    """LYNX routing of one decode layer at B=16 computes no more torch ops than exact routing (6:
+    softmax, sort, slice, gather, sum, div): the softmax, then one compiled call (lynx_host);
+    the rest are zero-copy numpy views (detach / lift_fresh)."""
     from lynx_edge.lynx import LynxRouter
     from lynx_edge.routing import RouterSpec
 
     router = LynxRouter(RouterSpec(32, 4, True), "on")
     router.begin_step(True)
     z = torch.randn(16, 32, generator=torch.Generator().manual_seed(2)) * 2
+    router(z, torch.ones(16, dtype=torch.bool), 0)  # the first call per layer allocates its telemetry sums
     with _CountOps() as mode:
         router(z, torch.ones(16, dtype=torch.bool), 0)
-    assert len(mode.ops) <= 30, mode.ops
+    compute = [op for op in mode.ops if op.split(".")[1] not in ("detach", "lift_fresh", "ones")]
+    assert compute == ["aten._softmax.default"], (compute, mode.ops)
 
 
 # attention: no mask, slice KV writes when rows share positions ----------------------------------
