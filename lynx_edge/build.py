@@ -157,6 +157,8 @@ def _backends(cfg: ModelConfig, dt, dev, int4: bool, group, sym, mixed, rt):
 
     def make(layer: int):
         if rt is not None:
+            if own is not None:  # the offload store holds plain SwiGLU experts only
+                raise ConfigError(f"{cfg.model_type}: offloading its experts is not supported yet; load without offload")
             from .offload.experts import OffloadedExperts
 
             return OffloadedExperts(rt, layer)

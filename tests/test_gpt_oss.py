@@ -44,6 +44,9 @@ def write_tokenizer(dst: Path) -> None:
     specials at their real ids: the real vocabulary's ids without its 27 MB tokenizer.json."""
     tok = json.loads(DEMO_TOK.read_text())
     vocab = tok["model"]["vocab"]
+    for t in HARMONY.values():  # the demo's own <|endoftext|> would take that string's id
+        if t in vocab:
+            vocab[t.replace("<|", "<|demo_")] = vocab.pop(t)
     for i in range(len(vocab), 199998):
         vocab[f"<|filler_{i}|>"] = i  # never produced: no merge makes them
     tok["added_tokens"] = [{"id": i, "content": HARMONY.get(i, f"<|reserved_{i}|>"), "single_word": False,
@@ -80,6 +83,7 @@ def build(dst: Path, seed: int = 0) -> Path:
                 p.normal_(0, 0.6)
     model.save_pretrained(dst)
     (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    shutil.copy(REAL / "generation_config.json", dst / "generation_config.json")  # the real one, not transformers'
     return dst
 
 
@@ -319,3 +323,141 @@ def test_fused_moe_oss_on_cuda(T):
     want = oss_moe_ref(x.float(), ids, w, E, lambda e: tuple(t.float() for t in fetch(e)), 7.0, 1.702)
     err = (got.float().cpu() - want).abs().max() / want.abs().max()
     assert err < 2e-2, err
+
+
+# LYNX, 4-bit, offload, info ----------------------------------------------------------------------------
+class _Watch:
+    """Wraps the routing function; records (scores, is_decode, ids, exact ids) per call."""
+
+    def __init__(self, inner, spec):
+        self.inner, self.spec, self.calls = inner, spec, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def __call__(self, scores, is_decode, layer, probs=None):
+        from lynx_edge.routing import exact_route
+
+        ids, w = self.inner(scores, is_decode, layer, probs)
+        self.calls.append((is_decode, ids, exact_route(scores, self.spec, probs)[0], w))
+        return ids, w
+
+
+def test_lynx_invariants(ckpt):
+    from lynx_edge.lynx import LynxConfig
+
+    eng = Engine.from_pretrained(ckpt, device="cpu", dtype=torch.float32, lynx=LynxConfig(mode="lynx", j=0))
+    watch = _Watch(eng.model.routing.route, eng.model.routing.spec)
+    eng.model.routing.route = watch
+    eng.generate_batch([prompt_ids(n, seed=n) for n in (5, 9, 13, 17, 21, 25)], max_new_tokens=6, ignore_eos=True)
+    K, remapped = eng.cfg.top_k, 0
+    for dec, ids, ids0, w in watch.calls:
+        assert all(len(set(r)) == K for r in ids.tolist())  # k distinct
+        assert torch.equal(ids[:, 0], ids0[:, 0])  # top-1 kept
+        assert ids.unique().numel() <= ids0.unique().numel()  # the union never grows
+        dec = torch.full((len(ids),), dec) if isinstance(dec, bool) else dec.reshape(-1).bool()
+        assert torch.equal(ids[~dec], ids0[~dec])  # prefill exact
+        torch.testing.assert_close(w.sum(1), torch.ones(len(w)))  # renormalised top-k (gpt-oss's softmax over k)
+        remapped += int((ids != ids0).any(1).sum())
+    assert remapped > 0
+
+
+def test_four_bit_is_mxfp4_and_stays_close(ckpt):
+    """--int4 on gpt-oss = MXFP4 experts (round-to-nearest at load from a 16-bit checkpoint; an
+    MXFP4 checkpoint is kept as published: no second rounding, the published kernel format)."""
+    import math
+
+    ref = Engine.from_pretrained(ckpt, device="cpu", dtype=torch.float32)
+    q = Engine.from_pretrained(ckpt, device="cpu", dtype=torch.float32, int4=True)
+    assert all(layer.mlp.experts.mxfp4 for layer in q.model.layers)
+    from lynx_edge.step import prefill
+
+    ids = prompt_ids(60, seed=5)
+
+    def nll(eng):
+        lg = prefill(eng.model, eng._cache(1), 0, ids, 0, logits_for="all")[0]
+        return torch.nn.functional.cross_entropy(lg[:-1], torch.tensor(ids[1:])).item()
+
+    a, b = nll(ref), nll(q)
+    assert 0 < abs(b - a) < 0.05 * a, (a, b)  # changed (4-bit), but close
+    assert math.isfinite(b) and isinstance(q.generate(ids[:5], max_new_tokens=4, ignore_eos=True), str)
+
+
+def test_offload_fails_as_one_line(ckpt):
+    from lynx_edge.config import ConfigError
+
+    with pytest.raises(ConfigError, match="offloading its experts is not supported yet"):
+        Engine.from_pretrained(ckpt, device="cpu", offload=True)
+
+
+def test_info_on_the_real_config():
+    """20.91B total (published); active 4.19B counting the input embedding as the other families'
+    figures do — 3.61B without it, OpenAI's published figure (its model card excludes the embedding)."""
+    from typer.testing import CliRunner
+
+    from lynx_edge.cli.main import app
+    from lynx_edge.offload.memory import expert_block_bytes
+
+    r = CliRunner().invoke(app, ["info", str(REAL), "-o", "json"])
+    assert r.exit_code == 0, r.output
+    p = json.loads(r.stdout)["params"]
+    V, D, L, E, I, H, Hkv, hd = 201088, 2880, 24, 32, 2880, 64, 8, 64
+    attn = D * H * hd + H * hd + 2 * (D * Hkv * hd + Hkv * hd) + H * hd * D + D + H  # q,k,v,o (+biases), sinks
+    moe = E * (3 * D * I + 2 * I + D) + E * D + E  # experts with biases, router with bias
+    assert p["total"] == 2 * V * D + D + L * (attn + moe + 2 * D)  # exact hand count
+    assert p["total"] == pytest.approx(20.9e9, rel=0.01)
+    assert p["active"] - V * D == pytest.approx(3.6e9, rel=0.01)
+    cfg = ModelConfig.from_file(REAL / "config.json")
+    fmt, nb = expert_block_bytes(cfg, torch.bfloat16, True, 32, True)  # the memory plan's bytes per expert
+    assert fmt == "mxfp4" and nb == 3 * D * I * 17 // 32 + (2 * I + D) * 2
+
+
+# Harmony chat template, stop ids ------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("harmony")
+    write_tokenizer(d)
+    return d
+
+
+CHAT = [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "And 3+3? Answer in 日本語."}]
+TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add two numbers", "parameters": {
+    "type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}, "required": ["a", "b"]}}}]
+HARMONY_CASES = [
+    (CHAT, {"add_generation_prompt": True}),
+    (CHAT, {"add_generation_prompt": True, "reasoning_effort": "high"}),
+    ([{"role": "system", "content": "You are terse."}] + CHAT, {"add_generation_prompt": True,
+                                                                "reasoning_effort": "low"}),
+    ([{"role": "developer", "content": "Answer in French."}] + CHAT, {"add_generation_prompt": True, "tools": TOOLS}),
+    ([{"role": "user", "content": "Add 1 and 2"},
+      {"role": "assistant", "content": "", "thinking": "I should call add.",
+       "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}]},
+      {"role": "tool", "content": "3"}], {"add_generation_prompt": True, "tools": TOOLS}),
+    (CHAT[:1] + [{"role": "assistant", "content": "4", "thinking": "2+2 is 4."}], {}),
+]
+
+
+@pytest.mark.parametrize("i", range(len(HARMONY_CASES)))
+def test_harmony_template_matches_transformers(tok_dir, i):
+    from transformers import AutoTokenizer
+
+    from lynx_edge.tokenizer import Tokenizer
+
+    msgs, kw = HARMONY_CASES[i]
+    ours = Tokenizer(tok_dir).apply_chat_template(msgs, **kw)
+    ref = AutoTokenizer.from_pretrained(tok_dir).apply_chat_template(msgs, tokenize=False, **kw)
+    assert ours == ref
+    if kw.get("reasoning_effort"):
+        assert f"Reasoning: {kw['reasoning_effort']}" in ours
+    if kw.get("add_generation_prompt"):
+        assert ours.endswith("<|start|>assistant")
+
+
+def test_engine_stop_ids_and_reasoning_effort(ckpt):
+    eng = Engine.from_pretrained(ckpt, device="cpu", dtype=torch.float32)
+    assert eng.eos_token_ids == (200002, 199999)  # generation_config.json: <|return|>, <|endoftext|>
+    want = eng.tokenizer.encode(eng.tokenizer.apply_chat_template(CHAT, add_generation_prompt=True,
+                                                                  reasoning_effort="high"), add_special_tokens=False)
+    assert eng.encode_prompt(CHAT, {"reasoning_effort": "high"}) == want != eng.encode_prompt(CHAT)
+    assert 200006 in want and 200008 in want  # <|start|>, <|message|> at their real ids

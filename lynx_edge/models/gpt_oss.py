@@ -268,7 +268,10 @@ def attention(cfg, i: int, dtype, device) -> SinkAttention:
 
 
 def mlp(cfg, i: int, ctx, dtype, device, backends=None) -> MoEBlock:
-    backend = backends(i) if backends else experts(cfg, i, dtype, device)
+    # without the builder (e.g. counting parameters on meta): 16-bit storage, one element per weight
+    a = cfg.arch
+    backend = backends(i) if backends else OssExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size,
+                                                      dtype, device, a.swiglu_limit, a.swiglu_alpha)
     return MoEBlock(cfg, i, ctx, dtype, device, backend, router_bias=True)
 
 
