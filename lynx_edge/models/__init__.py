@@ -13,9 +13,9 @@ A family module reads top to bottom as "how this model differs", and provides:
 Shared pieces (RMSNorm, RoPE, GQA attention, the MoE block, the routing hook) live in layers.py
 and transformer.py.
 """
-from . import deepseek_v2, gpt_oss, mixtral, olmoe, qwen2_moe, qwen3_5_moe, qwen3_moe, qwen3_next
+from . import deepseek_v2, gpt_oss, lfm2_moe, mixtral, olmoe, qwen2_moe, qwen3_5_moe, qwen3_moe, qwen3_next
 from .transformer import MoEForCausalLM
 
-FAMILIES = {m.MODEL_TYPE: m for m in (mixtral, qwen2_moe, qwen3_moe, olmoe, qwen3_next, qwen3_5_moe, deepseek_v2, gpt_oss)}
+FAMILIES = {m.MODEL_TYPE: m for m in (mixtral, qwen2_moe, qwen3_moe, olmoe, qwen3_next, qwen3_5_moe, deepseek_v2, gpt_oss, lfm2_moe)}
 
 __all__ = ["FAMILIES", "MoEForCausalLM"]
