@@ -173,7 +173,8 @@ def _calibration_states(cfg, ckpt: Checkpoint, model_dir: Path, text: str | None
     n = max(1, len(ids) // window)
     w = min(window, len(ids))
     ids_t = torch.tensor(ids[: n * w]).view(n, w)
-    emb_name = next(k for k in ckpt.names() if internal_name(k, ()) == "embed_tokens")
+    renames = FAMILIES[cfg.model_type].RENAMES  # e.g. Qwen3.5: model.language_model.embed_tokens
+    emb_name = next(k for k in ckpt.names() if internal_name(k, renames) == "embed_tokens")
     return ckpt.get(emb_name)[ids_t].float()  # [n, w, D]
 
 
