@@ -207,14 +207,17 @@ def test_gptq_bytes_land_unchanged_and_equal_the_slow_decode(sym, v1):
     qc = QuantConfig("gptq", 4, G, sym, False, "gptq_v1" if v1 else "gptq_v2")
     ql = linear_from_checkpoint(tensors, qc, "m")
     assert ql.perm is None and ql._codes is None and ql.packed.dtype == torch.int32  # nothing unpacked
-    layout = Int4Layout(D, I, G, sym)
-    fast, ref = Int4Experts.empty(2, layout), Int4Experts.empty(2, layout)
-    write_quant(fast, 1, "up", ql)
+    assert ql._sym is (True if sym else None)  # symmetric words recognised without unpacking
     slow = _slow_gptq_codes(tensors["qweight"])
     assert torch.equal(slow, codes)
-    write_part(ref, 1, "up", slow, scales, formats.unpack_qzeros(tensors["qzeros"], v1))
-    assert torch.equal(fast.data, ref.data)
-    assert torch.equal(fast.dequant_expert(1)[0][I:], ql.dequant())
+    for layout_sym in {sym, False}:  # a symmetric linear also lands in an asymmetric layout (zeros 8)
+        layout = Int4Layout(D, I, G, layout_sym)
+        fast, ref = Int4Experts.empty(2, layout), Int4Experts.empty(2, layout)
+        fast.data.fill_(0xAB), ref.data.fill_(0xAB)
+        write_quant(fast, 1, "up", ql)
+        write_part(ref, 1, "up", slow, scales, formats.unpack_qzeros(tensors["qzeros"], v1))
+        assert torch.equal(fast.data, ref.data)
+        assert torch.equal(fast.dequant_expert(1)[0][I:], ql.dequant())
 
 
 def test_int4_moe_ref_dequantises_only_active_experts(monkeypatch):

@@ -35,7 +35,10 @@ def write_quant(packed: Int4Experts, e: int, part: str, ql, name: str = "expert"
     if ql.scales.shape[0] * G != ql.n_in:
         raise ValueError(f"{name}: group size {ql.n_in // max(1, ql.scales.shape[0])} does not "
                          f"match the layer's INT4 layout (group {G})")
-    write_packed(packed, e, part, ql.packed, ql.scales, ql.zeros)  # GPTQ/AWQ: the bytes as read, one copy
+    if packed.sym and not ql.sym:  # (ql.sym: known from the reader, else checked once here)
+        raise ValueError(f"{name}: asymmetric zero points in a symmetric INT4 layout")
+    # GPTQ/AWQ: the bytes as read, one copy; a symmetric layout stores no zeros
+    write_packed(packed, e, part, ql.packed, ql.scales, None if packed.sym else ql.zeros)
 
 
 class Int4MoEExperts(nn.Module):

@@ -33,6 +33,7 @@ from lynx_edge.quant.int4 import GROUP_SIZES, SYM_ZERO, Int4Experts, pack, unpac
 
 assert sys.byteorder == "little", "GPTQ/AWQ words are read as little-endian bytes"
 V1_OFFSET = 0x11111111  # v1 stores every zero nibble minus one
+SYM_WORD_V1, SYM_WORD_V2 = 0x77777777, 0x88888888 - 2**32  # a qzeros word of eight 8s (int32), v1 / v2
 QUANT_TENSOR_SUFFIXES = ("qweight", "qzeros", "scales", "g_idx")
 NAMINGS = {  # naming → (expert path, (gate, up, down) module names)
     "qwen": ("mlp.experts", ("gate_proj", "up_proj", "down_proj")),
@@ -179,14 +180,15 @@ class QuantLinear:
         codes   [out, in] uint8 0..15, columns in `perm` order when perm is not None
         packed  [out, in/2] uint8 (int4.pack's layout), or the same bytes as little-endian int32
                 words [out, in/8] — a GPTQ qweight transposed, a strided view of the file
-        scales  [in/G, out] fp16;  zeros [in/G, out] uint8
-        perm    [in] int64 or None: W[:, perm] is what codes/scales/zeros describe"""
+        scales  [in/G, out] fp16;  zeros [in/G, out] uint8 (read-only: may be an expanded 8)
+        perm    [in] int64 or None: W[:, perm] is what codes/scales/zeros describe
+        sym     every zero is 8, when the reader already knows (else checked on first use)"""
 
     def __init__(self, codes: torch.Tensor | None, scales: torch.Tensor, zeros: torch.Tensor,
-                 perm: torch.Tensor | None = None, *, packed: torch.Tensor | None = None):
+                 perm: torch.Tensor | None = None, *, packed: torch.Tensor | None = None, sym: bool | None = None):
         if (codes is None) == (packed is None):
             raise ValueError("QuantLinear takes its codes either unpacked or packed (exactly one)")
-        self._codes, self._packed = codes, packed
+        self._codes, self._packed, self._sym = codes, packed, sym
         self.scales, self.zeros, self.perm = scales, zeros, perm
 
     @property
@@ -214,7 +216,9 @@ class QuantLinear:
 
     @property
     def sym(self) -> bool:
-        return bool((self.zeros == SYM_ZERO).all())
+        if self._sym is None:
+            self._sym = bool((self.zeros == SYM_ZERO).all())
+        return self._sym
 
     def dequant(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """W [out, in] in the original column order: s·(q − z) in fp32 (exact), then cast."""
@@ -292,15 +296,19 @@ def linear_from_checkpoint(tensors: dict[str, torch.Tensor], qc: QuantConfig, na
         if "g_idx" in tensors:
             raise ValueError(f"{name}.g_idx: AWQ checkpoints have no g_idx")
         return QuantLinear(None, scales, unpack_awq_words(qzeros), packed=awq_packed(qweight))
-    zeros = unpack_qzeros(qzeros, qc.zero_format == "gptq_v1")[:, :n_out]
+    v1 = qc.zero_format == "gptq_v1"
+    if bool((qzeros == (SYM_WORD_V1 if v1 else SYM_WORD_V2)).all()):  # symmetric: every zero 8
+        zeros, sym = torch.full((1, 1), SYM_ZERO, dtype=torch.uint8, device=qzeros.device).expand(n_in // G, n_out), True
+    else:
+        zeros, sym = unpack_qzeros(qzeros, v1)[:, :n_out], None
     perm = None
     if "g_idx" in tensors:
         _shape(tensors["g_idx"], (n_in,), name, "g_idx")
         perm = act_order_perm(tensors["g_idx"], G, name)
     if perm is None:  # qweight transposed is already int4.py's packed layout: no decode at all
-        return QuantLinear(None, scales, zeros, packed=qweight.t())
+        return QuantLinear(None, scales, zeros, packed=qweight.t(), sym=sym)
     codes = unpack_qweight(qweight)[:, perm].contiguous()  # column j of codes is input column perm[j]
-    return QuantLinear(codes, scales, zeros, perm)
+    return QuantLinear(codes, scales, zeros, perm, sym=sym)
 
 
 # ------------------------------------------------------------------ GPTQ words, legacy API
@@ -375,13 +383,10 @@ def pack_qzeros(zeros: torch.Tensor, v1: bool = True) -> torch.Tensor:
 
 
 def unpack_qzeros(qzeros: torch.Tensor, v1: bool = True) -> torch.Tensor:
-    """qzeros int32 [groups, out/8] → zeros [groups, out] uint8 (for a symmetric checkpoint, every
-    word 0x77777777 / v2 0x88888888, an expanded read-only view of 8). Each word's little-endian
-    bytes hold two zeros (low nibble first); a v1 word gets its 0x11111111 back first, added in
-    int64 so the sum's low 32 bits are the word mod 2³² (a carry past bit 31 lands in bytes 4-7)."""
+    """qzeros int32 [groups, out/8] → zeros [groups, out] uint8. Each word's little-endian bytes
+    hold two zeros (low nibble first); a v1 word gets its 0x11111111 back first, added in int64 so
+    the sum's low 32 bits are the word mod 2³² (a carry past bit 31 lands in bytes 4-7, unread)."""
     shape = (qzeros.shape[0], 8 * qzeros.shape[1])
-    if qzeros.numel() and bool((qzeros == (0x77777777 if v1 else 0x88888888 - 2**32)).all()):
-        return torch.full((1, 1), SYM_ZERO, dtype=torch.uint8, device=qzeros.device).expand(shape)
     words = qzeros.to(torch.int64)
     if v1:
         words += V1_OFFSET

@@ -275,14 +275,18 @@ def write_part(
 
 
 def write_packed(
-    packed: Int4Experts, e: int, part: str, qbytes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
+    packed: Int4Experts, e: int, part: str, qbytes: torch.Tensor, scales: torch.Tensor,
+    zeros: torch.Tensor | None,
 ) -> None:
     """Write one projection of expert e in place, already packed: qbytes [out, in/2] uint8 in
     pack()'s layout, or the same bytes as little-endian int32 words [out, in/8] (any strides: a
     GPTQ qweight [in/8, out] transposed is exactly this, so it lands with one copy). scales/zeros
     [in/G, out]. A symmetric layout stores no zeros, so it needs every zero to be 8 (ValueError
-    otherwise). Works on any device (host → device copies of one projection)."""
-    if packed.sym and not bool((zeros == SYM_ZERO).all()):
+    otherwise; zeros None: the caller knows they are). Works on any device (host → device copies
+    of one projection)."""
+    if zeros is None and not packed.sym:
+        raise ValueError("an asymmetric INT4 layout needs the zero points")
+    if packed.sym and zeros is not None and not bool((zeros == SYM_ZERO).all()):
         raise ValueError("asymmetric zero points in a symmetric INT4 layout")
     q, s, z = part_views(packed, e, part)
     dst = q.view(qbytes.dtype)
