@@ -2,8 +2,9 @@
 
 Built empty (one uint8 buffer [E, nbytes] in lynx_edge.quant.int4's layout) before any weight is
 read; the loader streams each projection into it — 16-bit ones are RTN-quantised as they arrive
-(`int4=True`), 4-bit ones from GPTQ / AWQ checkpoints are copied in as codes, scales and zeros —
-so no 16-bit copy of the experts ever exists. Forward: the fused INT4 Triton kernel on CUDA, its
+(`int4=True`, int4.quantize_part: in place, chunk by chunk), 4-bit ones from GPTQ / AWQ
+checkpoints are copied in as packed bytes, scales and zeros (a non-act-order GPTQ qweight is
+already this layout, transposed) — so no 16-bit copy of the experts ever exists. Forward: the fused INT4 Triton kernel on CUDA, its
 torch reference (dequantise the active experts only) elsewhere.
 Glossary: N tokens, D hidden, E experts, K top-k, I expert intermediate, G group size.
 """

@@ -2,8 +2,10 @@
 
 read_quant_config parses quantize_config.json / config.json's quantization_config once;
 linear_from_checkpoint turns one linear's stored tensors into a QuantLinear (codes, per-group
-scales and zeros, optional act-order column permutation). GPTQ layout (gptqmodel / AutoGPTQ),
-for one linear W [out, in], group size G:
+scales and zeros, optional act-order column permutation); codes stay packed when the file's
+bytes already are int4.py's layout (GPTQ without act-order: qweight transposed, read as little-
+endian bytes, is int4.pack's [out, in/2]). GPTQ layout (gptqmodel / AutoGPTQ), for one linear
+W [out, in], group size G:
     qweight int32 [in/8, out]     q[i, o] = (qweight[i // 8, o] >> 4·(i % 8)) & 0xF   low bits first
     qzeros  int32 [in/G, out/8]   z[g, o] = nibble o % 8 of qzeros[g, o // 8]          (v2)
     scales  fp16  [in/G, out]
