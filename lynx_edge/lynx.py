@@ -317,7 +317,7 @@ def _select(logits, is_decode, spec: RouterSpec, cfg, layer, resident, probs=Non
     z = logits.float()
     if probs is None:
         probs = torch.softmax(z, dim=-1, dtype=torch.float32)
-    if (CPU_HOST_PATH and _host.route is not None and finite is None and host and is_decode and res is None
+    if (CPU_HOST_PATH and _host.route is not None and host and is_decode and res is None
             and dev.type == "cpu" and cfg.kind != "off" and E > K and layer not in cfg.skip_layers
             and T >= max(cfg.min_batch, 2) and T ** (cfg.beta + 1) * K < 2**62):
         return _select_host(z, probs, spec, cfg)  # compiled, same results

@@ -113,8 +113,10 @@ def _decide(z, ids0, p0, s0, alpha, beta, j, kind, arg, protect, slack):
             taken[ids0[t, s]] = True
         for s in range(K):  # the i-th dropped slot takes the token's i-th best allowed unchosen expert
             if not allowed[ids0[t, s]]:
-                drop[t, s] = True
                 e = _best(z[t], taken, allowed)
+                if e < 0 or z[t, e] == -np.inf:  # no allowed expert the family's rule admits: stays
+                    continue
+                drop[t, s] = True
                 new[t, s] = e
                 taken[e] = True
                 gaps += 1

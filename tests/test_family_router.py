@@ -67,3 +67,23 @@ def test_every_family_module_provides_the_hooks():
     for name, fam in FAMILIES.items():
         missing = [h for h in hooks if not hasattr(fam, h)]
         assert not missing and fam.MODEL_TYPE == name, (name, missing)
+
+
+@pytest.mark.parametrize("kind", ["lynx", "on", "budget:3"])
+def test_compiled_cpu_path_equals_torch_path_with_family_rules(kind, monkeypatch):
+    """The compiled CPU decode path (lynx_host) takes −inf scores and family probs as the torch
+    path does: same ids and weights, and slots with no admissible candidate stay."""
+    from lynx_edge import lynx
+
+    spec = RouterSpec(E, K, False, routed_scaling_factor=2.0)
+    cfg = LynxConfig.parse(kind)
+    g = torch.Generator().manual_seed(3)
+    for trial in range(10):
+        scores, probs = group_limited(torch.randn(16, E, generator=g) * 2)
+        fast = lynx_select(scores, True, spec, cfg, probs=probs)
+        monkeypatch.setattr(lynx, "CPU_HOST_PATH", False)
+        ref = lynx_select(scores, True, spec, cfg, probs=probs)
+        monkeypatch.setattr(lynx, "CPU_HOST_PATH", True)
+        assert torch.equal(fast.ids, ref.ids), trial
+        assert torch.equal(fast.weights, ref.weights), trial
+        assert torch.equal(fast.vec[:6], ref.vec[:6]), trial
