@@ -99,10 +99,17 @@ def quantize_model(src, out_dir, method: str = "gptq", group_size: int = 128, sy
     check_output_dir(out)
     model_dir = resolve_model(src)
     cfg = ModelConfig.from_file(model_dir / "config.json")
-    if read_quant_config(model_dir, cfg.raw) is not None:
-        raise ConfigError(f"{model_dir}: already a 4-bit checkpoint")
+    qc = read_quant_config(model_dir, cfg.raw)
+    if qc is not None:
+        raise ConfigError(f"{model_dir}: already a 4-bit checkpoint ({qc.method.upper()})")
+    family = FAMILIES[cfg.model_type]
+    if getattr(family, "experts", None) is not None:  # the family's own expert math (gpt-oss), as build._backends
+        fmt = family.expert_block_bytes(cfg, torch.bfloat16, True)[0] if hasattr(family, "expert_block_bytes") else None
+        raise ConfigError(f"{cfg.model_type}: quantize writes GPTQ INT4 experts, which run a plain SwiGLU without "
+                          "biases; this model's experts compute their own activation with biases, so it does not apply"
+                          + (f" (its 4-bit format is {fmt.upper()}: load with --int4)" if fmt else ""))
     G = group_size_for(cfg.hidden_size, cfg.moe_intermediate_size, group_size)
-    family, ckpt = FAMILIES[cfg.model_type], Checkpoint(model_dir)
+    ckpt = Checkpoint(model_dir)
     by_layer: dict[int, list[str]] = {}
     for name in ckpt.names():
         m = _LAYER_RE.match(internal_name(name, family.RENAMES))

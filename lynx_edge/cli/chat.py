@@ -3,7 +3,10 @@
 The full message list is passed every turn; Engine.stream reuses the cached common prefix, so
 earlier turns are never prefilled again. Ctrl-C stops an answer and keeps the session. Models
 without a chat template chat in plain text (the transcript is the prompt). Sampling flags left out
-take the model's generation_config.json values (shown on stderr), as llama.cpp does.
+take the model's generation_config.json values (shown on stderr), as llama.cpp does. Models whose
+tokenizer and template speak Harmony (gpt-oss) answer on channels: the final channel is the answer
+(and what the next turn sends back), the analysis channel is reasoning, dimmed with
+--show-reasoning, else hidden behind a one-line note.
 """
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ from typing import Annotated, Callable, Optional
 
 import typer
 
+from ..harmony import HarmonyParser, HarmonyTokens, is_answer
 from . import ui
 from .common import engine_options, load_engine
 from .options import (ChatTemplateKwargs, check_lynx, CtxSize, Device, Dtype, Int4, Lynx, MaxTokens, Model, Offload, Profile,
@@ -23,6 +27,7 @@ COMMANDS = {
     "/exit": "quit (also Ctrl-D)",
 }
 _QUOTES = '"""'
+EFFORTS = ("low", "medium", "high")
 
 
 def read_message(read: Callable[[str], str] = ui.read_line) -> str:
@@ -43,17 +48,67 @@ def read_message(read: Callable[[str], str] = ui.read_line) -> str:
     return "\n".join(lines)
 
 
+class _Answer:
+    """One answer streamed to the terminal → its text. Plain models: the chunks' text. Harmony:
+    the answer channel's text; reasoning dimmed (show) or counted on one note line (hidden)."""
+
+    def __init__(self, tok, harmony: HarmonyTokens | None, show_reasoning: bool, notes_to_stderr: bool):
+        self.parser = HarmonyParser(tok, harmony) if harmony is not None else None
+        self.show, self.stderr = show_reasoning, notes_to_stderr
+        self.text, self.hidden, self.thinking = "", 0, False
+
+    def add(self, chunk) -> None:
+        if self.parser is None:
+            ui.write(chunk.text)
+            self.text += chunk.text
+            return
+        for channel, text in self.parser.feed(chunk.token_ids):
+            self._piece(channel, text)
+        if not self.show and self.thinking:
+            self.hidden = sum(n for c, n in self.parser.tokens.items() if not is_answer(c))
+            ui.hidden_reasoning(self.hidden, done=False, stderr=self.stderr)
+
+    def _piece(self, channel, text: str) -> None:
+        if is_answer(channel):
+            self._end_reasoning()
+            ui.write(text)
+            self.text += text
+        else:
+            self.thinking = True
+            if self.show:
+                ui.reasoning(text)
+
+    def _end_reasoning(self) -> None:
+        if not self.thinking:
+            return
+        self.thinking = False
+        if self.show:
+            ui.write("\n")  # the answer starts on its own line, undimmed
+        else:
+            self.hidden = sum(n for c, n in self.parser.tokens.items() if not is_answer(c))
+            ui.hidden_reasoning(self.hidden, done=True, stderr=self.stderr)
+
+    def finish(self) -> None:
+        """The generation ended or was stopped: what the parser still holds, the note if due."""
+        if self.parser is not None:
+            for channel, text in self.parser.flush():
+                self._piece(channel, text)
+            self._end_reasoning()
+
+
 class ChatSession:
     """The conversation: messages, sampling, the engine, and the last turn's stats."""
 
     def __init__(self, engine, system: str | None, sampling: dict, chat_template_kwargs: dict | None = None,
-                 verbose_prompt: bool = False):
+                 verbose_prompt: bool = False, show_reasoning: bool = False):
         self.engine, self.sampling = engine, sampling
         self.template_kwargs = dict(chat_template_kwargs or {})
-        self.verbose_prompt = verbose_prompt
+        self.verbose_prompt, self.show_reasoning = verbose_prompt, show_reasoning
         # no chat template: plain-text chat, the running transcript is the prompt
         tok = getattr(engine, "tokenizer", None)
         self.plain = tok is not None and not getattr(tok, "chat_template", None)
+        # a Harmony tokenizer and template (gpt-oss): the answer comes on channels
+        self.harmony = HarmonyTokens.of(tok) if tok is not None and not self.plain else None
         self.system = [{"role": "system", "content": system}] if system else []
         self.messages = list(self.system)
         self.last: dict = {}
@@ -66,7 +121,9 @@ class ChatSession:
         from ..engine import ContextError
 
         self.messages.append({"role": "user", "content": text})
-        answer, stats, finish = "", None, None
+        out = _Answer(self.engine.tokenizer if self.harmony else None, self.harmony, self.show_reasoning,
+                      stats_to_stderr)
+        stats, finish = None, None
         self.failed = False
         try:
             prompt = self.prompt()
@@ -74,11 +131,11 @@ class ChatSession:
                 ui.note(prompt if isinstance(prompt, str) else self.rendered(), stderr=True)
             kwargs = {"chat_template_kwargs": self.template_kwargs} if self.template_kwargs and not self.plain else {}
             for chunk in self.engine.stream(prompt, **kwargs, **self.sampling):
-                ui.write(chunk.text)
-                answer += chunk.text
+                out.add(chunk)
                 stats = chunk.stats or stats
                 finish = chunk.finish_reason or finish
         except KeyboardInterrupt:
+            out.finish()
             ui.write("\n")
             ui.note("(stopped)", stderr=stats_to_stderr)
         except ContextError as exc:
@@ -87,9 +144,11 @@ class ChatSession:
             self.failed = True
             return ""
         else:
+            out.finish()
             ui.write("\n")
             if finish == "length":  # say so: a cut answer must not read as a finished one
                 ui.note("(cut at the token limit: raise -n / --max-tokens)", stderr=stats_to_stderr)
+        answer = out.text  # Harmony: the final channel only, as the template sends earlier turns back
         if not answer and stats is None:  # interrupted before the first token: forget the question
             self.messages.pop()
             return ""
@@ -177,6 +236,8 @@ def chat(
     prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", help="answer one message and exit")] = None,
     system: Annotated[Optional[str], typer.Option("--system", help="system message")] = None,
     chat_template_kwargs: ChatTemplateKwargs = None,
+    reasoning_effort: Annotated[Optional[str], typer.Option("--reasoning-effort", help="low | medium | high: the chat template's reasoning_effort (gpt-oss); short for --chat-template-kwargs '{\"reasoning_effort\": …}'")] = None,
+    show_reasoning: Annotated[bool, typer.Option("--show-reasoning", help="show the model's reasoning (Harmony analysis channel), dimmed; hidden by default")] = False,
     verbose_prompt: VerbosePrompt = False,
     temp: Temp = None,
     top_p: TopP = None,
@@ -194,6 +255,10 @@ def chat(
 ) -> None:
     """Chat in the terminal (streaming; the KV cache is reused across turns)."""
     template_kwargs = parse_json_object(chat_template_kwargs, "--chat-template-kwargs")
+    if reasoning_effort is not None:
+        if reasoning_effort not in EFFORTS:
+            raise typer.BadParameter(f"{reasoning_effort!r}: use {', '.join(EFFORTS)}", param_hint="--reasoning-effort")
+        template_kwargs["reasoning_effort"] = reasoning_effort
     lynx = check_lynx(lynx)  # a bad value fails now, not after the load
     opts = engine_options(lynx, offload, int4, profile, ctx_size)
     engine = load_engine(model, dtype, device, **opts)
@@ -203,10 +268,14 @@ def chat(
     if from_model:
         ui.note("sampling defaults from the model's generation_config.json: "
                 + " ".join(f"{k}={v}" for k, v in from_model.items()) + " (flags override)", stderr=True)
-    session = ChatSession(engine, system, sampling, template_kwargs, verbose_prompt)
+    session = ChatSession(engine, system, sampling, template_kwargs, verbose_prompt, show_reasoning)
     if session.plain:
         ui.note("this model has no chat template: plain-text chat"
                 + (" (--chat-template-kwargs ignored)" if template_kwargs else ""), stderr=True)
+    elif reasoning_effort is not None and "reasoning_effort" not in (engine.tokenizer.chat_template or ""):
+        ui.note("this model's chat template does not read reasoning_effort (--reasoning-effort ignored)", stderr=True)
+    if show_reasoning and session.harmony is None:
+        ui.note("this model's output has no reasoning channel (--show-reasoning ignored)", stderr=True)
     if prompt is not None:
         ui.model_note(str(engine.model_dir))
         session.turn(prompt, stats_to_stderr=True)

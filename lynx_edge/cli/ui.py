@@ -149,6 +149,25 @@ def stats_parts(stats: dict) -> list[str]:
     return parts
 
 
+def reasoning(text: str) -> None:
+    """Streamed reasoning (a Harmony analysis channel): dimmed on a terminal, plain elsewhere."""
+    c = console()
+    c.print(Text(text, style="dim"), end="")
+    c.file.flush()
+
+
+def hidden_reasoning(tokens: int, done: bool, stderr: bool = False) -> None:
+    """The one line that stands for reasoning not shown: on a terminal it counts up while the
+    model reasons (rewritten in place), then stays; elsewhere it is written once, when done."""
+    c = console(stderr)
+    text = f"(reasoning hidden: {tokens} tokens{'' if done else ' …'} · --show-reasoning shows it)"
+    if c.is_terminal:
+        c.file.write("\r\x1b[2m" + text + "\x1b[0m\x1b[K" + ("\n" if done else ""))
+        c.file.flush()
+    elif done:
+        note(text, stderr=stderr)
+
+
 def stats_line(stats: dict, stderr: bool = False) -> None:
     console(stderr).print(Text(" · ".join(stats_parts(stats)), style="dim"))
 

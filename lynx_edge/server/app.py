@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..core import EngineCore, QueueFull, RequestOutput
 from ..engine import ContextError, Engine
+from ..harmony import HarmonyParser, HarmonyTokens, is_answer
 from . import protocol as P
 from .metrics import Metrics
 from .worker import CoreWorker
@@ -38,6 +39,8 @@ def create_app(engine: Engine, model_name: str | None = None, api_key: str | Non
     worker = CoreWorker(core, metrics)
     name = model_name or (engine.model_dir.name if engine.model_dir else "lynx-edge")
     lynx_on = engine.lynx is not None
+    # Harmony (gpt-oss): the final channel is `content`, the rest `reasoning_content`, as vLLM does
+    harmony = HarmonyTokens.of(engine.tokenizer)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -130,8 +133,21 @@ def create_app(engine: Engine, model_name: str | None = None, api_key: str | Non
                                      media_type="text/event-stream")
         return await _collect(request, rid, subs, chat)
 
+    def parsers(chat: bool, n: int) -> list | None:
+        return [HarmonyParser(engine.tokenizer, harmony) for _ in range(n)] if chat and harmony else None
+
+    def deltas(parse: list | None, i: int, out: RequestOutput) -> list[dict]:
+        """One output → its chat deltas (Harmony pieces by channel, else its text); [{}] to carry a finish."""
+        if parse is None:
+            ds = [{"content": out.text}] if out.text else []
+        else:
+            pieces = parse[i].feed(out.token_ids) + (parse[i].flush() if out.finish_reason is not None else [])
+            ds = [{"content" if is_answer(c) else "reasoning_content": t} for c, t in pieces]
+        return ds or ([{}] if out.finish_reason is not None else [])
+
     async def _collect(request: Request, rid: str, subs, chat: bool):
         texts, reasons, ptok, ctok = [""] * len(subs), [None] * len(subs), 0, 0
+        parse, thoughts = parsers(chat, len(subs)), [""] * len(subs)
         try:
             for i, (sub, q) in enumerate(subs):
                 while True:
@@ -143,7 +159,12 @@ def create_app(engine: Engine, model_name: str | None = None, api_key: str | Non
                         continue
                     if isinstance(out, Exception):
                         raise P.ApiError(500, f"engine error: {out}")
-                    texts[i] += out.text
+                    if parse is None:
+                        texts[i] += out.text
+                    else:
+                        for d in deltas(parse, i, out):
+                            texts[i] += d.get("content", "")
+                            thoughts[i] += d.get("reasoning_content", "")
                     if out.finish_reason is not None:
                         reasons[i], ptok, ctok = out.finish_reason, ptok + out.prompt_tokens, ctok + out.completion_tokens
                         break
@@ -151,6 +172,8 @@ def create_app(engine: Engine, model_name: str | None = None, api_key: str | Non
             for i, (sub, _) in enumerate(subs):
                 if reasons[i] is None:
                     worker.abort(sub)  # client gone or error: free the rows now
+        if parse is not None:
+            return JSONResponse(P.chat_response(rid, name, texts, reasons, P.usage(ptok, ctok), thoughts))
         make = P.chat_response if chat else P.completion_response
         return JSONResponse(make(rid, name, texts, reasons, P.usage(ptok, ctok)))
 
@@ -167,6 +190,7 @@ def create_app(engine: Engine, model_name: str | None = None, api_key: str | Non
                     return
 
         tasks = [asyncio.create_task(pump(i, q)) for i, (_, q) in enumerate(subs)]
+        parse = parsers(chat, len(subs))
         try:
             if chat:
                 for i in range(len(subs)):
@@ -178,12 +202,12 @@ def create_app(engine: Engine, model_name: str | None = None, api_key: str | Non
                     return
                 if out.finish_reason is not None:
                     done[i] = out
-                if out.text or out.finish_reason is not None:
-                    if chat:
-                        delta = {"content": out.text} if out.text else {}
-                        yield P.sse(P.chat_chunk(rid, name, i, delta, out.finish_reason))
-                    else:
-                        yield P.sse(P.completion_chunk(rid, name, i, out.text, out.finish_reason))
+                if chat:
+                    ds = deltas(parse, i, out)
+                    for k, d in enumerate(ds):
+                        yield P.sse(P.chat_chunk(rid, name, i, d, out.finish_reason if k == len(ds) - 1 else None))
+                elif out.text or out.finish_reason is not None:
+                    yield P.sse(P.completion_chunk(rid, name, i, out.text, out.finish_reason))
             if include_usage:
                 ctok = sum(o.completion_tokens for o in done.values())
                 obj = "chat.completion.chunk" if chat else "text_completion"

@@ -157,9 +157,13 @@ def finish(reason: str | None) -> str | None:
     return None if reason is None else "stop" if reason in ("stop", "abort") else reason
 
 
-def chat_response(rid: str, model: str, texts: list[str], reasons: list, use: dict) -> dict:
+def chat_response(rid: str, model: str, texts: list[str], reasons: list, use: dict,
+                  reasoning: list[str] | None = None) -> dict:
+    """reasoning: per choice, the model's reasoning (Harmony analysis) as vLLM's `reasoning_content`."""
+    msg = lambda i, t: {"role": "assistant", "content": t,  # noqa: E731
+                        **({"reasoning_content": reasoning[i] or None} if reasoning is not None else {})}
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None,
+            "choices": [{"index": i, "message": msg(i, t), "logprobs": None,
                          "finish_reason": finish(r)} for i, (t, r) in enumerate(zip(texts, reasons))],
             "usage": use}
 
