@@ -461,3 +461,65 @@ def test_engine_stop_ids_and_reasoning_effort(ckpt):
                                                                   reasoning_effort="high"), add_special_tokens=False)
     assert eng.encode_prompt(CHAT, {"reasoning_effort": "high"}) == want != eng.encode_prompt(CHAT)
     assert 200006 in want and 200008 in want  # <|start|>, <|message|> at their real ids
+
+
+# the commands on gpt-oss: eval, bench, quantize -----------------------------------------------------------
+def _cli(*args):
+    from typer.testing import CliRunner
+
+    from lynx_edge.cli.main import app
+
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def test_eval_perplexity_equals_transformers(ckpt, tmp_path):
+    """`lynx-edge eval`: the exact pass's perplexity = exp(mean NLL) transformers gives on the same
+    windows (cut by the documented rule: n windows spread over the text); LYNX at batch 1 = exact."""
+    import math
+
+    from transformers import AutoTokenizer
+
+    text = (Path(__file__).parent.parent / "lynx_edge" / "demo" / "heldout.txt").read_text()[:3000]
+    (tmp_path / "text.txt").write_text(text)
+    L, P, N = 24, 8, 2
+    r = _cli("eval", ckpt, "-f", tmp_path / "text.txt", "-b", "1,2", "--seqs", N, "--seq-len", L, "--prefill-len", P,
+             "-o", "json", "--dtype", "float32")
+    assert r.exit_code == 0, r.output
+    rows = {row["batch"]: row for row in json.loads(r.stdout.strip().splitlines()[-1])["rows"]}
+    ids = AutoTokenizer.from_pretrained(ckpt).encode(text, add_special_tokens=False)
+    stride = len(ids) // N
+    ref = hf_model(ckpt)
+    nll = []
+    for w in (ids[i * stride: i * stride + L] for i in range(N)):
+        with torch.no_grad():
+            lg = ref(torch.tensor([w])).logits[0].float()
+        nll.append(torch.nn.functional.cross_entropy(lg[P - 1:-1], torch.tensor(w[P:]), reduction="none"))
+    want = math.exp(torch.cat(nll).mean().item())
+    for b in (1, 2):  # batched teacher forcing = single = transformers (observed: equal to the last bit)
+        assert rows[b]["ppl_exact"] == pytest.approx(want, rel=1e-7)
+    assert rows[1]["ppl_lynx"] == rows[1]["ppl_exact"] and rows[1]["unique_lynx"] == rows[1]["unique_exact"] == 4
+    assert rows[2]["unique_lynx"] <= rows[2]["unique_exact"]
+
+
+def test_bench_lynx_both_rows(ckpt):
+    r = _cli("bench", ckpt, "--lynx", "both", "-b", "1,3", "-p", "6", "-n", "4", "-r", "1", "-o", "json",
+             "--quality", "off")
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout.strip().splitlines()[-1])
+    rows = {(row["batch"], row["lynx"]): row for row in data["rows"]}
+    assert set(rows) == {(1, "off"), (1, "on"), (3, "off"), (3, "on")} and data["config"]["family"] == "gpt_oss"
+    for (b, _), row in rows.items():
+        assert row["decode_tok_s"] == pytest.approx(b * 1000.0 / row["tpot_ms"], rel=1e-9)  # one run: exact identity
+    assert rows[1, "off"]["unique_experts_per_layer"] == rows[1, "on"]["unique_experts_per_layer"] == 4.0  # top-k
+    assert 4.0 <= rows[3, "on"]["unique_experts_per_layer"] <= rows[3, "off"]["unique_experts_per_layer"] <= 8.0
+    assert {c["batch"] for c in data["compare"]} == {1, 3}
+
+
+def test_quantize_refuses_in_one_line(ckpt, mx_ckpt, tmp_path):
+    """GPTQ INT4 experts run a plain SwiGLU without biases; gpt-oss's are clamped with biases, and its
+    4-bit format is MXFP4 (--int4 at load; the published checkpoint is already MXFP4)."""
+    r = _cli("quantize", ckpt, "-o", tmp_path / "q")
+    assert r.exit_code == 1 and "MXFP4: load with --int4" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    r = _cli("quantize", mx_ckpt, "-o", tmp_path / "q")
+    assert r.exit_code == 1 and "already a 4-bit checkpoint (MXFP4)" in r.stderr
+    assert not (tmp_path / "q").exists()
