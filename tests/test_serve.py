@@ -2,7 +2,8 @@
 
 References: `Engine.generate` of a separate engine on the same checkpoint, one prompt alone (batch
 invariance under continuous batching, chunked prefill, queueing, staggered arrivals); the
-official `openai` client and raw HTTP for the wire format. Loopback only, every loop bounded.
+official `openai` client and raw HTTP for the wire format. The core on a tiny random checkpoint;
+the real server (uvicorn on an ephemeral port) on the demo model. Loopback only, every loop bounded.
 """
 from __future__ import annotations
 
@@ -247,15 +248,82 @@ def test_metrics_report_lynx_and_unique_experts(model_path):
     assert value('lynx_lynx_mixed{stat="remap_rate_pct"}') > 0
 
 
-# the real server --------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def server(model_path):
-    import uvicorn
+def test_server_defaults_and_template_kwargs(model_path, ref):
+    """Server-wide defaults (serve's --temp/--top-k/-n flags) fill the fields a request leaves out,
+    never those it sends; --chat-template-kwargs sit under the request's own. Reference:
+    Engine.generate with the merged parameters; the kwargs the chat template gets (a spy)."""
+    from fastapi.testclient import TestClient
 
     from lynx_edge.server import create_app
 
     eng = Engine.from_pretrained(model_path, device="cpu")
-    app = create_app(eng, model_name="tiny", api_key=KEY, max_num_seqs=8, prefill_budget=16, max_waiting=64)
+    encode, seen = eng.encode_prompt, []
+
+    def spy(prompt, kwargs=None):
+        seen.append(kwargs)
+        return encode(prompt, kwargs)
+
+    eng.encode_prompt = spy
+    app = create_app(eng, model_name="t", max_num_seqs=2, template_kwargs={"flavour": "a", "depth": 1},
+                     defaults={"do_sample": True, "temperature": 0.8, "top_k": 20, "max_new_tokens": 5})
+    with TestClient(app) as client:
+        r = client.post("/v1/completions", json={"prompt": PROMPTS[2], "seed": 3, "ignore_eos": True}).json()
+        assert r["usage"]["completion_tokens"] == 5
+        assert r["choices"][0]["text"] == ref.generate(PROMPTS[2], max_new_tokens=5, do_sample=True, temperature=0.8,
+                                                       top_k=20, seed=3, ignore_eos=True)
+        r = client.post("/v1/completions", json={"prompt": PROMPTS[3], "temperature": 0, "max_tokens": 3,
+                                                 "ignore_eos": True}).json()
+        assert r["choices"][0]["text"] == ref.generate(PROMPTS[3], max_new_tokens=3, ignore_eos=True)
+        msgs = [{"role": "user", "content": "hi"}]
+        assert client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 1,
+                                                         "chat_template_kwargs": {"flavour": "b"}}).status_code == 200
+    assert seen[-1] == {"flavour": "b", "depth": 1}
+    with pytest.raises(ValueError):
+        create_app(eng, defaults={"top_p": 0.0})  # a bad default fails at start
+
+
+def test_metrics_offload_counters(tmp_path):
+    """An offloaded server (4 device expert slots of 16): /metrics carries the runtime's own
+    counters (cache hits/misses, hit rate, host→device bytes) as the runtime reports them."""
+    from conftest import make_tiny
+    from fastapi.testclient import TestClient
+
+    from lynx_edge.server import create_app
+
+    path = make_tiny(tmp_path / "m", "qwen3_moe", moe_intermediate_size=32)
+    eng = Engine.from_pretrained(path, device="cpu", offload=True, expert_slots=4, profile="cpu-only")
+    with TestClient(create_app(eng, model_name="t", max_num_seqs=2)) as client:
+        r = client.post("/v1/completions", json={"prompt": PROMPTS[:2], "max_tokens": 6, "ignore_eos": True})
+        assert r.status_code == 200
+        m = client.get("/metrics").text
+    got = {line.split('"')[1]: float(line.split()[-1]) for line in m.splitlines() if line.startswith("lynx_offload{")}
+    want = eng.model.offload.stats()
+    assert want["misses"] > 0 and want["bytes_h2d"] > 0
+    for k in ("hits", "misses", "hit_rate", "bytes_h2d", "decode_bytes_h2d"):
+        assert got[k] == pytest.approx(want[k]), k
+
+
+# the real server --------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def demo_path():
+    from lynx_edge.hub import resolve_model
+
+    return resolve_model("demo")
+
+
+@pytest.fixture(scope="module")
+def demo_ref(demo_path):
+    return Engine.from_pretrained(demo_path, device="cpu", ctx_size=512)
+
+
+@pytest.fixture(scope="module")
+def server(demo_path):
+    import uvicorn
+
+    from lynx_edge.server import create_app
+
+    eng = Engine.from_pretrained(demo_path, device="cpu", ctx_size=512)
+    app = create_app(eng, model_name="demo", api_key=KEY, max_num_seqs=8, prefill_budget=16, max_waiting=64)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # asyncio: TCP_NODELAY
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
@@ -278,28 +346,28 @@ def _client(url):
     return openai.OpenAI(base_url=url + "/v1", api_key=KEY, timeout=60, max_retries=0)
 
 
-def test_openai_chat_and_completion(server, ref):
+def test_openai_chat_and_completion(server, demo_ref):
     app, url = server
     client = _client(url)
     msgs = [{"role": "user", "content": "Write a for loop"}]
-    r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=8, temperature=0,
+    r = client.chat.completions.create(model="demo", messages=msgs, max_tokens=8, temperature=0,
                                        extra_body={"ignore_eos": True})
-    assert r.choices[0].message.content == ref.generate(msgs, max_new_tokens=8, ignore_eos=True)
-    assert r.usage.completion_tokens == 8 and r.usage.prompt_tokens == len(ref.encode_prompt(msgs))
+    assert r.choices[0].message.content == demo_ref.generate(msgs, max_new_tokens=8, ignore_eos=True)
+    assert r.usage.completion_tokens == 8 and r.usage.prompt_tokens == len(demo_ref.encode_prompt(msgs))
     assert r.choices[0].finish_reason == "length"
-    c = client.completions.create(model="tiny", prompt=PROMPTS[3], max_tokens=6, seed=3, temperature=0.8,
+    c = client.completions.create(model="demo", prompt=PROMPTS[3], max_tokens=6, seed=3, temperature=0.8,
                                   top_p=0.9, extra_body={"top_k": 40, "repetition_penalty": 1.1, "ignore_eos": True})
-    assert c.choices[0].text == ref.generate(PROMPTS[3], max_new_tokens=6, do_sample=True, temperature=0.8,
+    assert c.choices[0].text == demo_ref.generate(PROMPTS[3], max_new_tokens=6, do_sample=True, temperature=0.8,
                                              top_p=0.9, top_k=40, repetition_penalty=1.1, seed=3, ignore_eos=True)
-    assert [m.id for m in client.models.list().data] == ["tiny"]
-    s = client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=12, temperature=0, stop=["e", "o"])
-    assert s.choices[0].text == ref.generate(PROMPTS[2], max_new_tokens=12, stop_strings=["e", "o"])
+    assert [m.id for m in client.models.list().data] == ["demo"]
+    s = client.completions.create(model="demo", prompt=PROMPTS[2], max_tokens=12, temperature=0, stop=["e", "o"])
+    assert s.choices[0].text == demo_ref.generate(PROMPTS[2], max_new_tokens=12, stop_strings=["e", "o"])
 
 
-def test_openai_streaming_with_usage(server, ref):
+def test_openai_streaming_with_usage(server, demo_ref):
     app, url = server
     client = _client(url)
-    stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=7,
+    stream = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "hi"}], max_tokens=7,
                                             temperature=0, stream=True, stream_options={"include_usage": True},
                                             extra_body={"ignore_eos": True})
     text, usage, reasons = "", None, []
@@ -309,7 +377,7 @@ def test_openai_streaming_with_usage(server, ref):
         for ch in chunk.choices:
             text += ch.delta.content or ""
             reasons.append(ch.finish_reason)
-    assert text == ref.generate([{"role": "user", "content": "hi"}], max_new_tokens=7, ignore_eos=True)
+    assert text == demo_ref.generate([{"role": "user", "content": "hi"}], max_new_tokens=7, ignore_eos=True)
     assert usage.completion_tokens == 7 and reasons[-1] == "length"
 
 
@@ -319,7 +387,7 @@ def varied_prompts(n: int) -> list[str]:
     return [src[(13 * i) % 200:][: 3 + 8 * i] for i in range(n)]
 
 
-def test_concurrent_staggered_requests_equal_generate_alone(server, ref):
+def test_concurrent_staggered_requests_equal_generate_alone(server, demo_ref):
     """The issue's batch invariance: 32 concurrent requests of 32 prompt lengths, arriving staggered
     (8 rows: queueing and chunked prefill too), streamed and not, half of them sampled with their
     own seeds (decoding side by side); each text = Engine.generate of that prompt alone."""
@@ -332,7 +400,7 @@ def test_concurrent_staggered_requests_equal_generate_alone(server, ref):
 
     def one(i):
         time.sleep(0.01 * i)
-        kw = dict(model="tiny", prompt=prompts[i], max_tokens=10, extra_body={"ignore_eos": True},
+        kw = dict(model="demo", prompt=prompts[i], max_tokens=10, extra_body={"ignore_eos": True},
                   **(sampled(i) if i % 4 >= 2 else greedy))
         if i % 2:
             s = client.completions.create(stream=True, **kw)
@@ -345,7 +413,7 @@ def test_concurrent_staggered_requests_equal_generate_alone(server, ref):
         t.start()
     for t in threads:
         t.join(timeout=120)
-    want = {i: ref.generate(p, max_new_tokens=10, ignore_eos=True,
+    want = {i: demo_ref.generate(p, max_new_tokens=10, ignore_eos=True,
                             **(dict(do_sample=True, temperature=0.9, top_p=0.9, seed=100 + i) if i % 4 >= 2 else {}))
             for i, p in enumerate(prompts)}
     assert got == want
@@ -364,7 +432,7 @@ def _wait_free(app, timeout=15.0):
 def test_disconnect_mid_stream_frees_row(server):
     app, url = server
     assert _wait_free(app)
-    body = {"model": "tiny", "prompt": "def", "max_tokens": 400, "stream": True, "ignore_eos": True}
+    body = {"model": "demo", "prompt": "def", "max_tokens": 400, "stream": True, "ignore_eos": True}
     with httpx.Client(timeout=30) as h:
         with h.stream("POST", url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}) as r:
             assert r.status_code == 200
@@ -388,13 +456,13 @@ def _post(url, path, body, key=KEY, raw=None):
 @pytest.mark.parametrize("body,raw,key,status,param", [
     (None, b"{not json", KEY, 400, None),
     ({"model": "nope", "prompt": "x"}, None, KEY, 404, "model"),
-    ({"model": "tiny", "prompt": "x", "max_tokens": -1}, None, KEY, 400, "max_tokens"),
-    ({"model": "tiny", "prompt": "x", "temperature": -0.5}, None, KEY, 400, "temperature"),
-    ({"model": "tiny", "prompt": "x", "top_p": 0}, None, KEY, 400, "top_p"),
-    ({"model": "tiny", "prompt": 5}, None, KEY, 400, "prompt"),
-    ({"model": "tiny", "prompt": [5] * 600}, None, KEY, 413, "prompt"),
-    ({"model": "tiny", "prompt": [10**6]}, None, KEY, 400, "prompt"),
-    ({"model": "tiny", "prompt": "x"}, None, "wrong", 401, None),
+    ({"model": "demo", "prompt": "x", "max_tokens": -1}, None, KEY, 400, "max_tokens"),
+    ({"model": "demo", "prompt": "x", "temperature": -0.5}, None, KEY, 400, "temperature"),
+    ({"model": "demo", "prompt": "x", "top_p": 0}, None, KEY, 400, "top_p"),
+    ({"model": "demo", "prompt": 5}, None, KEY, 400, "prompt"),
+    ({"model": "demo", "prompt": [5] * 600}, None, KEY, 413, "prompt"),
+    ({"model": "demo", "prompt": [10**6]}, None, KEY, 400, "prompt"),
+    ({"model": "demo", "prompt": "x"}, None, "wrong", 401, None),
     (None, b'{"prompt": "' + b"x" * (17 << 20) + b'"}', KEY, 413, None),
 ])
 def test_bad_requests_get_openai_errors(server, body, raw, key, status, param):
@@ -408,7 +476,7 @@ def test_bad_requests_get_openai_errors(server, body, raw, key, status, param):
 
 def test_chat_bad_messages_and_unknown_route(server):
     app, url = server
-    assert _post(url, "/v1/chat/completions", {"model": "tiny", "messages": []}).status_code == 400
+    assert _post(url, "/v1/chat/completions", {"model": "demo", "messages": []}).status_code == 400
     r = httpx.get(url + "/v1/nothing", headers={"Authorization": f"Bearer {KEY}"})
     assert r.status_code == 404 and "error" in r.json()
 
@@ -420,7 +488,7 @@ def test_queue_full_is_429_with_retry_after(server, monkeypatch):
         raise QueueFull("the waiting queue is full (32 requests)")
 
     monkeypatch.setattr(app.state.core, "add_request", full)
-    r = _post(url, "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 2})
+    r = _post(url, "/v1/completions", {"model": "demo", "prompt": "x", "max_tokens": 2})
     assert r.status_code == 429 and r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "queue_full"
 
 
@@ -448,7 +516,7 @@ def test_cli_serve_subprocess_sigterm_exits_0(model_path):
     s.close()
     env = {**os.environ, "LYNX_API_KEY": KEY}
     proc = subprocess.Popen([sys.executable, "-m", "lynx_edge", "serve", str(model_path), "--port", str(port),
-                             "--max-num-seqs", "2", "--ctx-size", "128", "--device", "cpu"],
+                             "--max-num-seqs", "2", "--ctx-size", "128", "--device", "cpu", "-n", "3", "--temp", "0"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -460,7 +528,7 @@ def test_cli_serve_subprocess_sigterm_exits_0(model_path):
                 pass
             assert proc.poll() is None, proc.stdout.read()
             time.sleep(0.2)
-        r = _post(url, "/v1/completions", {"prompt": "def", "max_tokens": 3, "temperature": 0, "ignore_eos": True})
+        r = _post(url, "/v1/completions", {"prompt": "def", "ignore_eos": True})  # -n 3, --temp 0: the defaults
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
         assert httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}).json()["data"][0]["max_model_len"] == 128
         proc.send_signal(signal.SIGTERM)
@@ -471,7 +539,7 @@ def test_cli_serve_subprocess_sigterm_exits_0(model_path):
             proc.wait(timeout=10)
 
 
-def test_async_client_n_and_seeded_sampling(server, ref):
+def test_async_client_n_and_seeded_sampling(server, demo_ref):
     """AsyncOpenAI, n=2 (seeds s, s+1) and streaming chat, concurrently: each = Engine.generate alone."""
     import asyncio
 
@@ -480,11 +548,11 @@ def test_async_client_n_and_seeded_sampling(server, ref):
 
     async def main():
         client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=KEY, timeout=60, max_retries=0)
-        nreq = client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=8, n=2, seed=11,
+        nreq = client.completions.create(model="demo", prompt=PROMPTS[2], max_tokens=8, n=2, seed=11,
                                          temperature=1.0, top_p=0.95, extra_body={"ignore_eos": True})
 
         async def chat():
-            s = await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "yo"}],
+            s = await client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "yo"}],
                                                      max_tokens=8, seed=5, temperature=1.0, top_p=0.95, stream=True,
                                                      extra_body={"ignore_eos": True})
             return "".join([c.choices[0].delta.content or "" async for c in s if c.choices])
@@ -493,12 +561,12 @@ def test_async_client_n_and_seeded_sampling(server, ref):
 
     r, text = asyncio.run(main())
     assert [c.text for c in sorted(r.choices, key=lambda c: c.index)] == [
-        ref.generate(PROMPTS[2], seed=11, **kw), ref.generate(PROMPTS[2], seed=12, **kw)]
+        demo_ref.generate(PROMPTS[2], seed=11, **kw), demo_ref.generate(PROMPTS[2], seed=12, **kw)]
     assert r.usage.completion_tokens == 16
-    assert text == ref.generate([{"role": "user", "content": "yo"}], seed=5, **kw)
+    assert text == demo_ref.generate([{"role": "user", "content": "yo"}], seed=5, **kw)
 
 
-def test_load_with_faults_leaks_nothing(server, ref):
+def test_load_with_faults_leaks_nothing(server, demo_ref):
     """The issue's load: 64 concurrent streaming clients (bounded) on 8 rows: 54 good streams,
     6 that disconnect mid-stream, 3 bad requests and one over-long prompt. Every good request
     completes correctly; rows, queue and streams return to their start; /health answers."""
@@ -511,7 +579,7 @@ def test_load_with_faults_leaks_nothing(server, ref):
     good = {i: prompts[i % len(prompts)] for i in range(54)}
 
     async def stream(h, prompt, leave_after=None):
-        body = {"model": "tiny", "prompt": prompt, "max_tokens": 8 if leave_after is None else 300,
+        body = {"model": "demo", "prompt": prompt, "max_tokens": 8 if leave_after is None else 300,
                 "temperature": 0, "stream": True, "ignore_eos": True}
         text, events = "", 0
         async with h.stream("POST", url + "/v1/completions", json=body, headers=headers) as r:
@@ -542,7 +610,7 @@ def test_load_with_faults_leaks_nothing(server, ref):
             return await asyncio.wait_for(asyncio.gather(*jobs), timeout=120)
 
     results = asyncio.run(main())
-    want = {p: ref.generate(p, max_new_tokens=8, ignore_eos=True) for p in set(good.values())}
+    want = {p: demo_ref.generate(p, max_new_tokens=8, ignore_eos=True) for p in set(good.values())}
     assert results[:54] == [want[p] for p in good.values()]
     assert _wait_free(app), app.state.core.counts()
     assert app.state.worker.in_flight() == 0

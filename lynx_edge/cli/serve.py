@@ -8,7 +8,10 @@ import typer
 
 from . import ui
 from .common import CliError, engine_options, load_engine
-from .options import CtxSize, Device, Dtype, Int4, Lynx, Model, Offload, Profile
+from .options import (ChatTemplateKwargs, CtxSize, Device, Dtype, Int4, Lynx, Model, Offload, Profile,
+                      parse_json_object)
+
+_DEFAULT = "[default: the model's generation_config.json, else OpenAI's]"
 
 
 def serve(
@@ -28,6 +31,12 @@ def serve(
         "--served-model-name", help="the model id clients send [default: the model directory's name]")] = None,
     shutdown_timeout: Annotated[float, typer.Option(
         "--shutdown-timeout", min=0, help="seconds in-flight requests get on SIGTERM/Ctrl-C")] = 10.0,
+    temp: Annotated[Optional[float], typer.Option("--temp", min=0, help=f"temperature of requests that send none; 0 = greedy {_DEFAULT}")] = None,
+    top_p: Annotated[Optional[float], typer.Option("--top-p", min=0, max=1, help=f"top_p of requests that send none {_DEFAULT}")] = None,
+    top_k: Annotated[Optional[int], typer.Option("--top-k", min=0, help=f"top_k of requests that send none; 0 = off {_DEFAULT}")] = None,
+    repeat_penalty: Annotated[Optional[float], typer.Option("--repeat-penalty", min=0, help=f"repetition_penalty of requests that send none {_DEFAULT}")] = None,
+    max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", "-n", min=0, help="max_tokens of requests that send none [default: until a stop or the context]")] = None,
+    chat_template_kwargs: ChatTemplateKwargs = None,
     lynx: Lynx = "off",
     offload: Offload = False,
     int4: Int4 = False,
@@ -40,6 +49,12 @@ def serve(
         from ..server import serve as run_server
     except ModuleNotFoundError as exc:
         raise CliError(f"the server needs {exc.name}", "pip install fastapi uvicorn prometheus_client") from None
+    template_kwargs = parse_json_object(chat_template_kwargs, "--chat-template-kwargs")
+    # server-wide defaults for fields a request leaves out (OpenAI's names → Engine.sampling_params')
+    defaults = {k: v for k, v in (("temperature", temp or None), ("top_p", top_p), ("top_k", top_k),
+                                  ("repetition_penalty", repeat_penalty), ("max_new_tokens", max_tokens)) if v is not None}
+    if temp is not None:
+        defaults["do_sample"] = temp > 0  # --temp 0: greedy
     opts = engine_options(lynx=lynx, offload=offload, int4=int4, profile=profile, ctx_size=ctx_size)
     # the memory plan (and --offload's expert slots) count the KV cache of max_num_seqs rows
     engine = load_engine(model, dtype=dtype, device=device, max_num_seqs=max_num_seqs, **opts)
@@ -49,4 +64,5 @@ def serve(
             f"(max-num-seqs {max_num_seqs}, ctx {engine.ctx}, lynx {lynx})")
     run_server(engine, host=host, port=port, model_name=served_model_name, api_key=api_key,
                max_num_seqs=max_num_seqs, prefill_budget=max_num_batched_tokens, max_waiting=max_queue,
-               shutdown_timeout=shutdown_timeout, mixed_steps=mixed_steps)
+               shutdown_timeout=shutdown_timeout, mixed_steps=mixed_steps, defaults=defaults,
+               template_kwargs=template_kwargs)

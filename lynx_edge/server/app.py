@@ -32,7 +32,13 @@ MAX_BODY_BYTES = 16 << 20  # a prompt far over any context still fits; a runaway
 
 def create_app(engine: Engine, model_name: str | None = None, api_key: str | None = None, max_num_seqs: int = 16,
                prefill_budget: int = 256, max_waiting: int = 64, shutdown_timeout: float = 10.0,
-               mixed_steps: bool = False) -> FastAPI:
+               mixed_steps: bool = False, defaults: dict | None = None,
+               template_kwargs: dict | None = None) -> FastAPI:
+    """defaults: Engine.sampling_params keywords for fields a request leaves out (the serve
+    command's --temp, --top-p, … flags; beneath them the model's generation_config.json);
+    template_kwargs: chat template keywords every chat request gets (its own override them)."""
+    defaults, template_kwargs = dict(defaults or {}), dict(template_kwargs or {})
+    engine.sampling_params(**defaults)  # a bad default fails at start, not on every request
     core = EngineCore(engine, max_num_seqs=max_num_seqs, prefill_budget=prefill_budget, max_waiting=max_waiting,
                       mixed_steps=mixed_steps)
     metrics = Metrics()
@@ -88,6 +94,9 @@ def create_app(engine: Engine, model_name: str | None = None, api_key: str | Non
 
     def sampling(body: dict, n: int):
         kw = P.sampling_kwargs(body)
+        if kw.get("max_new_tokens") is None:
+            del kw["max_new_tokens"]  # left out: the server's default, else until a stop or the context
+        kw = {"max_new_tokens": None, **defaults, **kw}
         try:
             sps = []
             for i in range(n):  # n > 1 with a seed: seed, seed+1, … so the choices differ
@@ -232,7 +241,7 @@ def create_app(engine: Engine, model_name: str | None = None, api_key: str | Non
     async def chat_completions(request: Request):
         body = await read_body(request)
         messages, kwargs = P.chat_messages(body)
-        return await generate(request, body, [encode(messages, kwargs)], chat=True)
+        return await generate(request, body, [encode(messages, {**template_kwargs, **kwargs})], chat=True)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
