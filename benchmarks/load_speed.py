@@ -174,7 +174,8 @@ def run(args) -> dict:
                              loadavg_start=load0, loadavg_end=os.getloadavg()),
                 checkpoint=dict(layers=args.layers, experts=args.experts, hidden=args.hidden, inter=args.inter,
                                 bf16_bytes=size["bf16"], gptq_bytes=size["gptq"], dtype=args.dtype),
-                runs=args.runs, trees={k: str(v) for k, v in trees.items()}, results=res)
+                runs=args.runs, trees={k: str(v) for k, v in trees.items()}, before_label=args.before_label,
+                results=res)
 
 
 def to_markdown(res: dict) -> str:
@@ -188,7 +189,8 @@ def to_markdown(res: dict) -> str:
              f"box). Load average {m['loadavg_start'][0]:.2f} at the start, "
              f"{m['loadavg_end'][0]:.2f} at the end ({m['cpu_count']} cores, shared).", ""]
     if "before" in tr:
-        lines += ["| mode | checkpoint | before s (CPU s) | before GB/s | after s (CPU s) | after GB/s | speed-up |",
+        lines += [f"before = {res.get('before_label') or res['trees']['before']}; after = this tree.", "",
+                  "| mode | checkpoint | before s (CPU s) | before GB/s | after s (CPU s) | after GB/s | speed-up |",
                   "|---|---|---|---|---|---|---|"]
         for mode, a in tr["after"].items():
             b = tr["before"][mode]
@@ -211,6 +213,8 @@ def to_markdown(res: dict) -> str:
                 continue
             tot = r["profiled_seconds"]
             lines.append(f"| {mode} | {tot:.3f} | " + " | ".join(f"{100 * r['phases'][p] / tot:.0f}%" for p in PHASES) + " |")
+    if res.get("notes"):
+        lines += ["", "## Notes", ""] + [f"- {n}" for n in res["notes"]]
     return "\n".join(lines) + "\n"
 
 
@@ -225,6 +229,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", help="model dtype ('' = the runtime's CPU default)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: steady on a shared box)")
     ap.add_argument("--before", default=None, help="a directory holding an older lynx_edge/ to compare against")
+    ap.add_argument("--before-label", default=None, help="what --before is (e.g. its commit), for the record")
     ap.add_argument("--dir", default=None, help="work directory (checkpoints are cached there)")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/load_speed.json + .md)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
