@@ -119,8 +119,9 @@ class Script:
         self.at, self.ids, self.orig = 0, [], eng.model.forward
         eng.model.forward = self
 
+    @torch.inference_mode()  # the logits are inference tensors, whatever mode the caller is in
     def __call__(self, input_ids, ab, kv, is_decode, logits_for="last"):
-        logits = self.orig(input_ids, ab, kv, is_decode, logits_for).clone()  # (an inference tensor)
+        logits = self.orig(input_ids, ab, kv, is_decode, logits_for).clone()
         if logits.dim() == 2:
             for b, pos in enumerate(ab.positions[:, -1].tolist()):
                 k = pos + 1 - self.at
