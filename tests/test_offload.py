@@ -531,3 +531,18 @@ def test_gpu_offload_check_dry_run(tmp_path):
     assert mod.main(["--dry-run", "--layers", "2", "--steps", "2", "--prompt", "4", "--out", str(tmp_path)]) == 0
     rep = json.loads((tmp_path / "gpu_offload_check.json").read_text())
     assert {(r["batch"], r["variant"]) for r in rep["rows"]} >= {(1, "lru"), (1, "lynx"), (16, "lru"), (16, "lynx")}
+
+
+@pytest.mark.gpu
+def test_store_pins_exactly_its_bytes_cuda(tiny_models):
+    """On a real GPU the one-pass load pins each layer's store buffer itself (cudaHostRegister):
+    every buffer is page-locked and the pinned total is the experts' exact size, not the
+    power-of-two blocks of pin_memory=True (pytorch issue 150517)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    eng = Engine.from_pretrained(tiny_models["mixtral"], device="cuda", dtype="bfloat16", offload=True)
+    st = eng.model.offload.store
+    assert st.layers and all(buf.is_pinned() for buf in st.layers.values())
+    exact = len(eng.cfg.moe_layer_ids) * eng.cfg.num_experts * st.nbytes
+    assert st.pinned_bytes == exact == sum(buf.numel() for buf in st.layers.values())
+    assert not st.pin_failed and st.staging is None  # pinned buffers copy straight to the device
