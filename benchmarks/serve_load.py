@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -70,6 +71,7 @@ def main(argv=None) -> int:
 
     a.threads = set_threads(a.threads, explicit=True)  # the Engine builds keep it
     sizes = [int(x) for x in a.concurrency.split(",")]
+    load_before = os.getloadavg()[0]  # the box is shared: say how busy it was
     src = resolve_model(a.model)
     rows = run_model(src, a.model, a, sizes)
     if a.pad:
@@ -80,14 +82,16 @@ def main(argv=None) -> int:
     slo = slo_throughput(rows, a.slo_ms, key)
     meta = {"model": a.model, "pad": a.pad, "reps": a.reps, "threads": a.threads, "isa": cpu_isa(), "requests_per_client": a.requests,
             "max_tokens": a.max_tokens, "prompt_len_mean": a.prompt_len, "ctx": a.ctx, "stagger_ms": a.stagger_ms,
-            "slo_tpot_p90_ms": a.slo_ms, "max_throughput_at_slo": slo, "torch": torch.__version__,
+            "slo_tpot_p90_ms": a.slo_ms, "max_throughput_at_slo": slo, "cpus": os.cpu_count(),
+            "loadavg_1min_before_after": [load_before, os.getloadavg()[0]], "torch": torch.__version__,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows, "lynx_on_vs_off":
                                                     compare(rows, ("model", "lynx", "mixed"))}, indent=1) + "\n")
     text = [f"# serve_load: median of {a.reps} rounds, {a.requests} req/client × {a.max_tokens} tokens, prompts ~{a.prompt_len} tokens, greedy, "
-            f"{a.threads} thread(s) ({meta['isa']}), stagger {a.stagger_ms:g} ms ({meta['date']})", "",
+            f"{a.threads} thread(s) ({meta['isa']}), stagger {a.stagger_ms:g} ms ({meta['date']}, {os.cpu_count()} CPUs, "
+            f"load average {load_before:.1f} → {os.getloadavg()[0]:.1f})", "",
             markdown(rows, ("model", "lynx", "mixed")),
             f"Max throughput with TPOT p90 ≤ {a.slo_ms:g} ms: " + "; ".join(f"{m}: {v:.1f} tok/s" for m, v in slo.items()),
             ""]
