@@ -37,17 +37,16 @@ class Discarded:
 
 
 def tpot(engine, route, B: int, steps: int) -> float:
-    """Median ms per decode step of B rows (prefilled with 16 prompt tokens each)."""
+    """Median ms per decode step of B rows (prefilled with 16 different prompt tokens each)."""
     from lynx_edge.step import decode_step, prefill
 
     model = engine.model
     kv = engine._cache(B)
     kv.reset()
     model.routing.route = route
-    prompt = list(range(10, 26))
-    for r in range(B):
-        prefill(model, kv, r, prompt)
-    tok = torch.full((B,), 11, dtype=torch.long)
+    for r in range(B):  # a different prompt per row, so rows route differently (as real batches do)
+        prefill(model, kv, r, [(37 * r + 11 * i) % 200 + 10 for i in range(16)])
+    tok = torch.arange(B, dtype=torch.long) * 13 + 20
     times = []
     for _ in range(steps):
         t = time.perf_counter()

@@ -319,8 +319,8 @@ def _select(logits, is_decode, spec: RouterSpec, cfg, layer, resident, probs=Non
         probs = torch.softmax(z, dim=-1, dtype=torch.float32)
     if (CPU_HOST_PATH and _host.route is not None and host and is_decode and res is None
             and dev.type == "cpu" and cfg.kind != "off" and E > K and layer not in cfg.skip_layers
-            and T >= max(cfg.min_batch, 2) and T ** (cfg.beta + 1) * K < 2**62):
-        return _select_host(z, probs, spec, cfg)  # compiled, same results
+            and T ** (cfg.beta + 1) * K < 2**62):
+        return _select_host(z, probs, spec, cfg, T >= max(cfg.min_batch, 2))  # compiled, same results
     order = rank_experts(z)  # [T, E] the tie rule, shared by top-k and the remap
     ids0 = order[:, :K]
     p0 = probs.gather(1, ids0)  # [T, K] original top-k probs
@@ -374,7 +374,7 @@ def _select(logits, is_decode, spec: RouterSpec, cfg, layer, resident, probs=Non
     return _result(E, ids0, new, weights, n_dec, (p0 * drop).sum(), drop.sum(), res)
 
 
-def _select_host(z, probs, spec: RouterSpec, cfg: LynxConfig) -> LynxResult:
+def _select_host(z, probs, spec: RouterSpec, cfg: LynxConfig, pooled: bool) -> LynxResult:
     """lynx_select's all-decode pooled path on CPU tensors in one compiled call (lynx_host.route),
     after the softmax — fewer torch ops than the exact router. Ids and weights bit-identical.
     z, probs [T, E] fp32."""
@@ -382,7 +382,7 @@ def _select_host(z, probs, spec: RouterSpec, cfg: LynxConfig) -> LynxResult:
     kind = {"lynx": _host.KIND_LYNX, "budget": _host.KIND_BUDGET, "lynx-mass": _host.KIND_MASS}[cfg.kind]
     ids, w, vec = _host.route(z.numpy(), probs.numpy(), K, spec.norm_topk_prob, np.float32(cfg.alpha_for(E, K)),
                               cfg.beta, cfg.j, kind, np.float32(cfg.arg or 0), cfg.protect_top1,
-                              np.float32(_kernel.MASS_SLACK))
+                              np.float32(_kernel.MASS_SLACK), pooled)
     return LynxResult(torch.from_numpy(ids), torch.from_numpy(w), torch.from_numpy(vec), None)
 
 

@@ -163,10 +163,10 @@ def _reweight(probs, p0, w0, new, drop, norm):
     return w, mass
 
 
-def _route(z, probs, K, norm, alpha, beta, j, kind, arg, protect, slack):
+def _route(z, probs, K, norm, alpha, beta, j, kind, arg, protect, slack, pooled):
     """The whole pooled all-decode selection from scores and probs [T, E] fp32 (torch's softmax):
     the exact top-k (routing.exact_route's choice and weights; renormalised with a left-to-right
-    fp32 sum when norm), then decide + reweight.
+    fp32 sum when norm), then — when `pooled` (the batch is at least min_batch) — decide + reweight.
     → ids [T, K] int64, weights [T, K] fp32, stats (T, T, T·K, unique before, after, drops, mass)."""
     T, E = z.shape
     ids0 = np.empty((T, K), np.int64)
@@ -182,6 +182,13 @@ def _route(z, probs, K, norm, alpha, beta, j, kind, arg, protect, slack):
         s0[t] = acc
         for s in range(K):
             w0[t, s] = p0[t, s] / acc if norm else p0[t, s]
+    if not pooled:  # below min_batch there is no batch vote: exact routing
+        seen = np.zeros(E, np.bool_)
+        for t in range(T):
+            for s in range(K):
+                seen[ids0[t, s]] = True
+        u = seen.sum()
+        return ids0, w0, np.array([T, T, T * K, u, u, 0.0, 0.0])
     new, drop, (changed, u0, u1, n_drop) = _decide(z, ids0, p0, s0, alpha, beta, j, kind, arg, protect, slack)
     if changed == 0:
         return new, w0, np.array([T, T, T * K, u0, u0, 0.0, 0.0])
