@@ -268,16 +268,28 @@ class Engine:
         for b, p in enumerate(prompts):
             core.add_request(p, replace(sp, seed=seeds[b]), str(b), cached=start if b == 0 else 0)
         reqs = {r.id: r for _, r in core._inbox}  # the queued requests (their _Seq: text, output ids)
-        t_prefill, n_decode, t_first = 0.0, 0, None
+        self.last_stats, self._t_first = {}, None
+        try:
+            yield from self._run(core, reqs, prompts, reuse, stateful, t0)
+        finally:
+            if not self.last_stats and self._t_first is not None:
+                # the caller stopped the stream (closed it, e.g. Ctrl-C in chat): keep what was done
+                seqs = [r.seq for r in reqs.values()]
+                self.last_stats = {**self._summary(seqs, self._t_prefill, time.perf_counter() - self._t_first,
+                                                   self._n_decode), "stopped": True}
+
+    def _run(self, core, reqs: dict, prompts: list[list[int]], reuse: bool, stateful: bool, t0: float):
+        """The step loop of _generate: chunks out, the summary on the last one."""
+        self._t_prefill, self._n_decode, self._t_first = 0.0, 0, None
         while core.has_work():
             outs = core.step()
-            if t_first is None:
-                t_first = time.perf_counter()
-                t_prefill = t_first - t0
+            if self._t_first is None:
+                self._t_first = time.perf_counter()
+                self._t_prefill = self._t_first - t0
                 # a state advances with every decode step: its session is recorded only when the answer ends
                 self._session = list(prompts[0]) if reuse and not stateful else []
             else:
-                n_decode += 1
+                self._n_decode += 1
             for i, o in enumerate(outs):
                 row = int(o.request_id)
                 chunk = Chunk(o.text, o.token_ids, row, o.finish_reason)
@@ -289,7 +301,8 @@ class Engine:
                     self._session += reqs[o.request_id].seq.out[:-1]
                 if i == len(outs) - 1 and not core.has_work():
                     seqs = [r.seq for r in reqs.values()]
-                    chunk.stats = self._summary(seqs, t_prefill, time.perf_counter() - t_first, n_decode)
+                    chunk.stats = self._summary(seqs, self._t_prefill, time.perf_counter() - self._t_first,
+                                                self._n_decode)
                     self.last_stats = chunk.stats
                 yield chunk
 

@@ -269,11 +269,13 @@ class _StubEngine:
 
     def __init__(self):
         self.calls, self.resets = [], 0
+        self.last_stats = {}
 
     def stream(self, messages, **kw):
         from lynx_edge.engine import Chunk
 
         self.calls.append([dict(m) for m in messages])
+        self.last_stats = {"completion_tokens": 2, "decode_tok_s": 5.0, "stopped": True}  # as Engine sets it
         yield Chunk("Hel", [1])
         yield Chunk("lo", [2])
         raise KeyboardInterrupt
@@ -294,6 +296,7 @@ def test_ctrl_c_keeps_the_session(capsys):
     assert [m["role"] for m in eng.calls[1]] == ["system", "user", "assistant", "user"]
     out = capsys.readouterr()
     assert "Hello" in out.out and "(stopped)" in out.out + out.err
+    assert "2 tokens" in out.out + out.err and s.last["stopped"]  # a stopped answer keeps its stats
     s.reset()
     assert s.messages == [{"role": "system", "content": "sys"}] and eng.resets == 1
 

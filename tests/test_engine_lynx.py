@@ -60,3 +60,18 @@ def test_engine_offload_option_matches_resident(tiny_models):
     eng.set_lynx("lynx")  # residency-aware LYNX on top of the offload runtime
     last = list(eng.stream_batch(prompts, max_new_tokens=6, ignore_eos=True))[-1]
     assert "lynx" in last.stats and last.stats["lynx"]["decode_layer_steps"] > 0
+
+
+def test_a_stopped_stream_keeps_its_stats():
+    """Closing a stream mid-answer (chat's Ctrl-C) leaves the engine's summary of what it did."""
+    from lynx_edge import Engine
+
+    eng = Engine.from_pretrained("demo", threads=1)
+    stream = eng.stream("def main():", max_new_tokens=20, do_sample=False, ignore_eos=True)
+    got = [next(stream) for _ in range(5)]
+    stream.close()
+    st = eng.last_stats
+    assert st["stopped"] and st["completion_tokens"] == sum(len(c.token_ids) for c in got) == 5
+    assert st["prompt_tokens"] == len(eng.encode_prompt("def main():")) and st["decode_steps"] == 4
+    full = list(eng.stream("def main():", max_new_tokens=20, do_sample=False, ignore_eos=True))
+    assert "stopped" not in eng.last_stats and eng.last_stats["completion_tokens"] == 20 == len(full)

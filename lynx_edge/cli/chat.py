@@ -123,18 +123,22 @@ class ChatSession:
         self.messages.append({"role": "user", "content": text})
         out = _Answer(self.engine.tokenizer if self.harmony else None, self.harmony, self.show_reasoning,
                       stats_to_stderr)
-        stats, finish = None, None
+        stats, finish, stream = None, None, None
         self.failed = False
         try:
             prompt = self.prompt()
             if self.verbose_prompt:
                 ui.note(prompt if isinstance(prompt, str) else self.rendered(), stderr=True)
             kwargs = {"chat_template_kwargs": self.template_kwargs} if self.template_kwargs and not self.plain else {}
-            for chunk in self.engine.stream(prompt, **kwargs, **self.sampling):
+            stream = self.engine.stream(prompt, **kwargs, **self.sampling)
+            for chunk in stream:
                 out.add(chunk)
                 stats = chunk.stats or stats
                 finish = chunk.finish_reason or finish
         except KeyboardInterrupt:
+            if stream is not None:
+                stream.close()  # the engine summarises what it did before the stop
+                stats = stats or getattr(self.engine, "last_stats", None) or None
             out.finish()
             ui.write("\n")
             ui.note("(stopped)", stderr=stats_to_stderr)
