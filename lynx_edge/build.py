@@ -156,12 +156,10 @@ def _backends(cfg: ModelConfig, dt, dev, int4: bool, group, sym, mixed, rt):
     own = getattr(FAMILIES[cfg.model_type], "experts", None)  # a family with its own expert math (gpt-oss)
 
     def make(layer: int):
-        if rt is not None:
-            if own is not None:  # the offload store holds plain SwiGLU experts only
-                raise ConfigError(f"{cfg.model_type}: offloading its experts is not supported yet; load without offload")
+        if rt is not None:  # the store's format carries the family's expert math and reader
             from .offload.experts import OffloadedExperts
 
-            return OffloadedExperts(rt, layer)
+            return OffloadedExperts.make(rt, layer)
         if own is not None:
             return own(cfg, layer, dt, dev, four_bit=int4)
         if int4 and layer not in mixed:
@@ -176,7 +174,7 @@ def _backends(cfg: ModelConfig, dt, dev, int4: bool, group, sym, mixed, rt):
 def _offload_runtime(cfg, opts: LoadOptions, dt, dev, name, group, sym, mixed):
     from .offload import OffloadOptions
     from .offload.runtime import make_runtime
-    from .offload.store import expert_format
+    from .offload.store import store_format
 
     if mixed:
         warnings.warn(f"layers {list(mixed)} of this 4-bit checkpoint keep some experts 16-bit; offloaded "
@@ -184,8 +182,7 @@ def _offload_runtime(cfg, opts: LoadOptions, dt, dev, name, group, sym, mixed):
     extra = dict(opts.offload_options or {})
     oo = OffloadOptions(device=str(dev), ctx=opts.ctx, batch=opts.batch,
                         expert_format="int4" if name == "int4" else "auto", int4_group=group or 128, **extra)
-    fmt = expert_format(oo.expert_format, dt, cfg.hidden_size, cfg.moe_intermediate_size, group or 128,
-                        sym if sym is not None else True)
+    fmt = store_format(cfg, oo.expert_format, dt, group or 128, sym if sym is not None else True)
     return make_runtime(cfg, oo, dt, dev, fmt=fmt)
 
 

@@ -325,7 +325,7 @@ def test_fused_moe_oss_on_cuda(T):
     assert err < 2e-2, err
 
 
-# LYNX, 4-bit, offload, info ----------------------------------------------------------------------------
+# LYNX, 4-bit, info (offload: test_gpt_oss_offload.py) ----------------------------------------------------------------------------
 class _Watch:
     """Wraps the routing function; records (scores, is_decode, ids, exact ids) per call."""
 
@@ -381,13 +381,6 @@ def test_four_bit_is_mxfp4_and_stays_close(ckpt):
     a, b = nll(ref), nll(q)
     assert 0 < abs(b - a) < 0.05 * a, (a, b)  # changed (4-bit), but close
     assert math.isfinite(b) and isinstance(q.generate(ids[:5], max_new_tokens=4, ignore_eos=True), str)
-
-
-def test_offload_fails_as_one_line(ckpt):
-    from lynx_edge.config import ConfigError
-
-    with pytest.raises(ConfigError, match="offloading its experts is not supported yet"):
-        Engine.from_pretrained(ckpt, device="cpu", offload=True)
 
 
 def test_info_on_the_real_config():

@@ -14,13 +14,14 @@ Glossary: B batch, T tokens, D hidden, H/Hkv heads, hd head dim, S keys, E exper
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..config import ConfigError, check_top_k, parse_rope
-from ..kernels.moe_mxfp4 import fused_moe_oss, mxfp4_dequant, mxfp4_quantize, oss_moe_ref, triton_ok
+from ..kernels.moe_mxfp4 import fused_moe_oss, mxfp4_dequant, mxfp4_quantize, oss_act, oss_moe_ref, triton_ok
 from ..routing import RouterSpec
 from .layers import Attention, MoEBlock, _param
 from .transformer import kv_cache_spec
@@ -105,6 +106,77 @@ class SinkAttention(Attention):
         return torch.cat(out, dim=3).view(B, self.H, T, self.hd)
 
 
+class OssTensorReader:
+    """gpt-oss's stacked expert tensors of one layer → per-expert calls on a sink: load_part(e, part,
+    w [out, in]) for 16-bit weights, load_mx_part(e, part, blocks [out, in/32, 16], scales [out, in/32])
+    for MXFP4 ones, load_bias(e, part, b [out]); part gate | up | down. The checkpoint interleaves
+    gate/up (even rows / columns gate); every call gets them apart, so a sink never sees the layout.
+    The resident OssExperts and the offload store are both sinks of it."""
+
+    def __init__(self, E: int, D: int, I: int):
+        self.E, self.D, self.I = E, D, I
+        self._pending: dict[str, torch.Tensor] = {}  # a *_blocks tensor waiting for its *_scales
+        self._biases: set[str] = set()
+
+    def load_tensor(self, sink, name: str, w: torch.Tensor) -> set[tuple[int, str]]:
+        """A checkpoint tensor `mlp.experts.<name>` → sink; → the (expert, part)s completed."""
+        E, D, I = self.E, self.D, self.I
+        done: set[tuple[int, str]] = set()
+        if name in ("gate_up_proj_bias", "down_proj_bias"):
+            gu = name == "gate_up_proj_bias"
+            _check(name, w, (E, 2 * I) if gu else (E, D))
+            for e in range(E):
+                if gu:
+                    sink.load_bias(e, "gate", w[e, 0::2])
+                    sink.load_bias(e, "up", w[e, 1::2])
+                else:
+                    sink.load_bias(e, "down", w[e])
+            self._biases.add(name)
+        elif name in ("gate_up_proj", "down_proj"):  # transformers' 16-bit layout [E, in, out]
+            gu = name == "gate_up_proj"
+            _check(name, w, (E, D, 2 * I) if gu else (E, I, D))
+            for e in range(E):
+                if gu:
+                    sink.load_part(e, "gate", w[e, :, 0::2].T)
+                    sink.load_part(e, "up", w[e, :, 1::2].T)
+                    done |= {(e, "gate"), (e, "up")}
+                else:
+                    sink.load_part(e, "down", w[e].T)
+                    done.add((e, "down"))
+        elif name.endswith(("_blocks", "_scales")):
+            base, kind = name.rsplit("_", 1)
+            if base not in ("gate_up_proj", "down_proj"):
+                raise ValueError(f"unknown gpt-oss expert tensor {name}")
+            self._pending[kind] = w
+            if "blocks" in self._pending and "scales" in self._pending:
+                done = self._mx_pair(sink, base, self._pending.pop("blocks"), self._pending.pop("scales"))
+        else:
+            raise ValueError(f"unknown gpt-oss expert tensor {name}")
+        return done
+
+    def _mx_pair(self, sink, base: str, blocks: torch.Tensor, scales: torch.Tensor) -> set[tuple[int, str]]:
+        E, D, I = self.E, self.D, self.I
+        rows, cols = (2 * I, D) if base == "gate_up_proj" else (D, I)
+        _check(base + "_blocks", blocks, (E, rows, cols // 32, 16))
+        _check(base + "_scales", scales, (E, rows, cols // 32))
+        done = set()
+        for e in range(E):
+            if base == "down_proj":
+                sink.load_mx_part(e, "down", blocks[e], scales[e])
+                done.add((e, "down"))
+            else:  # interleaved rows: even = gate, odd = up
+                sink.load_mx_part(e, "gate", blocks[e, 0::2], scales[e, 0::2])
+                sink.load_mx_part(e, "up", blocks[e, 1::2], scales[e, 1::2])
+                done |= {(e, "gate"), (e, "up")}
+        return done
+
+    def finish(self) -> None:
+        missing = {"gate_up_proj_bias", "down_proj_bias"} - self._biases
+        if missing or self._pending:
+            what = sorted(missing) or [f"the *_scales/*_blocks partner of {sorted(self._pending)}"]
+            raise ValueError(f"gpt-oss experts: missing tensor(s) {', '.join(what)}")
+
+
 class OssExperts(nn.Module):
     """gpt-oss's experts of one layer, resident: the expert backend and its own load sink.
 
@@ -132,13 +204,16 @@ class OssExperts(nn.Module):
             self.down = _param(E, D, I, dtype=dtype, device=device)  # [E, D, I]
         self.gate_up_b = _param(E, 2 * I, dtype=dtype, device=device)  # [E, 2I]
         self.down_b = _param(E, D, dtype=dtype, device=device)  # [E, D]
-        self._pending: dict[str, torch.Tensor] = {}  # a *_blocks tensor waiting for its *_scales
-        self._biases: set[str] = set()
+        self.reader = OssTensorReader(E, D, I)
 
     def extra_repr(self) -> str:
         return f"E={self.num_experts}, D={self.hidden}, I={self.inter}, {'mxfp4' if self.mxfp4 else self.dtype}"
 
-    # -- load sink ------------------------------------------------------------------------------
+    @property
+    def four_bit(self) -> bool:
+        return self.mxfp4
+
+    # -- load sink (the reader calls load_part / load_mx_part / load_bias) -----------------------
     def _rows(self, part: str, e: int):
         I = self.inter
         rows = slice(0, I) if part == "gate" else slice(I, 2 * I) if part == "up" else slice(None)
@@ -156,7 +231,8 @@ class OssExperts(nn.Module):
         dst.copy_(blocks.flatten(-2))
         scales.copy_(s)
 
-    def _load_mx(self, e: int, part: str, blocks: torch.Tensor, scales: torch.Tensor) -> None:
+    def load_mx_part(self, e: int, part: str, blocks: torch.Tensor, scales: torch.Tensor) -> None:
+        """One MXFP4 projection: blocks [out, in/32, 16], scales [out, in/32]."""
         dst, dst_s = self._rows(part, e)
         if dst_s is None:  # 16-bit storage: exact dequantisation
             dst.copy_(mxfp4_dequant(blocks, scales, torch.float32))
@@ -164,61 +240,31 @@ class OssExperts(nn.Module):
             dst.copy_(blocks.flatten(-2))
             dst_s.copy_(scales)
 
-    def load_tensor(self, name: str, w: torch.Tensor) -> set[tuple[int, str]]:
-        """A checkpoint tensor `mlp.experts.<name>` → its home; → the (expert, part)s completed."""
-        E, D, I = self.num_experts, self.hidden, self.inter
-        done: set[tuple[int, str]] = set()
-        if name in ("gate_up_proj_bias", "down_proj_bias"):
-            want = (E, 2 * I) if name == "gate_up_proj_bias" else (E, D)
-            _check(name, w, want)
-            if name == "gate_up_proj_bias":  # interleaved gate/up → [gate | up]
-                self.gate_up_b.data.copy_(torch.cat([w[:, 0::2], w[:, 1::2]], dim=1))
-            else:
-                self.down_b.data.copy_(w)
-            self._biases.add(name)
-        elif name in ("gate_up_proj", "down_proj"):  # transformers' 16-bit layout [E, in, out]
-            gu = name == "gate_up_proj"
-            _check(name, w, (E, D, 2 * I) if gu else (E, I, D))
-            for e in range(E):
-                if gu:
-                    self.load_part(e, "gate", w[e, :, 0::2].T)
-                    self.load_part(e, "up", w[e, :, 1::2].T)
-                    done |= {(e, "gate"), (e, "up")}
-                else:
-                    self.load_part(e, "down", w[e].T)
-                    done.add((e, "down"))
-        elif name.endswith(("_blocks", "_scales")):
-            base, kind = name.rsplit("_", 1)
-            if base not in ("gate_up_proj", "down_proj"):
-                raise ValueError(f"unknown gpt-oss expert tensor {name}")
-            self._pending[kind] = w
-            if "blocks" in self._pending and "scales" in self._pending:
-                done = self._load_mx_pair(base, self._pending.pop("blocks"), self._pending.pop("scales"))
-        else:
-            raise ValueError(f"unknown gpt-oss expert tensor {name}")
-        return done
+    def load_bias(self, e: int, part: str, b: torch.Tensor) -> None:
+        """One projection's bias b [out]."""
+        I = self.inter
+        dst = self.down_b.data[e] if part == "down" else self.gate_up_b.data[e, :I] if part == "gate" \
+            else self.gate_up_b.data[e, I:]
+        dst.copy_(b)
 
-    def _load_mx_pair(self, base: str, blocks: torch.Tensor, scales: torch.Tensor) -> set[tuple[int, str]]:
-        E, D, I = self.num_experts, self.hidden, self.inter
-        rows, cols = (2 * I, D) if base == "gate_up_proj" else (D, I)
-        _check(base + "_blocks", blocks, (E, rows, cols // 32, 16))
-        _check(base + "_scales", scales, (E, rows, cols // 32))
-        done = set()
-        for e in range(E):
-            if base == "down_proj":
-                self._load_mx(e, "down", blocks[e], scales[e])
-                done.add((e, "down"))
-            else:  # interleaved rows: even = gate, odd = up
-                self._load_mx(e, "gate", blocks[e, 0::2], scales[e, 0::2])
-                self._load_mx(e, "up", blocks[e, 1::2], scales[e, 1::2])
-                done |= {(e, "gate"), (e, "up")}
-        return done
+    def load_tensor(self, name: str, w: torch.Tensor) -> set[tuple[int, str]]:
+        return self.reader.load_tensor(self, name, w)
 
     def finish_load(self) -> None:
-        missing = {"gate_up_proj_bias", "down_proj_bias"} - self._biases
-        if missing or self._pending:
-            what = sorted(missing) or [f"the *_scales/*_blocks partner of {sorted(self._pending)}"]
-            raise ValueError(f"gpt-oss experts: missing tensor(s) {', '.join(what)}")
+        self.reader.finish()
+
+    def export_to(self, sink) -> None:
+        """Every expert into another sink (the offload store), as held: MXFP4 bytes stay MXFP4."""
+        for e in range(self.num_experts):
+            for part in ("gate", "up", "down"):
+                dst, scales = self._rows(part, e)
+                if scales is None:
+                    sink.load_part(e, part, dst)
+                else:
+                    sink.load_mx_part(e, part, dst.unflatten(-1, (-1, 16)), scales)
+                I = self.inter
+                b = self.down_b[e] if part == "down" else self.gate_up_b[e, :I] if part == "gate" else self.gate_up_b[e, I:]
+                sink.load_bias(e, part, b)
 
     # -- compute --------------------------------------------------------------------------------
     def expert(self, e: int, dtype) -> tuple[torch.Tensor, ...]:
@@ -261,6 +307,17 @@ def expert_block_bytes(cfg, dtype, four_bit: bool) -> tuple[str, int]:
         return "mxfp4", 3 * D * I * 17 // 32 + bias
     name = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
     return name, 3 * D * I * dtype.itemsize + bias
+
+
+def expert_store(cfg, dtype, four_bit: bool = False) -> dict:
+    """How an offload store holds and runs these experts without knowing the family: weights
+    "mxfp4" or the 16-bit dtype's name (as OssExperts would hold them), biases, the activation
+    over [gate | up] rows → [n, I], and a reader of one layer's checkpoint tensors (OssTensorReader:
+    it calls the store sink's load_part / load_mx_part / load_bias)."""
+    a = cfg.arch
+    return dict(weights=expert_block_bytes(cfg, dtype, four_bit)[0],
+                act=partial(oss_act, limit=a.swiglu_limit, alpha=a.swiglu_alpha),
+                reader=partial(OssTensorReader, cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size))
 
 
 def attention(cfg, i: int, dtype, device) -> SinkAttention:

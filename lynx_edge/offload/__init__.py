@@ -7,7 +7,8 @@
     rt.stats()
 
 Modules: options (OffloadOptions), profile (hardware profiles, calibrate), plan (placement),
-store (host expert blocks), cache (device slots + policies), transfer (streams/events),
+store (host expert blocks), biased (the block format of experts with biases and a family
+activation, dense or MXFP4: gpt-oss), cache (device slots + policies), transfer (streams/events),
 cpu_experts (Fiddler-style), cost (per-step choices), experts (OffloadedExperts), runtime
 (attach_offload, OffloadRuntime, ResidencyRoute), projection (replay recorded routing).
 """

@@ -16,13 +16,20 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..kernels.moe_gemm import expert_mlp
 
 
 class OffloadedExperts(nn.Module):
     def __init__(self, runtime, layer: int):
         super().__init__()
         self.rt, self.layer = runtime, layer  # plain attributes: no parameters, nothing for .to()
+
+    @staticmethod
+    def make(runtime, layer: int) -> "OffloadedExperts":
+        """The layer's backend: one that also reads the family's own checkpoint tensors when the
+        store format carries a reader (e.g. gpt-oss: stacked, interleaved, MXFP4, biases)."""
+        if getattr(runtime.fmt, "reader", None) is not None:
+            return ReadingOffloadedExperts(runtime, layer)
+        return OffloadedExperts(runtime, layer)
 
     def extra_repr(self) -> str:
         return f"layer={self.layer}, offloaded"
@@ -50,12 +57,17 @@ class OffloadedExperts(nn.Module):
     def load_quant_part(self, e: int, part: str, ql) -> None:
         self.rt.store.write_quant_part(self.layer, e, part, ql)
 
+    def load_mx_part(self, e: int, part: str, blocks: torch.Tensor, scales: torch.Tensor) -> None:
+        self.rt.store.write_mx_part(self.layer, e, part, blocks, scales)
+
+    def load_bias(self, e: int, part: str, b: torch.Tensor) -> None:
+        self.rt.store.write_bias(self.layer, e, part, b)
+
     def finish_load(self) -> None:
         self.rt.store.finish_load()
 
     def _mlp(self, x: torch.Tensor, e: int, slot: int) -> torch.Tensor:
-        gu, dn = self.rt.fmt.weights(self.rt.slot_block(self.layer, e, slot), x.dtype)
-        return expert_mlp(x, gu, dn)
+        return self.rt.fmt.compute(self.rt.slot_block(self.layer, e, slot), x)  # the format's own math
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         rt, layer, E = self.rt, self.layer, self.rt.num_experts
@@ -113,4 +125,21 @@ class OffloadedExperts(nn.Module):
             rt.transfer.mark_used([s for _, s in wave])
 
 
-__all__ = ["OffloadedExperts"]
+class ReadingOffloadedExperts(OffloadedExperts):
+    """OffloadedExperts whose loader hook `load_tensor` hands a family's stacked expert tensors to
+    the format's reader, which calls load_part / load_mx_part / load_bias on this sink: experts
+    land in the store as read (MXFP4 bytes stay MXFP4; no 16-bit layer is materialised)."""
+
+    def __init__(self, runtime, layer: int):
+        super().__init__(runtime, layer)
+        self.reader = runtime.fmt.reader()
+
+    def load_tensor(self, name: str, w: torch.Tensor) -> set[tuple[int, str]]:
+        return self.reader.load_tensor(self, name, w)
+
+    def finish_load(self) -> None:
+        self.reader.finish()
+        super().finish_load()
+
+
+__all__ = ["OffloadedExperts", "ReadingOffloadedExperts"]

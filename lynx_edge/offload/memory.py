@@ -213,13 +213,20 @@ def choose_dtype(dtype: str | None, device: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def expert_block_bytes(cfg: ModelConfig, dtype: torch.dtype, four_bit: bool, group: int, sym: bool) -> tuple[str, int]:
+def expert_block_bytes(cfg: ModelConfig, dtype: torch.dtype, four_bit: bool, group: int, sym: bool,
+                       offload: bool = False) -> tuple[str, int]:
     """(format name, bytes of one expert block) as the store and the stacked experts hold them."""
     D, I = cfg.hidden_size, cfg.moe_intermediate_size
     from ..models.transformer import family_of
 
     own = getattr(family_of(cfg), "expert_block_bytes", None)  # a family with its own expert format (gpt-oss)
     if own is not None:
+        if offload:  # the store's block: the same parts at 128-byte aligned offsets
+            from .biased import family_format
+
+            fmt = family_format(cfg, dtype, four_bit)
+            if fmt is not None:
+                return fmt.name, fmt.nbytes
         return own(cfg, dtype, four_bit)
     if four_bit:
         from ..quant.int4 import Int4Layout
@@ -272,7 +279,7 @@ def build(cfg: ModelConfig, *, device, dtype, offload, int4, quant, ctx, batch, 
     m = machine_for(dev, profile, opts)
     four = quant is not None or int4
     group, sym = (quant.group_size, quant.sym) if quant else (opts.int4_group, True)
-    fmt, eb = expert_block_bytes(cfg, dtype, four, group, sym)
+    fmt, eb = expert_block_bytes(cfg, dtype, four, group, sym, offload)
     D, I, E, K = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.top_k
     L = len(cfg.moe_layer_ids)
     total, experts = L * E, L * E * eb

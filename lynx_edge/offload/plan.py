@@ -19,7 +19,7 @@ from ..kv_cache import KVCache
 from .memory import MemoryPlan, PlanError, QuantInfo, Resource, non_expert_bytes, offload_slots, plan_memory
 from .options import OffloadOptions
 from .profile import Profile, detect_profile, load_profile
-from .store import expert_format
+from .store import store_format
 
 GIB = 2**30
 
@@ -139,13 +139,14 @@ def _budget(opts: OffloadOptions, prof: Profile, dev: torch.device) -> int | Non
 
 def make_plan(cfg: ModelConfig, opts: OffloadOptions | None = None, dtype: torch.dtype = torch.bfloat16,
               device: str | torch.device | None = None, profile: Profile | None = None,
-              host_available: int | None = None, device_bytes_in_use: int = 0) -> Plan:
+              host_available: int | None = None, device_bytes_in_use: int = 0, fmt=None) -> Plan:
     """Decide placement from shapes and budgets; loads no weights. device_bytes_in_use: bytes
-    already on the device that the plan accounts for itself (weights loaded before attach)."""
+    already on the device that the plan accounts for itself (weights loaded before attach);
+    fmt: the store format the runtime will use (default: store_format from the options)."""
     opts = opts or OffloadOptions()
     dev = torch.device(device or opts.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     prof = profile or (load_profile(opts.profile) if opts.profile else detect_profile(dev))
-    fmt = expert_format(opts.expert_format, dtype, cfg.hidden_size, cfg.moe_intermediate_size, opts.int4_group)
+    fmt = fmt or store_format(cfg, opts.expert_format, dtype, opts.int4_group)
     elem = torch.empty((), dtype=dtype).element_size()
     layers, E = len(cfg.moe_layer_ids), cfg.num_experts
     total = layers * E

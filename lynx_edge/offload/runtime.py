@@ -26,7 +26,7 @@ from .experts import OffloadedExperts
 from .options import OffloadOptions
 from .plan import Plan, make_plan
 from .profile import detect_profile, load_profile
-from .store import HostExpertStore, expert_format
+from .store import HostExpertStore, store_format
 from .transfer import Transfer
 
 
@@ -201,19 +201,30 @@ class OffloadRuntime:
         self.route = routing.route = ResidencyRoute(routing.spec, mode, self, telemetry)
 
     def detach(self) -> None:
-        """Put StackedExperts (from the store) and the original router back; offloading ends."""
+        """Put resident experts (from the store) and the original router back; offloading ends."""
         self.transfer.synchronize()  # no copy may still be writing into the pool
-        cfg, dt = self.model.cfg, self.model.dtype
         for layer in self.moe_layers:
-            block = self.model.layers[layer].mlp
-            se = StackedExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, dt, self.device)
-            for e in range(cfg.num_experts):
-                gu, dn = self.store.weights(layer, e, dt)
-                se.gate_up.data[e].copy_(gu)
-                se.down.data[e].copy_(dn)
-            block.experts = se
+            self.model.layers[layer].mlp.experts = self._resident(layer)
         self.model.routing.route = self._saved_route
         self.model.offload = None
+
+    def _resident(self, layer: int):
+        """Layer's experts as a resident backend: StackedExperts for plain SwiGLU formats; the
+        family's own backend, fed by the format's export (as held: MXFP4 stays MXFP4), otherwise."""
+        from ..models.transformer import family_of
+
+        cfg, dt = self.model.cfg, self.model.dtype
+        if hasattr(self.fmt, "export"):
+            be = family_of(cfg).experts(cfg, layer, dt, self.device, four_bit=self.fmt.name == "mxfp4")
+            for e in range(cfg.num_experts):
+                self.fmt.export(self.store.block(layer, e), e, be)
+            return be
+        se = StackedExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, dt, self.device)
+        for e in range(cfg.num_experts):
+            gu, dn = self.store.weights(layer, e, dt)
+            se.gate_up.data[e].copy_(gu)
+            se.down.data[e].copy_(dn)
+        return se
 
 
 def make_runtime(cfg, opts: OffloadOptions, dtype: torch.dtype, device, profile=None, fmt=None,
@@ -222,9 +233,9 @@ def make_runtime(cfg, opts: OffloadOptions, dtype: torch.dtype, device, profile=
     is read; the builder then streams experts into `rt.store` and calls `rt.bind(model)`."""
     dev = torch.device(device)
     prof = profile or (load_profile(opts.profile) if opts.profile else detect_profile(dev))
+    fmt = fmt or store_format(cfg, opts.expert_format, dtype, opts.int4_group)
     plan = make_plan(cfg, opts, dtype, dev, prof, host_available=psutil.virtual_memory().available + host_extra,
-                     device_bytes_in_use=device_bytes_in_use)
-    fmt = fmt or expert_format(opts.expert_format, dtype, cfg.hidden_size, cfg.moe_intermediate_size, opts.int4_group)
+                     device_bytes_in_use=device_bytes_in_use, fmt=fmt)
     want_pin = opts.pin == "on" or (opts.pin == "auto" and dev.type == "cuda")
     store = HostExpertStore(fmt, cfg.num_experts, want_pin, plan.pin_limit_bytes, opts.staging_slots)
     for i in cfg.moe_layer_ids:
@@ -243,10 +254,17 @@ def attach_offload(model, options: OffloadOptions | None = None, profile=None) -
     blocks = [model.layers[i].mlp for i in cfg.moe_layer_ids]
     on_host = sum(p.numel() * p.element_size() for b in blocks for p in b.experts.parameters() if p.device.type == "cpu")
     on_dev = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type == "cuda")
-    rt = make_runtime(cfg, opts, model.dtype, dev, profile, device_bytes_in_use=on_dev, host_extra=on_host)
+    # a backend that exports itself (a family's own experts) keeps its form: 4-bit stays 4-bit
+    own = hasattr(blocks[0].experts, "export_to")
+    four = opts.expert_format == "int4" or (own and getattr(blocks[0].experts, "four_bit", False))
+    fmt = store_format(cfg, "int4" if four else opts.expert_format, model.dtype, opts.int4_group)
+    rt = make_runtime(cfg, opts, model.dtype, dev, profile, fmt=fmt, device_bytes_in_use=on_dev, host_extra=on_host)
     for i, block in zip(cfg.moe_layer_ids, blocks):
-        rt.store.put(i, block.experts.gate_up.data, block.experts.down.data)
-        block.experts = torch.nn.Identity()  # frees this layer's stacked experts before the next one
+        if own:
+            block.experts.export_to(OffloadedExperts(rt, i))  # every expert through the store sink
+        else:
+            rt.store.put(i, block.experts.gate_up.data, block.experts.down.data)
+        block.experts = torch.nn.Identity()  # frees this layer's resident experts before the next one
     if dev != model.device:
         model.to(dev)
         model.device = dev

@@ -1,11 +1,14 @@
 """Host-memory expert store: every expert of every MoE layer as one contiguous byte block.
 
-An expert is a uint8 block of `fmt.nbytes` (parts at 128-byte-aligned offsets) plus a view
-function `fmt.weights(block, dtype) → (gate_up [2I, D], down [D, I])`, so one fetch is one copy
-and the device slots use the same layout. Dense formats (bf16/fp16/fp32) view the bytes in place;
-INT4 (lynx_edge.quant.int4 layout) dequantises. Each layer's E blocks are one host buffer
-[E, nbytes], pinned where the OS allows; when pinning fails or is limited the rest stays
-pageable and copies go through a small pinned staging ring, with a warning.
+An expert is a uint8 block of `fmt.nbytes` (parts at 128-byte-aligned offsets) plus its math
+`fmt.compute(block, x [n, D]) → [n, D]`, so one fetch is one copy, the device slots use the same
+layout, and whoever runs an expert (device slot or CPU) never assumes the expert's form. Dense
+formats (bf16/fp16/fp32) view the bytes in place; INT4 (lynx_edge.quant.int4 layout) dequantises;
+both are plain SwiGLU (`fmt.weights(block, dtype) → (gate_up [2I, D], down [D, I])`). A family
+with its own experts (biases, another activation, MXFP4) gets biased.BiasedFormat (store_format).
+Each layer's E blocks are one host buffer [E, nbytes], pinned where the OS allows; when pinning
+fails or is limited the rest stays pageable and copies go through a small pinned staging ring,
+with a warning.
 """
 from __future__ import annotations
 
@@ -13,6 +16,8 @@ import warnings
 import weakref
 
 import torch
+
+from ..kernels.moe_gemm import expert_mlp
 
 ALIGN = 128
 _DENSE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -63,6 +68,10 @@ class DenseFormat:
         dn = _typed(block, self.dn_off, self.dn_shape, self.dtype)
         return gu.to(dtype), dn.to(dtype)
 
+    def compute(self, block: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x [n, D] → [n, D]: the plain SwiGLU expert stored in block."""
+        return expert_mlp(x, *self.weights(block, x.dtype))
+
 
 class Int4Format:
     """lynx_edge.quant.int4's expert block (RTN-quantised at pack time, dequantised on use)."""
@@ -110,6 +119,9 @@ class Int4Format:
 
         return Int4Experts(block.view(1, -1), self.layout).dequant_expert(0, dtype)
 
+    def compute(self, block: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return expert_mlp(x, *self.weights(block, x.dtype))
+
 
 def expert_format(name: str, dtype: torch.dtype, hidden: int, inter: int, group: int = 128, sym: bool = True):
     """"auto" (the model's dtype), bf16, fp16, fp32 or int4 → a format object."""
@@ -120,6 +132,19 @@ def expert_format(name: str, dtype: torch.dtype, hidden: int, inter: int, group:
     if name not in _DENSE:
         raise ValueError(f"expert format {name!r} is unknown (use auto, bf16, fp16, fp32, int4)")
     return DenseFormat(name, hidden, inter)
+
+
+def store_format(cfg, name: str, dtype: torch.dtype, group: int = 128, sym: bool = True):
+    """The store format of cfg's experts: the family's own (experts with biases and their own
+    activation, see biased.py) when it describes them, else expert_format(name, …). name "int4"
+    asks a family with its own experts for its 4-bit format; a dense name for that dtype."""
+    from .biased import family_format
+
+    dense = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    fmt = family_format(cfg, dense.get(name, dtype), name == "int4")
+    if fmt is not None:
+        return fmt
+    return expert_format(name, dtype, cfg.hidden_size, cfg.moe_intermediate_size, group, sym)
 
 
 def _alloc_pinned(shape: tuple[int, ...]) -> torch.Tensor:
@@ -225,6 +250,13 @@ class HostExpertStore:
     def write_quant_part(self, layer: int, e: int, part: str, ql) -> None:
         self.fmt.write_quant_part(self.ensure_layer(layer), e, part, ql, f"layer {layer} expert {e} {part}")
 
+    def write_mx_part(self, layer: int, e: int, part: str, blocks: torch.Tensor, scales: torch.Tensor) -> None:
+        """An MXFP4 projection (formats that hold one: biased.BiasedFormat)."""
+        self.fmt.write_mx_part(self.ensure_layer(layer), e, part, blocks, scales)
+
+    def write_bias(self, layer: int, e: int, part: str, b: torch.Tensor) -> None:
+        self.fmt.write_bias(self.ensure_layer(layer), e, part, b)
+
     def finish_load(self) -> None:
         """After the load: formats drop what they cached while writing."""
         finish = getattr(self.fmt, "finish_load", None)
@@ -237,8 +269,12 @@ class HostExpertStore:
     def weights(self, layer: int, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         return self.fmt.weights(self.layers[layer][e], dtype)
 
+    def compute(self, layer: int, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert (layer, e) on x [n, D] from its host block (the format's own math)."""
+        return self.fmt.compute(self.layers[layer][e], x)
+
     def host_bytes(self) -> int:
         return sum(b.numel() for b in self.layers.values())
 
 
-__all__ = ["DenseFormat", "HostExpertStore", "Int4Format", "expert_format"]
+__all__ = ["DenseFormat", "HostExpertStore", "Int4Format", "expert_format", "store_format"]
