@@ -120,6 +120,10 @@ class Int4Format:
         return Int4Experts(block.view(1, -1), self.layout).dequant_expert(0, dtype)
 
     def compute(self, block: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        from ..quant import cpu_kernels  # the packed block read in place (Int4MoEExperts' CPU kernel)
+
+        if x.device.type == "cpu" and cpu_kernels.available():
+            return cpu_kernels.experts_rows(x, [0], [x.shape[0]], block.view(1, -1), self.layout)
         return expert_mlp(x, *self.weights(block, x.dtype))
 
 

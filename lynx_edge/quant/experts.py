@@ -4,8 +4,9 @@ Built empty (one uint8 buffer [E, nbytes] in lynx_edge.quant.int4's layout) befo
 read; the loader streams each projection into it — 16-bit ones are RTN-quantised as they arrive
 (`int4=True`, int4.quantize_part: in place, chunk by chunk), 4-bit ones from GPTQ / AWQ
 checkpoints are copied in as packed bytes, scales and zeros (a non-act-order GPTQ qweight is
-already this layout, transposed) — so no 16-bit copy of the experts ever exists. Forward: the fused INT4 Triton kernel on CUDA, its
-torch reference (dequantise the active experts only) elsewhere.
+already this layout, transposed) — so no 16-bit copy of the experts ever exists. Forward: the fused INT4 Triton kernel on CUDA, the
+compiled CPU kernel (quant/cpu_kernels.py) on a CPU, the torch reference (dequantise the active
+experts only) where neither runs.
 Glossary: N tokens, D hidden, E experts, K top-k, I expert intermediate, G group size.
 """
 from __future__ import annotations
@@ -13,7 +14,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..kernels.moe_gemm import fused_moe_int4
+from ..kernels.moe_gemm import fused_moe_int4, use_triton
+from . import cpu_kernels
 from .int4 import GROUP_SIZES, Int4Experts, Int4Layout, quantize_part, write_packed
 
 
@@ -100,6 +102,10 @@ class Int4MoEExperts(nn.Module):
         self._down_perm.clear()
 
     def forward(self, x, ids, weights):  # x [N, D], ids/weights [N, K] → [N, D]
+        if x.device.type == "cpu" and not use_triton(x) and cpu_kernels.available():
+            # one compiled call over the packed blocks (no per-step dequantised copy, no Python
+            # per expert); fp32 math, tests/test_cpu_lowbit.py bounds it against the reference
+            return cpu_kernels.moe_int4_cpu(x, ids, weights, self.packed, x_perm=self.x_perm)
         return fused_moe_int4(x, ids, weights, self.packed, x_perm=self.x_perm)
 
 
