@@ -125,6 +125,11 @@ def child(mode: str, ckpt: Path, dtype: str | None, threads: int) -> dict:
     from lynx_edge.config import ModelConfig
     from lynx_edge.rss import RssWatch
 
+    # the modules a load may import lazily (INT4 / offload backends and their compiled CPU kernels:
+    # numba alone is ~20 MB) are a once-per-process cost, not load memory: import them first
+    import lynx_edge.offload.runtime  # noqa: F401
+    import lynx_edge.quant.experts  # noqa: F401
+
     cfg = ModelConfig.from_file(ckpt / "config.json")
     opts = LoadOptions(device="cpu", dtype=dtype, offload="offload" in mode, int4=mode in ("int4", "offload-int4"),
                        offload_options=dict(profile="cpu-only") if "offload" in mode else None)
