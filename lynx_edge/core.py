@@ -21,7 +21,7 @@ import torch
 from .engine import ContextError, Engine, _Seq
 from .models.layers import AttnBatch
 from .sampling import SamplingParams, select_tokens
-from .step import decode_step, prefill
+from .step import decode_step, prefill, prefill_rows
 from .tokenizer import Detokenizer
 
 
@@ -228,20 +228,31 @@ class EngineCore:
             self.running.remove(r)
 
     def _prefill_chunks(self, outs: list[RequestOutput]) -> int:
-        """Prompt tokens of admitted requests, oldest first, up to the step's token budget."""
-        budget = self.prefill_budget
-        for r in self.running:
-            if budget <= 0:
-                break
-            if r.done >= len(r.ids) or r.seq.finish is not None:
-                continue
-            n = min(budget, len(r.ids) - r.done)
-            logits = prefill(self.model, self.kv, r.row, r.ids[r.done:r.done + n], r.done)  # [1, V]
-            r.done += n
-            budget -= n
-            if r.done == len(r.ids):
-                outs += self._sample([r], logits)
-        return self.prefill_budget - budget
+        """Prompt tokens of admitted requests, oldest first, up to the step's token budget: the
+        chunks of several requests share one forward (step.prefill_rows, grouped so padding stays
+        small); with sequence state (linear attention, convolutions: kv.stateful) one forward per
+        request, as a pad token would enter the row's state (kv_cache.py)."""
+        plan = self._plan_chunks()
+        finished: list[tuple[_Request, torch.Tensor]] = []
+        groups = [[c] for c in plan] if self.kv.stateful else _pad_groups(plan)
+        for group in groups:
+            if len(group) == 1:
+                (r, n), = group
+                logits = prefill(self.model, self.kv, r.row, r.ids[r.done:r.done + n], r.done)  # [1, V]
+            else:
+                logits, keep = prefill_rows(self.model, self.kv, [r.row for r, _ in group],
+                                            [r.ids[r.done:r.done + n] for r, n in group], [r.done for r, _ in group])
+                if keep is not None:
+                    _drop_pads(self.model.routing.stats, keep)
+            for i, (r, n) in enumerate(group):
+                r.done += n
+                if r.done == len(r.ids):
+                    finished.append((r, logits[i:i + 1]))
+        order = {id(r): i for i, (r, _) in enumerate(plan)}  # sample in admission order, as one call
+        finished.sort(key=lambda f: order[id(f[0])])
+        if finished:
+            outs += self._sample([r for r, _ in finished], torch.cat([lg for _, lg in finished]))
+        return sum(n for _, n in plan)
 
     def _plan_chunks(self) -> list[tuple[_Request, int]]:
         """(request, tokens) of prompt chunks for this step, oldest first, within the token budget."""
@@ -338,6 +349,30 @@ class EngineCore:
                 out.tpot_s = (now - r.t_first) / (n - 1)
             outs.append(out)
         return outs
+
+
+def _pad_groups(plan: list[tuple[_Request, int]], max_pad: float = 0.25) -> list[list[tuple[_Request, int]]]:
+    """Chunks → groups that each run as one padded forward: longest first, a chunk joins the
+    current group while the group's pad tokens stay within max_pad of its real tokens (equal
+    lengths: one group, no padding)."""
+    groups: list[list[tuple[_Request, int]]] = []
+    real = 0
+    for c in sorted(plan, key=lambda c: -c[1]):
+        if groups and groups[-1][0][1] * (len(groups[-1]) + 1) <= (1 + max_pad) * (real + c[1]):
+            groups[-1].append(c)
+            real += c[1]
+        else:
+            groups.append([c])
+            real = c[1]
+    return groups
+
+
+def _drop_pads(stats, keep: torch.Tensor) -> None:
+    """The routing stats of the latest forward without its pad tokens (ids [B·T, K] → [N_real, K])."""
+    if stats.record and stats.steps:
+        last = stats.steps[-1]
+        for layer, ids in last.items():
+            last[layer] = ids[keep]
 
 
 def _mixed_summary(acc: torch.Tensor | None) -> dict:

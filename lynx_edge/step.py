@@ -1,4 +1,5 @@
-"""The hot path: prefill() one sequence into its cache row, decode_step() for a batch of rows.
+"""The hot path: prefill() one sequence into its cache row, prefill_rows() chunks of several rows in
+one forward, decode_step() for a batch of rows.
 
 Both build an AttnBatch (where each token sits in the cache) and call the model once; the
 caller does the single host sync per token (reading the chosen ids back).
@@ -31,6 +32,47 @@ def prefill(model, kv: KVCache, row: int, ids: list[int], start: int = 0, logits
     logits = model(input_ids, ab, kv.layers, torch.zeros(T, dtype=torch.bool, device=dev), logits_for)
     kv.lengths[row] = start + T
     return logits
+
+
+def prefill_rows(model, kv: KVCache, rows: list[int], chunks: list[list[int]], starts: list[int]
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Prompt chunks of B rows (chunk b at positions starts[b].. of cache row rows[b]) in one exact
+    forward. → (logits [B, V] of each row's last chunk token, keep [N_real] flat indices of the real
+    tokens in the forward's B·T tokens, or None when there is no padding).
+
+    Rows of equal chunk length and start run as one plain block (no mask). Otherwise each row is
+    padded to the longest chunk at its FRONT, and every pad token is given a position past its
+    row's chunk (clamped to ctx - 1; prompts are < ctx, so no real token sits there): its K/V lands
+    where the row's decode later overwrites it, the position mask hides it from every real token
+    (they sit at lower positions), and x[:, -1] is each row's last real token, the only logits
+    read. Pads still pass through the MoE with exact routing (their own tokens only, so no real
+    token's routing changes); the caller drops them from the routing stats with `keep`."""
+    dev, ctx = model.device, kv.ctx
+    B, lens = len(rows), [len(c) for c in chunks]
+    T = max(lens)
+    if max(s + n for s, n in zip(starts, lens)) > ctx:
+        raise ValueError(f"a chunk exceeds the context of {ctx}")
+    if min(lens) == T and min(starts) == max(starts):
+        s0 = starts[0]
+        positions = torch.arange(s0, s0 + T, device=dev)[None].expand(B, T)  # [B, T]
+        ab = AttnBatch(positions=positions, rows=_rows(rows, dev), kv_len=s0 + T, start=s0)
+        input_ids, keep = torch.tensor(chunks, device=dev), None
+    else:
+        ids, pos, keep_l = [], [], []
+        for b, (c, s, n) in enumerate(zip(chunks, starts, lens)):
+            pad = T - n
+            ids.append([c[-1]] * pad + c)
+            pos.append([min(s + n + j, ctx - 1) for j in range(pad)] + list(range(s, s + n)))
+            keep_l += range(b * T + pad, (b + 1) * T)
+        positions = torch.tensor(pos, device=dev)  # [B, T]
+        kv_len = max(max(p) for p in pos) + 1
+        ab = AttnBatch(positions=positions, rows=_rows(rows, dev), kv_len=kv_len)
+        input_ids, keep = torch.tensor(ids, device=dev), torch.tensor(keep_l, device=dev)
+    model.routing.begin_step(False)
+    logits = model(input_ids, ab, kv.layers, torch.zeros(B * T, dtype=torch.bool, device=dev))  # [B, V]
+    for r, s, n in zip(rows, starts, lens):
+        kv.lengths[r] = s + n
+    return logits, keep
 
 
 def decode_step(model, kv: KVCache, rows: list[int], tokens: torch.Tensor) -> torch.Tensor:
