@@ -1,0 +1,353 @@
+"""lynx-edge vs llama.cpp on the same checkpoints, CPU decode tok/s, measured side by side in one run.
+
+Opt-in (never part of the tests): the first run downloads the llama-cpp-python sdist from PyPI
+(`pip download`, sources only), builds its vendored llama.cpp's `llama-bench`,
+`llama-batched-bench` and `llama-quantize` with cmake (CPU, Release, GGML_NATIVE; ~15 min on
+2 cores) and caches everything under ~/.cache/lynx-edge/llamacpp (or $LYNX_LLAMACPP_CACHE).
+
+Checkpoints, both qwen3_moe: the embedded demo (lynx_edge/demo, 14M parameters: overhead-bound)
+and a random one of ≥ 1 GB in bf16 (benchmarks/load_memory.write_checkpoint, memory-bound) with
+the demo's tokenizer. llama.cpp's own converter (convert_hf_to_gguf.py, run with this
+interpreter and the vendored gguf-py: nothing installed) writes them as GGUF F32 and BF16, and
+llama-quantize makes Q4_0. Pairs compared (same weights, same thread count):
+
+    16-bit/32-bit: llama.cpp F32  vs lynx-edge dtype float32;  BF16 vs dtype bfloat16
+    4-bit:         llama.cpp Q4_0 vs lynx-edge --int4 (RTN INT4 experts, group 128; the rest of
+                   the model in the CPU default dtype; Q4_0 also quantises attention and embeddings)
+
+Measured the same way on both sides, tools alternating within every round (so drifting
+background load hits them alike), medians over rounds:
+
+    B=1 decode tok/s:  `llama-bench -p 0 -n N` (tg N from an empty context) vs 1000 / TPOT of a
+                       lynx-edge generation of N+1 tokens after an 8-token prompt
+    B=16 aggregate:    `llama-batched-bench -npp P -ntg N -npl 16` (S_TG) vs lynx-edge's
+                       decode_tok_s of a batch of 16 P-token prompts, LYNX `off` and `on`
+
+    python benchmarks/vs_llamacpp.py                          # all: demo + random, 1 and 2 threads
+    python benchmarks/vs_llamacpp.py --models demo --threads 2 -r 2
+Writes benchmarks/results/vs_llamacpp.{json,md}.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+CACHE = Path(os.environ.get("LYNX_LLAMACPP_CACHE", Path.home() / ".cache/lynx-edge/llamacpp"))
+PACKAGE = "llama-cpp-python"
+TARGETS = ("llama-bench", "llama-batched-bench", "llama-quantize")
+RANDOM = dict(layers=8, experts=32, hidden=1024, inter=768)  # 1.29 GB bf16 (experts 1.21 GB)
+# issue 16's targets: lynx-edge / llama.cpp at the same bits
+TARGET = {("B1", "16bit"): 0.9, ("B1", "4bit"): 0.8, ("Bn", "16bit"): 1.0, ("Bn", "4bit"): 1.0}
+PAIRS = {"f32": ("F32", dict(dtype="float32")), "bf16": ("BF16", dict(dtype="bfloat16")),
+         "int4": ("Q4_0", dict(int4=True))}
+
+# The converter refuses byte-level BPE tokenizers whose pre-tokenizer hash it does not list (the
+# demo's own tokenizer). The demo's pre-tokenizer is ByteLevel with GPT-2's regex, X
+# "gpt-2"; only an unrecognised hash falls back to it. Runs the vendored converter unchanged otherwise.
+_CONVERT = r"""
+import runpy, sys
+src = sys.argv[1]
+sys.argv = [src + "/convert_hf_to_gguf.py"] + sys.argv[2:]
+sys.path[:0] = [src, src + "/gguf-py"]
+import conversion.base as base
+known = base.TextModel.get_vocab_base_pre
+def pre(self, tokenizer):
+    try:
+        return known(self, tokenizer)
+    except NotImplementedError:
+        return "gpt-2"
+base.TextModel.get_vocab_base_pre = pre
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def sh(cmd: list[str], log: Path | None = None, **kw) -> str:
+    """Run cmd; on failure raise with the tail of its output (one clear line first)."""
+    r = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, **kw)
+    if log is not None:
+        log.write_text(r.stdout + r.stderr)
+    if r.returncode != 0:
+        tail = (r.stdout + r.stderr)[-3000:]
+        raise RuntimeError(f"{Path(str(cmd[0])).name} failed (exit {r.returncode}): {' '.join(map(str, cmd[:6]))} …\n{tail}")
+    return r.stdout
+
+
+# --- llama.cpp: sources, build, conversion --------------------------------------------------
+
+
+def llamacpp_source() -> Path:
+    """The vendored llama.cpp of the newest llama-cpp-python sdist (downloaded once)."""
+    sdists = sorted((CACHE / "sdist").glob("llama_cpp_python-*.tar.gz"))
+    if not sdists:
+        print(f"downloading the {PACKAGE} sdist into {CACHE / 'sdist'} …", flush=True)
+        sh([sys.executable, "-m", "pip", "download", PACKAGE, "--no-deps", "--no-binary", ":all:",
+            "-d", CACHE / "sdist"])
+        sdists = sorted((CACHE / "sdist").glob("llama_cpp_python-*.tar.gz"))
+    sdist = sdists[-1]
+    top = CACHE / sdist.name.removesuffix(".tar.gz")
+    if not (top / "vendor/llama.cpp/CMakeLists.txt").is_file():
+        with tarfile.open(sdist) as t:
+            t.extractall(CACHE, filter="data")
+    return top / "vendor/llama.cpp"
+
+
+def llamacpp_build(src: Path, jobs: int) -> Path:
+    """Build the three tools once (CPU only, Release, native ISA) → their bin dir."""
+    build = CACHE / "build"
+    bins = build / "bin"
+    if all((bins / t).is_file() for t in TARGETS):
+        return bins
+    print(f"building llama.cpp ({', '.join(TARGETS)}) in {build}: ~15 min on 2 cores …", flush=True)
+    sh(["cmake", "-S", src, "-B", build, "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
+        "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_OPENSSL=OFF"],
+       log=CACHE / "cmake.log")
+    sh(["cmake", "--build", build, f"-j{jobs}", "--target", *TARGETS], log=CACHE / "build.log")
+    return bins
+
+
+def to_gguf(src: Path, model_dir: Path, out: Path, outtype: str) -> Path:
+    if not out.is_file():
+        tmp = out.with_suffix(".part")
+        sh([sys.executable, "-c", _CONVERT, src, model_dir, "--outfile", tmp, "--outtype", outtype],
+           log=out.with_suffix(".convert.log"))
+        tmp.rename(out)
+    return out
+
+
+def quantize(bins: Path, f32: Path, out: Path, threads: int) -> Path:
+    if not out.is_file():
+        tmp = out.with_suffix(".part")
+        sh([bins / "llama-quantize", f32, tmp, "Q4_0", threads], log=out.with_suffix(".quantize.log"))
+        tmp.rename(out)
+    return out
+
+
+def llama_tg(bins: Path, gguf: Path, threads: int, n: int) -> dict:
+    """One llama-bench tg run (its warm-up, then one timed repetition) → tok/s and build info."""
+    out = sh([bins / "llama-bench", "-m", gguf, "-p", "0", "-n", n, "-t", threads, "-r", 1, "-o", "json"])
+    row = json.loads(out)[0]
+    return {"tok_s": float(row["avg_ts"]), "build": f"{row.get('build_commit')} ({row.get('build_number')})",
+            "cpu": row.get("cpu_info"), "type": row.get("model_type")}
+
+
+def llama_batched(bins: Path, gguf: Path, threads: int, batch: int, npp: int, ntg: int) -> float:
+    """One llama-batched-bench run at one batch size → aggregate decode tok/s (S_TG)."""
+    ctx = batch * (npp + ntg) + 64
+    out = sh([bins / "llama-batched-bench", "-m", gguf, "-c", ctx, "-b", 2048, "-ub", 512, "-t", threads,
+              "-tb", threads, "-npp", npp, "-ntg", ntg, "-npl", batch, "--output-format", "jsonl"])
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    if not rows:
+        raise RuntimeError(f"llama-batched-bench printed no result: {out[-500:]}")
+    return float(rows[-1]["speed_tg"])
+
+
+# --- lynx-edge ------------------------------------------------------------------------------
+
+
+def ours(engine, prompts: list[list[int]], n: int, lynx: str) -> float:
+    """One greedy generation of n+1 tokens per prompt → aggregate decode tok/s (n steps per row)."""
+    from lynx_edge.bench import measure
+
+    engine.set_lynx(lynx)
+    stats = measure(engine, prompts, n + 1)
+    return float(stats["decode_tok_s"])
+
+
+def write_random(path: Path) -> Path:
+    from load_memory import write_checkpoint
+
+    from lynx_edge.hub import resolve_model
+
+    if not (path / "config.json").is_file():
+        print(f"writing the random qwen3_moe checkpoint {path} …", flush=True)
+        write_checkpoint(path, RANDOM["layers"], RANDOM["experts"], RANDOM["hidden"], RANDOM["inter"])
+        for f in ("tokenizer.json", "tokenizer_config.json"):  # the demo's (vocab 4096, as written)
+            shutil.copy(resolve_model("demo") / f, path / f)
+    return path
+
+
+def ckpt_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.glob("*.safetensors"))
+
+
+def cpu_flags() -> str:
+    try:
+        fl = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return ""
+    return " ".join(f for f in ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni",
+                                "avx512_bf16", "avx_vnni", "amx_bf16", "amx_int8", "asimd", "sve") if f in fl)
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+# --- the run ---------------------------------------------------------------------------------
+
+
+def run(args) -> dict:
+    import torch
+
+    from lynx_edge import Engine
+    from lynx_edge.bench import cpu_isa, synthetic_prompts
+    from lynx_edge.hub import resolve_model
+    from lynx_edge.threads import set_threads
+
+    src = llamacpp_source()
+    bins = llamacpp_build(src, args.jobs)
+    work = CACHE / "models"
+    work.mkdir(parents=True, exist_ok=True)
+    threads = [int(t) for t in args.threads.split(",")]
+    kinds = args.bits.split(",")
+    res = {"cpu": cpu_model(), "cpu_capability": cpu_isa(), "cpu_flags": cpu_flags(), "cores": os.cpu_count(),
+           "torch": torch.__version__, "llama_cpp_python": src.parent.parent.name.split("-")[-1],
+           "lynx_edge_commit": subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
+                                              capture_output=True, text=True).stdout.strip(),
+           "threads": threads, "rounds": args.rounds, "n_b1": args.n, "n_b16": args.n16, "prompt_b16": args.prompt,
+           "batch": args.batch, "loadavg_start": os.getloadavg(), "models": {}, "rows": []}
+    t_start = time.time()
+    for model in args.models.split(","):
+        path = resolve_model("demo") if model == "demo" else write_random(work / "random-qwen3moe")
+        tag = "demo" if model == "demo" else "random"
+        f32 = to_gguf(src, path, work / f"{tag}-f32.gguf", "f32")
+        ggufs = {"f32": f32, "bf16": to_gguf(src, path, work / f"{tag}-bf16.gguf", "bf16"),
+                 "int4": quantize(bins, f32, work / f"{tag}-q4_0.gguf", max(threads))}
+        res["models"][model] = {"path": str(path), "checkpoint_bytes_bf16": ckpt_bytes(path),
+                                "gguf_bytes": {k: ggufs[k].stat().st_size for k in kinds}}
+        for kind in kinds:
+            ll_name, opts = PAIRS[kind]
+            eng = Engine.from_pretrained(path, device="cpu", max_num_seqs=args.batch, **opts)
+            dt = str(next(p for p in eng.model.parameters() if p.is_floating_point()).dtype).replace("torch.", "")
+            p1 = synthetic_prompts(eng, 1, 8)
+            pB = synthetic_prompts(eng, args.batch, args.prompt)
+            bits = "4bit" if kind == "int4" else "16bit"
+            for th in threads:
+                set_threads(th, explicit=True)
+                ours(eng, p1, 4, "off")  # warm-up at this thread count
+                ours(eng, pB, 2, "off")
+                b1 = {"llama": [], "ours": []}
+                for _ in range(args.rounds):
+                    r = llama_tg(bins, ggufs[kind], th, args.n)
+                    b1["llama"].append(r["tok_s"])
+                    res.setdefault("llama_build", r["build"])
+                    b1["ours"].append(ours(eng, p1, args.n, "off"))
+                bB = {"llama": [], "off": [], "on": []}
+                for _ in range(args.rounds):
+                    bB["llama"].append(llama_batched(bins, ggufs[kind], th, args.batch, args.prompt, args.n16))
+                    bB["off"].append(ours(eng, pB, args.n16, "off"))
+                    bB["on"].append(ours(eng, pB, args.n16, "on"))
+                med1 = {k: statistics.median(v) for k, v in b1.items()}
+                medB = {k: statistics.median(v) for k, v in bB.items()}
+                base = dict(model=model, kind=kind, llama_type=ll_name, ours_dtype=dt, threads=th, bits=bits)
+                res["rows"].append(base | dict(batch=1, lynx="off", ours_tok_s=med1["ours"], llama_tok_s=med1["llama"],
+                                               ratio=med1["ours"] / med1["llama"], target=TARGET["B1", bits],
+                                               ours_all=b1["ours"], llama_all=b1["llama"]))
+                for mode in ("off", "on"):
+                    res["rows"].append(base | dict(batch=args.batch, lynx=mode, ours_tok_s=medB[mode],
+                                                   llama_tok_s=medB["llama"], ratio=medB[mode] / medB["llama"],
+                                                   target=TARGET["Bn", bits], ours_all=bB[mode], llama_all=bB["llama"]))
+                for r in res["rows"][-3:]:
+                    print(f"{model} {kind} t={th} B={r['batch']} lynx={r['lynx']}: lynx-edge {r['ours_tok_s']:.1f} "
+                          f"tok/s, llama.cpp {ll_name} {r['llama_tok_s']:.1f} → {r['ratio']:.3f}x "
+                          f"(target {r['target']}x)", flush=True)
+            del eng
+            gc.collect()  # the next engine of a 1.3 GB model should not sit beside this one
+    res["loadavg_end"] = os.getloadavg()
+    res["wall_s"] = time.time() - t_start
+    return res
+
+
+def to_markdown(res: dict) -> str:
+    md = [f"# lynx-edge vs llama.cpp, CPU decode on the same checkpoints", "",
+          f"Machine: {res['cpu']}, {res['cores']} logical cores, torch CPU capability **{res['cpu_capability']}**, "
+          f"flags: {res['cpu_flags']}. torch {res['torch']}; llama.cpp from llama-cpp-python "
+          f"{res['llama_cpp_python']} (build {res.get('llama_build')}, CPU, Release, GGML_NATIVE); lynx-edge "
+          f"{res['lynx_edge_commit']}. Load average at start {res['loadavg_start'][0]:.2f}, at end "
+          f"{res['loadavg_end'][0]:.2f} (shared machine: read the ratios, not the times). Wall {res['wall_s'] / 60:.1f} min.", "",
+          f"Medians of {res['rounds']} rounds, tools alternating within each round, same thread count on both "
+          f"sides. B=1: `llama-bench -p 0 -n {res['n_b1']}` vs lynx-edge 1000/TPOT over {res['n_b1']} decode "
+          f"steps after an 8-token prompt. B={res['batch']}: `llama-batched-bench -npp {res['prompt_b16']} -ntg "
+          f"{res['n_b16']} -npl {res['batch']}` S_TG vs lynx-edge's aggregate decode tok/s over {res['n_b16']} steps "
+          f"of {res['batch']} {res['prompt_b16']}-token prompts, LYNX `off` and `on`. ratio = lynx-edge / llama.cpp; "
+          "target from issue 16 (B=1: 4-bit ≥ 0.8, 16-bit ≥ 0.9; B=16 ≥ 1.0 at the same bits).", ""]
+    for model, m in res["models"].items():
+        md += [f"## {model} ({m['checkpoint_bytes_bf16'] / 1e9:.3f} GB bf16 safetensors; GGUF "
+               + ", ".join(f"{k} {v / 1e6:.0f} MB" for k, v in m["gguf_bytes"].items()) + ")", "",
+               "| threads | B | llama.cpp | lynx-edge | LYNX | llama.cpp tok/s | lynx-edge tok/s | ratio | target | met |",
+               "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in (r for r in res["rows"] if r["model"] == model):
+            ours_name = "--int4 (" + r["ours_dtype"] + ")" if r["kind"] == "int4" else r["ours_dtype"]
+            md.append(f"| {r['threads']} | {r['batch']} | {r['llama_type']} | {ours_name} | {r['lynx']} | "
+                      f"{r['llama_tok_s']:.1f} | {r['ours_tok_s']:.1f} | {r['ratio']:.3f} | {r['target']} | "
+                      f"{'yes' if r['ratio'] >= r['target'] else '**no**'} |")
+        md.append("")
+    md += ["## What differs between the two sides", "",
+           "- Q4_0 quantises every 2-D weight (attention, embeddings; llama-quantize keeps some at higher "
+           "precision) in blocks of 32; lynx-edge `--int4` quantises only the experts (RTN, group 128) and "
+           "keeps the rest in the dtype shown. Both read 4-bit experts, which dominate the bytes of the random model.",
+           "- lynx-edge's INT4 expert kernel (numba) runs on the calling thread whatever the thread count; "
+           "torch ops around it use the threads shown.",
+           "- llama.cpp keeps its KV cache in f16 and picks flash attention itself (defaults); lynx-edge's "
+           "KV cache is in the model dtype.",
+           "- B=1: llama-bench decodes from an empty context; lynx-edge after an 8-token prompt (≤ 72 "
+           "positions either way: attention is a small part of these steps).",
+           "- LYNX `on` changes which experts run (approximate routing); llama.cpp always runs exact top-k.",
+           "- The GGUF files come from llama.cpp's own converter; the demo's byte-level BPE tokenizer is "
+           "not in its pre-tokenizer hash list, so it is written as `gpt-2` (the same GPT-2 regex). "
+           "Token ids are irrelevant to these timings.", ""]
+    return "\n".join(md) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default="demo,random", help="demo and/or random (≥ 1 GB bf16 qwen3_moe)")
+    ap.add_argument("--bits", default="f32,bf16,int4", help="pairs: f32 (F32 vs fp32), bf16, int4 (Q4_0 vs --int4)")
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("-r", "--rounds", type=int, default=5)
+    ap.add_argument("-n", type=int, default=64, help="decode tokens at B=1 (llama-bench -n)")
+    ap.add_argument("--n16", type=int, default=32, help="decode tokens per sequence at B=16 (-ntg)")
+    ap.add_argument("--prompt", type=int, default=16, help="prompt tokens per sequence at B=16 (-npp)")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--jobs", type=int, default=2, help="parallel compile jobs for the one-time build")
+    ap.add_argument("--build-only", action="store_true", help="fetch and build llama.cpp, then stop")
+    ap.add_argument("--md-only", action="store_true", help="re-render the .md from the saved --out JSON")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/vs_llamacpp.json"))
+    args = ap.parse_args()
+    if args.md_only:
+        out = Path(args.out)
+        out.with_suffix(".md").write_text(to_markdown(json.loads(out.read_text())))
+        return
+    if args.build_only:
+        print(llamacpp_build(llamacpp_source(), args.jobs))
+        return
+    res = run(args)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=1))
+    out.with_suffix(".md").write_text(to_markdown(res))
+    print(to_markdown(res))
+
+
+if __name__ == "__main__":
+    main()
