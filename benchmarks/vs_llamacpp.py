@@ -237,8 +237,12 @@ def run(args) -> dict:
            "torch": torch.__version__, "llama_cpp_python": src.parent.parent.name.split("-")[-1],
            "lynx_edge_commit": subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
                                               capture_output=True, text=True).stdout.strip(),
+           # uncommitted edits under lynx_edge/ at measure time (several engineers share the checkout)
+           "lynx_edge_dirty": subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "--", "lynx_edge"],
+                                             capture_output=True, text=True).stdout.split("\n")[:-1],
            "threads": threads, "rounds": args.rounds, "n_b1": args.n, "n_b16": args.n16, "prompt_b16": args.prompt,
-           "batch": args.batch, "loadavg_start": os.getloadavg(), "models": {}, "rows": []}
+           "batch": args.batch, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+           "loadavg_start": os.getloadavg(), "models": {}, "rows": []}
     t_start = time.time()
     for model in args.models.split(","):
         path = resolve_model("demo") if model == "demo" else write_random(work / "random-qwen3moe")
@@ -292,12 +296,17 @@ def run(args) -> dict:
     return res
 
 
+def _cell(r: dict) -> str:
+    return f"{r['model']}/{r['kind']}/{r['threads']}/{r['batch']}/{r['lynx']}"
+
+
 def to_markdown(res: dict) -> str:
     md = ["# lynx-edge vs llama.cpp, CPU decode on the same checkpoints", "",
           f"Machine: {res['cpu']}, {res['cores']} logical cores, torch CPU capability **{res['cpu_capability']}**, "
           f"flags: {res['cpu_flags']}. torch {res['torch']}; llama.cpp from llama-cpp-python "
           f"{res['llama_cpp_python']} (build {res.get('llama_build')}, CPU, Release, GGML_NATIVE); lynx-edge "
-          f"{res['lynx_edge_commit']}. Load average at start {res['loadavg_start'][0]:.2f}, at end "
+          f"{res['lynx_edge_commit']}" + (f" with uncommitted edits ({', '.join(x[3:] for x in res['lynx_edge_dirty'])})"
+                                       if res.get("lynx_edge_dirty") else "") + f". Load average at start {res['loadavg_start'][0]:.2f}, at end "
           f"{res['loadavg_end'][0]:.2f} (shared machine: read the ratios, not the times). Wall {res['wall_s'] / 60:.1f} min.", "",
           f"Medians of {res['rounds']} rounds, tools alternating within each round, same thread count on both "
           f"sides. B=1: `llama-bench -p 0 -n {res['n_b1']}` vs lynx-edge 1000/TPOT over {res['n_b1']} decode "
@@ -311,6 +320,11 @@ def to_markdown(res: dict) -> str:
         for r in met) if met else "") + ". Ratio range per model: " + "; ".join(
         f"{m} {min(r['ratio'] for r in rs):.2f}–{max(r['ratio'] for r in rs):.2f}×"
         for m in res["models"] if (rs := [r for r in res["rows"] if r["model"] == m])) + ".", ""]
+    if res.get("previous"):
+        pv = res["previous"]
+        md += [f"The last column is the ratio of the run before this one (lynx-edge {pv.get('lynx_edge_commit')}, "
+               f"{pv.get('date') or 'date not recorded'}, load average {pv['loadavg_start'][0]:.2f} → "
+               f"{pv['loadavg_end'][0]:.2f}), to show how far the ratios reproduce.", ""]
     for rr in res.get("reruns", []):
         md += [f"Re-measured later (`--update`, load average {rr['loadavg_start'][0]:.2f} → {rr['loadavg_end'][0]:.2f}): "
                + ", ".join(f"{m} {k} {t} thread(s)" for m, k, t in rr["cells"]) + ".", ""]
@@ -318,14 +332,16 @@ def to_markdown(res: dict) -> str:
         md += [f"## {model} ({m['checkpoint_bytes_bf16'] / 1e9:.3f} GB bf16 safetensors; GGUF "
                + ", ".join(f"{k} {v / 1e6:.0f} MB" for k, v in m["gguf_bytes"].items()) + ")", "",
                "| threads | B | llama.cpp | lynx-edge | LYNX | llama.cpp tok/s (min–max) | lynx-edge tok/s (min–max) "
-               "| ratio | target | met |",
-               "|---|---|---|---|---|---|---|---|---|---|"]
+               "| ratio | target | met |" + (" previous run |" if res.get("previous") else ""),
+               "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if res.get("previous") else "")]
         for r in (r for r in res["rows"] if r["model"] == model):
             ours_name = "--int4 (" + r["ours_dtype"] + ")" if r["kind"] == "int4" else r["ours_dtype"]
             md.append(f"| {r['threads']} | {r['batch']} | {r['llama_type']} | {ours_name} | {r['lynx']} | "
                       f"{r['llama_tok_s']:.1f} ({min(r['llama_all']):.1f}–{max(r['llama_all']):.1f}) | "
                       f"{r['ours_tok_s']:.1f} ({min(r['ours_all']):.1f}–{max(r['ours_all']):.1f}) | {r['ratio']:.3f} | {r['target']} | "
-                      f"{'yes' if r['ratio'] >= r['target'] else '**no**'} |")
+                      f"{'yes' if r['ratio'] >= r['target'] else '**no**'} |"
+                      + ((f" {r['previous_ratio']:.3f} |" if r.get("previous_ratio") is not None else " – |")
+                         if res.get("previous") else ""))
         md.append("")
     md += ["## What differs between the two sides", "",
            "- Q4_0 quantises every 2-D weight in blocks of 32 (attention and embeddings too; llama-quantize keeps "
@@ -384,6 +400,12 @@ def main() -> None:
         models = {m: old["models"].get(m, {}) | v | {"gguf_bytes": old["models"].get(m, {}).get("gguf_bytes", {})
                                                       | v["gguf_bytes"]} for m, v in res["models"].items()}
         res = old | {"rows": rows, "models": old["models"] | models, "reruns": reruns}
+    elif out.is_file():  # the previous full run's ratios, next to this run's: how far they reproduce
+        old = json.loads(out.read_text())
+        prev = {_cell(r): r["ratio"] for r in old["rows"]}
+        for r in res["rows"]:
+            r["previous_ratio"] = prev.get(_cell(r))
+        res["previous"] = {k: old.get(k) for k in ("date", "lynx_edge_commit", "loadavg_start", "loadavg_end")}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1))
     out.with_suffix(".md").write_text(to_markdown(res))
