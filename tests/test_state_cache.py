@@ -115,3 +115,21 @@ def test_causal_conv_chunked_with_mixed_rows_equals_plain_conv(K):
             starts[b] += 1
     for b in (0, 1):
         torch.testing.assert_close(torch.cat(got[b], -1), want[b], rtol=1e-5, atol=1e-5)
+
+
+def test_memory_plan_names_the_sequence_state():
+    """The plan's cache line says how much of it is per-row state (Qwen3-Next: 73.7 MiB per
+    sequence on the published config) and keeps the plain name for attention-only models."""
+    from pathlib import Path
+
+    from lynx_edge.offload.memory import plan_memory
+
+    fx = Path(__file__).parent / "fixtures"
+    nxt = ModelConfig.from_file(fx / "qwen3-next-80b-a3b" / "config.json")
+    plan = plan_memory(nxt, device="cpu", dtype=torch.bfloat16, offload=False, int4=True, ctx=4096, batch=2)
+    state = 2 * KVCache.state_bytes(nxt, torch.bfloat16)
+    assert state == 2 * 77_266_944
+    assert "KV cache + sequence state (B=2, ctx=4096; state 147.4 MiB)" in plan.to_text()
+    mix = ModelConfig.from_file(fx / "real" / "mixtral-8x7b-instruct-v0.1" / "config.json")
+    text = plan_memory(mix, device="cpu", dtype=torch.bfloat16, offload=False, int4=True, ctx=4096).to_text()
+    assert "KV cache (B=1, ctx=4096)" in text and "sequence state" not in text

@@ -292,7 +292,10 @@ def build(cfg: ModelConfig, *, device, dtype, offload, int4, quant, ctx, batch, 
         (f"{quant.method}-4bit+offload" if quant else "offload+int4" if int4 else "offload")
     resources, notes, slots = [], [], None
     pow2 = L * next_pow2(E * eb) + next_pow2(opts.staging_slots * eb) if dev == "cuda" and offload else None
-    fixed = {"non-expert weights": ne, f"KV cache (B={batch}, ctx={ctx})": kv}
+    state = batch * KVCache.state_bytes(cfg, dtype)  # linear-attention / conv state: per row, not per token
+    kv_name = f"KV cache (B={batch}, ctx={ctx})" if not state else \
+        f"KV cache + sequence state (B={batch}, ctx={ctx}; state {_gib(state)})"
+    fixed = {"non-expert weights": ne, kv_name: kv}
     host_parts: dict[str, int] = {}
     if dev == "cuda":
         dev_parts = {**fixed, "workspace reserve": m.reserve_bytes}
