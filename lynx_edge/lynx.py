@@ -317,10 +317,10 @@ def _select(logits, is_decode, spec: RouterSpec, cfg, layer, resident, probs=Non
     z = logits.float()
     if probs is None:
         probs = torch.softmax(z, dim=-1, dtype=torch.float32)
-    if (CPU_HOST_PATH and _host.route is not None and host and is_decode and res is None
-            and dev.type == "cpu" and cfg.kind != "off" and E > K and layer not in cfg.skip_layers
-            and T ** (cfg.beta + 1) * K < 2**62):
-        return _select_host(z, probs, spec, cfg, T >= max(cfg.min_batch, 2))  # compiled, same results
+    if CPU_HOST_PATH and host and is_decode and res is None and dev.type == "cpu":
+        hp = host_params(spec, cfg, layer, T)
+        if hp is not None:
+            return _select_host(z, probs, hp)  # compiled, same results
     order = rank_experts(z)  # [T, E] the tie rule, shared by top-k and the remap
     ids0 = order[:, :K]
     p0 = probs.gather(1, ids0)  # [T, K] original top-k probs
@@ -374,15 +374,23 @@ def _select(logits, is_decode, spec: RouterSpec, cfg, layer, resident, probs=Non
     return _result(E, ids0, new, weights, n_dec, (p0 * drop).sum(), drop.sum(), res)
 
 
-def _select_host(z, probs, spec: RouterSpec, cfg: LynxConfig, pooled: bool) -> LynxResult:
-    """lynx_select's all-decode pooled path on CPU tensors in one compiled call (lynx_host.route),
-    after the softmax — fewer torch ops than the exact router. Ids and weights bit-identical.
-    z, probs [T, E] fp32."""
+def host_params(spec: RouterSpec, cfg: LynxConfig, layer: int, T: int) -> Optional[tuple]:
+    """lynx_host.route's scalar arguments for an all-decode CPU call of T tokens, or None where the
+    compiled path does not apply (LYNX off for this layer, E ≤ K, no numba, scores past int64)."""
     E, K = spec.num_experts, spec.top_k
+    if (_host.route is None or cfg.kind == "off" or E <= K or layer in cfg.skip_layers
+            or T ** (cfg.beta + 1) * K >= 2**62):
+        return None
     kind = {"lynx": _host.KIND_LYNX, "budget": _host.KIND_BUDGET, "lynx-mass": _host.KIND_MASS}[cfg.kind]
-    ids, w, vec = _host.route(z.numpy(), probs.numpy(), K, spec.norm_topk_prob, np.float32(cfg.alpha_for(E, K)),
-                              cfg.beta, cfg.j, kind, np.float32(cfg.arg or 0), cfg.protect_top1,
-                              np.float32(_kernel.MASS_SLACK), pooled)
+    return (K, spec.norm_topk_prob, np.float32(cfg.alpha_for(E, K)), cfg.beta, cfg.j, kind,
+            np.float32(cfg.arg or 0), cfg.protect_top1, np.float32(_kernel.MASS_SLACK), T >= max(cfg.min_batch, 2))
+
+
+def _select_host(z, probs, hp: tuple) -> LynxResult:
+    """lynx_select's all-decode path on CPU tensors in one compiled call (lynx_host.route), after
+    the softmax — fewer torch ops than the exact router. Ids and weights bit-identical.
+    z, probs [T, E] fp32; hp: host_params(...)."""
+    ids, w, vec = _host.route(z.numpy(), probs.numpy(), *hp)
     return LynxResult(torch.from_numpy(ids), torch.from_numpy(w), torch.from_numpy(vec), None)
 
 
@@ -502,6 +510,7 @@ class LynxRouter:
         self.phase: Optional[bool] = None  # of the forward in progress, from begin_step
         self.use_triton: Optional[bool] = None if device is None else _kernel.available(device)
         self._args: dict[int, dict] = {}  # layer → kernel_args
+        self._host: dict[tuple, Optional[tuple]] = {}  # (layer, T) → host_params
 
     def begin_step(self, is_decode: Optional[bool] = None) -> None:
         self.phase = None if is_decode is None else bool(is_decode)
@@ -523,6 +532,17 @@ class LynxRouter:
             ids, w, active, counts, table, vec = _kernel.lynx_route(logits, mask, **a)
             r = LynxResult(ids, scale_weights(w, self.spec), vec, None,
                            _kernel.gemm_table(active, counts, table, a["top_k"]))
+        elif phase is True and res is None and not self.use_triton and CPU_HOST_PATH and logits.device.type == "cpu":
+            # the CPU decode hot path: straight to the compiled call, its scalars cached per (layer, T)
+            hp = self._host.get((layer, T), 0)
+            if hp == 0:
+                hp = self._host[(layer, T)] = host_params(self.spec, self.cfg, layer, T)
+            z = logits.float()
+            if hp is None:
+                r = lynx_select(z, True, self.spec, self.cfg, layer, None, probs)
+            else:
+                p = torch.softmax(z, dim=-1, dtype=torch.float32) if probs is None else probs.float()
+                r = _scaled(_select_host(z, p, hp), self.spec)
         else:
             r = lynx_select(logits, phase, self.spec, self.cfg, layer, res, probs)
         self.last = r
