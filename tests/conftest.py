@@ -50,6 +50,22 @@ FAMILY_CONFIGS = {
 }
 
 
+def greedy_logits(eng, ids: list[int], n: int = 8) -> tuple[list[int], torch.Tensor]:
+    """Greedy ids and every step's logits [n + 1, V] for one prompt (prefill, then cached decode
+    steps) — what the offload = resident tests compare."""
+    from lynx_edge.step import decode_step, prefill
+
+    kv = eng._cache(1)
+    logits = prefill(eng.model, kv, 0, ids)
+    out, toks = [logits], []
+    for _ in range(n):
+        tok = logits.argmax(-1)
+        toks.append(int(tok))
+        logits = decode_step(eng.model, kv, [0], tok)
+        out.append(logits)
+    return toks, torch.cat(out)
+
+
 def make_tiny(path: Path, family: str, seed: int = 0, dtype=torch.float32, **overrides) -> Path:
     """A random tiny checkpoint of `family` saved by transformers (legacy expert names on disk)."""
     import transformers

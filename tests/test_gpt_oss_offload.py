@@ -18,9 +18,9 @@ from lynx_edge.build import LoadOptions, load_model
 from lynx_edge.config import ModelConfig
 from lynx_edge.engine import EngineConfig
 from lynx_edge.offload import store as store_mod
-from lynx_edge.step import decode_step, prefill
 from lynx_edge.tokenizer import Tokenizer
 from test_gpt_oss import REAL, build, pack_mxfp4, prompt_ids
+from conftest import greedy_logits
 
 E, D, I, L, K = 8, 64, 32, 4, 4  # the tiny checkpoint (test_gpt_oss.SIZES)
 
@@ -45,17 +45,6 @@ def resident(path: Path, int4: bool = False, **kw) -> Engine:
     return Engine.from_pretrained(path, device="cpu", dtype=torch.float32, int4=int4, **kw)
 
 
-def logits_run(eng: Engine, ids: list[int], n: int = 8) -> tuple[list[int], torch.Tensor]:
-    """Greedy ids and every step's logits [n + 1, V] (prefill, then cached decode steps)."""
-    kv = eng._cache(1)
-    logits = prefill(eng.model, kv, 0, ids)
-    out, toks = [logits], []
-    for _ in range(n):
-        tok = logits.argmax(-1)
-        toks.append(int(tok))
-        logits = decode_step(eng.model, kv, [0], tok)
-        out.append(logits)
-    return toks, torch.cat(out)
 
 
 PROMPTS = [prompt_ids(n, seed=n) for n in (3, 11, 29)]
@@ -76,8 +65,8 @@ def test_offloaded_equals_resident(ckpts, case, monkeypatch):
     rt = eng.model.offload
     assert rt.store.fmt.name == fmt and rt.in_place == (oo.get("pin") != "on")
     ids = prompt_ids()
-    want_toks, want = logits_run(ref, ids)
-    toks, got = logits_run(eng, ids)
+    want_toks, want = greedy_logits(ref, ids)
+    toks, got = greedy_logits(eng, ids)
     assert toks == want_toks
     torch.testing.assert_close(got, want, atol=3e-6, rtol=3e-6)  # observed ≤ 1e-6: sum order over k (ids vs slots)
     kw = dict(max_new_tokens=10, do_sample=False, ignore_eos=True)
@@ -260,8 +249,8 @@ def test_offloaded_equals_resident_cuda(ckpts):
     rt = eng.model.offload
     assert rt.store.fmt.name == "mxfp4" and rt.store.pinned_bytes == L * E * rt.store.nbytes
     ids = prompt_ids()
-    want_toks, want = logits_run(ref, ids)
-    toks, got = logits_run(eng, ids)
+    want_toks, want = greedy_logits(ref, ids)
+    toks, got = greedy_logits(eng, ids)
     assert toks == want_toks
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     kw = dict(max_new_tokens=10, do_sample=False, ignore_eos=True)

@@ -23,6 +23,7 @@ from lynx_edge.config import ConfigError, ModelConfig
 from lynx_edge.kv_cache import KVCache
 from lynx_edge.models import FAMILIES
 from lynx_edge.step import decode_step, prefill
+from conftest import greedy_logits
 
 PROMPT = "def add(a, b):\n    return a + b\n\nclass Point:\n    def __init__(self, x, y):"
 
@@ -331,16 +332,6 @@ def test_lynx_selects_on_the_biased_scores_with_its_invariants(lfm):
 
 
 # offload, INT4 -------------------------------------------------------------------------------------
-def _logits_run(eng, ids, n=8):
-    kv = eng._cache(1)
-    logits = prefill(eng.model, kv, 0, ids)
-    out, toks = [logits], []
-    for _ in range(n):
-        tok = logits.argmax(-1)
-        toks.append(int(tok))
-        logits = decode_step(eng.model, kv, [0], tok)
-        out.append(logits)
-    return toks, torch.cat(out)
 
 
 def test_offload_equals_resident(lfm):
@@ -348,12 +339,12 @@ def test_offload_equals_resident(lfm):
 
     ref = _eng(lfm["base"])
     ids = ref.tokenizer.encode(PROMPT)
-    ref_toks, ref_logits = _logits_run(ref, ids)
+    ref_toks, ref_logits = greedy_logits(ref, ids)
     prompts = _prompts(ref)
     ref_batch = ref.generate_batch(prompts, max_new_tokens=8, ignore_eos=True)
     # streamed into the host store at load (CPU: computed in place) ...
     eng = _eng(lfm["base"], offload=True, expert_slots=12, profile="cpu-only")
-    toks, logits = _logits_run(eng, ids)
+    toks, logits = greedy_logits(eng, ids)
     assert toks == ref_toks
     torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=1e-5)
     assert eng.generate_batch(prompts, max_new_tokens=8, ignore_eos=True) == ref_batch
@@ -361,7 +352,7 @@ def test_offload_equals_resident(lfm):
     eng = _eng(lfm["base"])
     rt = attach_offload(eng.model, OffloadOptions(profile="cpu-only", expert_slots=12, cpu_compute="never",
                                                   prefetch=True))
-    toks, logits = _logits_run(eng, ids)
+    toks, logits = greedy_logits(eng, ids)
     assert toks == ref_toks
     torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=1e-5)
     assert eng.generate_batch(prompts, max_new_tokens=8, ignore_eos=True) == ref_batch

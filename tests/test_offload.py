@@ -22,27 +22,16 @@ from lynx_edge.offload.plan import non_expert_bytes
 from lynx_edge.offload.profile import profile_from_dict, to_toml
 from lynx_edge.offload.projection import MODEL_SHAPES, project, slots_for, trace_from_stats
 from lynx_edge.offload.store import DenseFormat, HostExpertStore, expert_format
-from lynx_edge.step import decode_step, prefill
+from conftest import greedy_logits
 
 PROMPTS = ["def add(a, b):", "import os\nimport", "The quick brown fox", "class Point:\n    def"]
 
 
-def _logits_run(eng, ids, n=6):
-    """Greedy tokens and every step's logits [n+1, V] for one prompt, via prefill/decode_step."""
-    kv = eng._cache(1)
-    logits = prefill(eng.model, kv, 0, ids)
-    out, toks = [logits], []
-    for _ in range(n):
-        tok = logits.argmax(-1)
-        toks.append(int(tok))
-        logits = decode_step(eng.model, kv, [0], tok)
-        out.append(logits)
-    return toks, torch.cat(out)
 
 
 def _reference(path, ids):
     eng = Engine.from_pretrained(path, device="cpu")
-    return _logits_run(eng, ids), eng.generate_batch(PROMPTS, max_new_tokens=10, ignore_eos=True)
+    return greedy_logits(eng, ids, 6), eng.generate_batch(PROMPTS, max_new_tokens=10, ignore_eos=True)
 
 
 @pytest.mark.parametrize("family,opts", [
@@ -55,7 +44,7 @@ def test_offloaded_equals_resident(tiny_models, family, opts):
     ids = eng.tokenizer.encode(PROMPTS[0])
     (ref_toks, ref_logits), ref_batch = _reference(tiny_models[family], ids)
     rt = attach_offload(eng.model, OffloadOptions(profile="cpu-only", **opts))
-    toks, logits = _logits_run(eng, ids)
+    toks, logits = greedy_logits(eng, ids, 6)
     assert toks == ref_toks
     torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=1e-5)
     assert eng.generate_batch(PROMPTS, max_new_tokens=10, ignore_eos=True) == ref_batch
