@@ -26,7 +26,7 @@ from .kernels.moe_gemm import expert_table
 from .routing import RouterSpec, rank_experts, scale_weights
 
 _MODES = ("off", "lynx", "budget", "lynx-mass")
-# CPU tensors take a host path (_select_cpu, numpy telemetry) that reads them as numpy arrays:
+# CPU tensors take a host path (_select_host: lynx_host compiled; numpy telemetry) that reads them as numpy arrays:
 # host memory, so no sync on a CPU. Tests that use CPU tensors as a stand-in for CUDA (counting
 # device reads) turn it off to exercise the torch path the GPU runs.
 CPU_HOST_PATH = True
