@@ -15,10 +15,12 @@ from typing import Callable
 
 import torch
 
-from .moe_gemm import _cdiv, _finalize_kernel, _interpreting, _pow2, expert_table, triton, use_triton
+from .moe_gemm import _cdiv, _interpreting, _pow2, expert_table, triton, use_triton
 
-if triton is not None:
+if triton is not None:  # without the triton extra only the torch reference (the CPU path) exists
     import triton.language as tl
+
+    from .moe_gemm import _finalize_kernel
 
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 BLOCK = 32  # values per e8m0 scale
