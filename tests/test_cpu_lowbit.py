@@ -1,7 +1,8 @@
-"""The compiled INT4 CPU kernel (lynx_edge/quant/cpu_kernels.py) against the torch reference:
+"""The compiled INT4 CPU kernels — native (lynx_edge/kernels/cpu_native.c) and numba
+(lynx_edge/quant/cpu_kernels.py), each test run on both — against the torch reference:
 int4_moe_ref = dequantise the active experts, then fp32 F.linear (moe_ref_lazy's slot-order sum).
 
-The kernel sums s·Σ(q − z)·x per group with vectorised (reassociated) fp32 partial sums, so it is
+Each kernel sums s·Σ(q − z)·x per group with vectorised (reassociated) fp32 partial sums, so it is
 not bit-equal: the bound is ~3× the largest error observed over these cases (max |Δ| / output
 scale 5.7e-7, mean relative 3.8e-7, incl. D=2048, I=768 at 16 tokens). The K slots are weighted and summed in slot order as in the
 reference. Bug cases (a flipped code, swapped routing weights, the wrong zero point) must exceed it.
@@ -12,11 +13,26 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from lynx_edge.kernels import native
 from lynx_edge.quant import cpu_kernels
 from lynx_edge.quant.experts import Int4MoEExperts
 from lynx_edge.quant.int4 import Int4Experts, int4_moe_ref, quantize_experts
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="numba not installed")
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no compiled INT4 kernel (numba, C compiler)")
+
+
+@pytest.fixture(params=["native", "numba"])
+def kernel(request, monkeypatch):
+    """Runs the test on one kernel: moe_int4_blocks' default (what the module and the offload
+    store call) is pinned to it."""
+    if request.param == "native" and native.lib() is None:
+        pytest.skip("native kernels not built (no C compiler)")
+    if request.param == "numba" and cpu_kernels._moe_nb is None:
+        pytest.skip("numba not installed")
+    real = cpu_kernels.moe_int4_blocks
+    monkeypatch.setattr(cpu_kernels, "moe_int4_blocks",
+                        lambda *a, kernel=None, **k: real(*a, kernel=request.param, **k))
+    return request.param
 
 TOL = (1.7e-6, 1.2e-6)  # (max |Δ| / max(1, max |ref|), mean |Δ| / mean |ref|)
 
@@ -47,12 +63,12 @@ def _close(y, ref):
     (1, 1, 4, 64, 32, 32, True), (1, 4, 8, 128, 64, 64, False), (5, 2, 4, 64, 96, 32, True),
     (17, 3, 4, 128, 64, 32, False), (9, 4, 16, 256, 128, 128, True), (3, 2, 6, 192, 64, 64, True),
 ])
-def test_kernel_matches_reference(T, K, E, D, I, G, sym):
+def test_kernel_matches_reference(T, K, E, D, I, G, sym, kernel):
     x, ids, w, p = _problem(T, K, E, D, I, G, sym)
     _close(cpu_kernels.moe_int4_cpu(x, ids, w, p), int4_moe_ref(x, ids, w, p))
 
 
-def test_bugs_are_caught():
+def test_bugs_are_caught(kernel):
     """Each injected fault lands far outside the bound the kernel meets."""
     x, ids, w, p = _problem(6, 2, 4, 64, 64, 32, False)
     ref = int4_moe_ref(x, ids, w, p)
@@ -66,7 +82,7 @@ def test_bugs_are_caught():
     assert _err(cpu_kernels.moe_int4_cpu(x, ids, w, z_off), ref)[1] > 10 * TOL[1]
 
 
-def test_repeated_expert_and_act_order():
+def test_repeated_expert_and_act_order(kernel):
     """Slots of one token on the same expert; act-order inputs: gate/up read x[:, perm[e]]."""
     x, _, w, p = _problem(4, 2, 4, 64, 32, 32, True)
     ids = torch.tensor([[1, 1], [0, 1], [3, 3], [1, 0]])
@@ -86,7 +102,7 @@ def test_repeated_expert_and_act_order():
     _close(mod(x, ids, w), ref)
 
 
-def test_bf16_activations_and_empty_batch():
+def test_bf16_activations_and_empty_batch(kernel):
     x, ids, w, p = _problem(3, 2, 4, 64, 32, 32, True)
     y = cpu_kernels.moe_int4_cpu(x.bfloat16(), ids, w, p)
     ref = int4_moe_ref(x.bfloat16().float(), ids, w, p)  # fp32 math on the bf16 inputs, then one rounding
@@ -94,7 +110,7 @@ def test_bf16_activations_and_empty_batch():
     assert cpu_kernels.moe_int4_cpu(x[:0], ids[:0], w[:0], p).shape == (0, 64)
 
 
-def test_module_and_offload_store_use_the_kernel():
+def test_module_and_offload_store_use_the_kernel(kernel):
     """Int4MoEExperts.forward on a CPU and the offload store's INT4 CPU experts run the kernel."""
     from lynx_edge.offload.store import Int4Format
 
@@ -115,7 +131,7 @@ class _Count(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_op_count_does_not_grow_with_active_experts():
+def test_op_count_does_not_grow_with_active_experts(kernel):
     x, _, w, p = _problem(8, 2, 16, 64, 32, 32, True)
     mod = Int4MoEExperts(p)
     counts = []

@@ -17,12 +17,29 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from ..kernels import native
 from ..kernels.moe_gemm import expert_mlp, fused_moe, moe_ref
 from ..routing import ExactRouter, RouteFn, RouterSpec, RoutingStats
 
 
 def _param(*shape: int, dtype, device) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+# Decode-sized CPU projections go to the native kernel where it measured faster than torch's
+# (benchmarks/results/cpu_native.md): bf16 weights at any small batch (torch widens bf16 slowly
+# on CPUs without native bf16 math; the kernel widens by a shift and reads half fp32's bytes),
+# fp32 at 2-8 rows (MKL's small-M sgemm path); torch for everything larger (prefill).
+NATIVE_ROWS = {torch.bfloat16: (1, 32), torch.float32: (2, 8)}
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, or the native CPU kernel for decode-sized batches (same dtype out, fp32 sums)."""
+    if x.device.type == "cpu" and weight.dtype in NATIVE_ROWS:
+        lo, hi = NATIVE_ROWS[weight.dtype]
+        if lo <= x.numel() // x.shape[-1] <= hi and native.dense_ok(weight) and x.dtype in NATIVE_ROWS:
+            return native.linear(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 class Linear(nn.Module):
@@ -32,7 +49,7 @@ class Linear(nn.Module):
         self.bias = _param(out_f, dtype=dtype, device=device) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -177,7 +194,7 @@ class Attention(nn.Module):
         """x [B, T, D] → q [B, T, H·hd], k, v [B, T, Hkv·hd]."""
         fused = self._fused()
         if fused is not None:
-            return F.linear(x, *fused).split([self.H * self.hd, self.Hkv * self.hd, self.Hkv * self.hd], -1)
+            return linear(x, *fused).split([self.H * self.hd, self.Hkv * self.hd, self.Hkv * self.hd], -1)
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def forward(self, x: torch.Tensor, ab: AttnBatch, kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -240,6 +257,17 @@ class DenseMLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+def cpu_moe(x, ids, weights, gate_up, down):
+    """Resident experts on a CPU: the native kernel for decode-sized batches (one call, each active
+    expert's rows read once, fp32 sums), moe_ref's grouped GEMM for prefill-sized ones."""
+    if ids.numel() <= NATIVE_SLOTS and native.dense_ok(gate_up, down):
+        return native.moe_dense(x, ids, weights, gate_up, down)
+    return moe_ref(x, ids, weights, gate_up, down)
+
+
+NATIVE_SLOTS = 256  # token-expert slots per call up to which cpu_moe takes the native kernel
+
+
 class StackedExperts(nn.Module):
     """All E experts of a layer resident as two stacked tensors in the model dtype.
 
@@ -256,7 +284,7 @@ class StackedExperts(nn.Module):
         self.num_experts, self.hidden, self.inter = E, D, inter
         self.gate_up = _param(E, 2 * inter, D, dtype=dtype, device=device)  # [E, 2I, D]
         self.down = _param(E, D, inter, dtype=dtype, device=device)  # [E, D, I]
-        self._fn = fused_moe if torch.device(device).type == "cuda" else moe_ref  # fused_moe: Triton or its ref
+        self._fn = fused_moe if torch.device(device).type == "cuda" else cpu_moe  # fused_moe: Triton or its ref
 
     def load_part(self, e: int, part: str, w: torch.Tensor) -> None:
         I = self.inter

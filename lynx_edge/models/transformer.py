@@ -13,7 +13,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..routing import RouterSpec
-from .layers import AttnBatch, DenseMLP, Linear, MoEBlock, RMSNorm, Rope, RoutingContext, _param
+from .layers import AttnBatch, DenseMLP, Linear, MoEBlock, RMSNorm, Rope, RoutingContext, _param, linear
 
 
 def family_of(cfg: ModelConfig):
@@ -95,7 +95,7 @@ class MoEForCausalLM(nn.Module):
         if logits_for == "last":
             x = x[:, -1]
         x = self.norm(x)
-        return torch.nn.functional.linear(x, self.head_weight()).float()
+        return linear(x, self.head_weight()).float()
 
 
 @functools.lru_cache(maxsize=16)

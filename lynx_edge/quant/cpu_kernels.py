@@ -28,6 +28,8 @@ import functools
 import numpy as np
 import torch
 
+from ..kernels import native
+
 try:  # numba is a dependency on the platforms it ships wheels for; elsewhere the torch reference runs
     import numba
     from numba import njit
@@ -247,8 +249,8 @@ else:  # pragma: no cover
 
 
 def available() -> bool:
-    """Whether the compiled kernel exists (numba installed)."""
-    return _moe_nb is not None
+    """Whether a compiled kernel exists (the native one built here, or numba installed)."""
+    return native.lib() is not None or _moe_nb is not None
 
 
 _NO_PERM = np.zeros((0, 0), np.int32)
@@ -263,14 +265,23 @@ def _offsets(layout) -> np.ndarray:
 
 
 def moe_int4_blocks(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, data: torch.Tensor, layout,
-                    x_perm: torch.Tensor | None = None) -> torch.Tensor:
+                    x_perm: torch.Tensor | None = None, kernel: str | None = None) -> torch.Tensor:
     """Σ_k weights[t, k] · expert_{ids[t, k]}(x[t]) over INT4 expert blocks data uint8 [E, nbytes]
     (CPU, rows in lynx_edge.quant.int4's Int4Layout `layout`) → [T, D] in x's dtype, computed in
     fp32 whatever x's dtype. x_perm [E, D] int32: expert e's gate/up read x[:, x_perm[e]]
-    (act-order GPTQ). Runs on the calling thread (see the module docstring)."""
+    (act-order GPTQ). kernel: "native" (kernels/cpu_native.c, on torch's thread count), "numba" (the
+    calling thread), None: native when it built, else numba."""
+    use_native = kernel in (None, "native") and native.lib() is not None
+    if kernel == "native" and not use_native:
+        raise RuntimeError("the native CPU kernels are not available (no C compiler, or LYNX_EDGE_NATIVE=0)")
+    if use_native:
+        return native.moe_int4(x, ids, weights, data, _offsets(layout), layout.sym, layout.group_size,
+                               layout.hidden, layout.inter, x_perm).to(x.dtype)
+    x32 = x.detach().to(torch.float32).contiguous()
+    ids64 = ids.to(torch.int64).contiguous()
+    w32 = weights.detach().to(torch.float32).contiguous()
     perm = _NO_PERM if x_perm is None else x_perm.to(torch.int32).contiguous().numpy()
-    out = _moe_nb(x.detach().to(torch.float32).contiguous().numpy(), ids.to(torch.int64).contiguous().numpy(),
-                  weights.detach().to(torch.float32).contiguous().numpy(), perm, data.numpy(), _offsets(layout),
+    out = _moe_nb(x32.numpy(), ids64.numpy(), w32.numpy(), perm, data.numpy(), _offsets(layout),
                   layout.sym, layout.group_size, layout.hidden, layout.inter)
     return torch.from_numpy(out).to(x.dtype)
 

@@ -1,0 +1,433 @@
+/* Native CPU kernels, one call per MoE layer or projection: lynx_edge/kernels/native.py builds
+ * this file with the machine's C compiler for its own ISA (-march=native) the first time it is
+ * needed and caches the library; without a compiler the numba (INT4) and torch paths run.
+ *
+ * lynx_moe: a whole MoE layer over INT4 blocks or stacked fp32/bf16 experts. Plan (slots sorted
+ * expert-major), gather, gate/up rows with silu(gate)*up, down rows times the routing weight, then
+ * each token's K slots summed in slot order (as moe_ref). Each active expert's weights are read
+ * once per call however many tokens share it; up to four tokens share each loaded vector.
+ * lynx_linear: a dense projection for decode-sized T (bf16 weights widen exactly by a shift, so
+ * bf16 costs half the bytes of fp32 on a CPU without native bf16 math).
+ *
+ * INT4 layout, as cpu_kernels._moe (read that docstring): packed codes [N, Kin/2] (low nibble =
+ * even input column), fp16 scales [Kin/G, N], uint8 zeros [Kin/G, N] (sym: 8) in one block per
+ * expert; inputs split into even/odd columns so a byte's two nibbles meet their two inputs in two
+ * vector lanes without shuffles. Why native and not numba: LLVM through numba left the unpack
+ * narrow and reduced every group horizontally (2.2 GB/s of packed weights on one AVX-512 core);
+ * here each group adds s_g * (lane partials) into per-lane totals, reduced once per row.
+ *
+ * Numerics: fp32 products and sums, lanes reassociated: within a few fp32 ulps of the output
+ * scale of the fp32 reference (tests/test_cpu_native.py states the bounds).
+ *
+ * Threads: work items (expert or block of ROW_BLOCK rows) shared through OpenMP's dynamic
+ * schedule on torch's own OpenMP pool (see parallel()); nthreads = 1, or a build without OpenMP,
+ * runs on the caller. Glossary: T tokens, D hidden, K top-k, I expert intermediate, G group,
+ * S = T*K slots. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#define ROW_BLOCK 16 /* output rows per work item */
+#ifndef PREFETCH
+#define PREFETCH 4096 /* bytes ahead the one-token row loops prefetch (the next rows of the block) */
+#endif
+
+static inline float h2f(uint16_t h) { /* fp16 bits -> fp32, exactly (normal and subnormal; no inf/NaN) */
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    const uint32_t e = (h >> 10) & 0x1F, m = h & 0x3FF;
+    union { uint32_t u; float f; } p = {(uint32_t)(127 + (int)(e ? e : 1) - 25) << 23}; /* 2^(max(e,1)-25) */
+    const float v = (float)(m + (e ? 1024u : 0u)) * p.f;
+    return (h & 0x8000) ? -v : v;
+#endif
+}
+
+/* acc[t] = sum_g s_g * sum_j (q_j - z_g) * x_t[j] for one packed row q (Kin/2 bytes); s and z point
+ * at this row's entry of group 0 (stride N between groups); xe[t] / xo[t] are token t's even / odd
+ * input columns. NT (1..4) tokens share each decoded vector of weights. */
+static inline __attribute__((always_inline)) void dot_rows_h(
+    const uint8_t *q, const uint16_t *s, const uint8_t *z, long N, int Kin, const int H,
+    const float *const *xe, const float *const *xo, const int NT, float *acc) {
+    const int ng = Kin / (2 * H);
+    int t;
+#if defined(__AVX512F__)
+    if (H % 16 == 0) {
+        __m512 tot[4];
+        const __m512i m15 = _mm512_set1_epi32(15);
+        for (t = 0; t < NT; t++) tot[t] = _mm512_setzero_ps();
+        for (int g = 0; g < ng; g++) {
+            const __m512i zv = _mm512_set1_epi32(z ? z[g * N] : 8);
+            const uint8_t *qg = q + (long)g * H;
+            _mm_prefetch((const char *)qg + PREFETCH / 2, _MM_HINT_T0); /* the rows after this one */
+            __m512 ae[4], ao[4];
+            for (t = 0; t < NT; t++) { ae[t] = _mm512_setzero_ps(); ao[t] = _mm512_setzero_ps(); }
+            for (int j = 0; j < H; j += 16) {
+                const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qg + j)));
+                const __m512 we = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(b, m15), zv));
+                const __m512 wo = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(b, 4), zv));
+                for (t = 0; t < NT; t++) {
+                    ae[t] = _mm512_fmadd_ps(we, _mm512_loadu_ps(xe[t] + g * H + j), ae[t]);
+                    ao[t] = _mm512_fmadd_ps(wo, _mm512_loadu_ps(xo[t] + g * H + j), ao[t]);
+                }
+            }
+            const __m512 sv = _mm512_set1_ps(h2f(s[g * N]));
+            for (t = 0; t < NT; t++) tot[t] = _mm512_fmadd_ps(sv, _mm512_add_ps(ae[t], ao[t]), tot[t]);
+        }
+        for (t = 0; t < NT; t++) acc[t] = _mm512_reduce_add_ps(tot[t]);
+        return;
+    }
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+    if (H % 8 == 0) {
+        __m256 tot[4];
+        const __m256i m15 = _mm256_set1_epi32(15);
+        for (t = 0; t < NT; t++) tot[t] = _mm256_setzero_ps();
+        for (int g = 0; g < ng; g++) {
+            const __m256i zv = _mm256_set1_epi32(z ? z[g * N] : 8);
+            const uint8_t *qg = q + (long)g * H;
+            __m256 ae[4], ao[4];
+            for (t = 0; t < NT; t++) { ae[t] = _mm256_setzero_ps(); ao[t] = _mm256_setzero_ps(); }
+            for (int j = 0; j < H; j += 8) {
+                const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qg + j)));
+                const __m256 we = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(b, m15), zv));
+                const __m256 wo = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(b, 4), zv));
+                for (t = 0; t < NT; t++) {
+                    ae[t] = _mm256_fmadd_ps(we, _mm256_loadu_ps(xe[t] + g * H + j), ae[t]);
+                    ao[t] = _mm256_fmadd_ps(wo, _mm256_loadu_ps(xo[t] + g * H + j), ao[t]);
+                }
+            }
+            const __m256 sv = _mm256_set1_ps(h2f(s[g * N]));
+            for (t = 0; t < NT; t++) tot[t] = _mm256_fmadd_ps(sv, _mm256_add_ps(ae[t], ao[t]), tot[t]);
+        }
+        for (t = 0; t < NT; t++) {
+            const __m128 v = _mm_add_ps(_mm256_castps256_ps128(tot[t]), _mm256_extractf128_ps(tot[t], 1));
+            const __m128 w = _mm_add_ps(v, _mm_movehl_ps(v, v));
+            acc[t] = _mm_cvtss_f32(_mm_add_ss(w, _mm_shuffle_ps(w, w, 1)));
+        }
+        return;
+    }
+#endif
+    /* portable: the compiler vectorises what it can */
+    for (t = 0; t < NT; t++) acc[t] = 0.0f;
+    for (int g = 0; g < ng; g++) {
+        const int zz = z ? z[g * N] : 8;
+        const float sc = h2f(s[g * N]);
+        for (t = 0; t < NT; t++) {
+            const float *a = xe[t] + g * H, *c = xo[t] + g * H;
+            const uint8_t *qg = q + (long)g * H;
+            float p = 0.0f;
+            for (int j = 0; j < H; j++) p += (float)((qg[j] & 15) - zz) * a[j] + (float)((qg[j] >> 4) - zz) * c[j];
+            acc[t] += sc * p;
+        }
+    }
+}
+
+/* dot_rows_h with the group's half-width H a compile-time constant for the usual group sizes */
+static inline __attribute__((always_inline)) void dot_rows(
+    const uint8_t *q, const uint16_t *s, const uint8_t *z, long N, int Kin, int G,
+    const float *const *xe, const float *const *xo, const int NT, float *acc) {
+    if (G == 128) dot_rows_h(q, s, z, N, Kin, 64, xe, xo, NT, acc);
+    else if (G == 64) dot_rows_h(q, s, z, N, Kin, 32, xe, xo, NT, acc);
+    else if (G == 32) dot_rows_h(q, s, z, N, Kin, 16, xe, xo, NT, acc);
+    else dot_rows_h(q, s, z, N, Kin, G / 2, xe, xo, NT, acc);
+}
+
+/* acc[0..n) for n tokens whose even/odd rows start at xe0/xo0 with row stride ld, four at a time */
+static void dot_slots(const uint8_t *q, const uint16_t *s, const uint8_t *z, long N, int Kin, int G,
+                      const float *xe0, const float *xo0, long ld, int n, float *acc) {
+    int t = 0;
+    for (; t + 4 <= n; t += 4) {
+        const float *xe[4] = {xe0 + t * ld, xe0 + (t + 1) * ld, xe0 + (t + 2) * ld, xe0 + (t + 3) * ld};
+        const float *xo[4] = {xo0 + t * ld, xo0 + (t + 1) * ld, xo0 + (t + 2) * ld, xo0 + (t + 3) * ld};
+        dot_rows(q, s, z, N, Kin, G, xe, xo, 4, acc + t);
+    }
+    const float *xe[4], *xo[4];
+    const int r = n - t;
+    for (int i = 0; i < r; i++) { xe[i] = xe0 + (t + i) * ld; xo[i] = xo0 + (t + i) * ld; }
+    if (r == 3) dot_rows(q, s, z, N, Kin, G, xe, xo, 3, acc + t);
+    else if (r == 2) dot_rows(q, s, z, N, Kin, G, xe, xo, 2, acc + t);
+    else if (r == 1) dot_rows(q, s, z, N, Kin, G, xe, xo, 1, acc + t);
+}
+
+/* --- 16/32-bit rows --------------------------------------------------------------------------- */
+
+enum { FMT_INT4 = 0, FMT_F32 = 1, FMT_BF16 = 2 };
+
+/* acc[t] = sum_j w[j] * x_t[j] over one row w (fp32 or bf16: bf16 widens exactly by a shift) */
+static inline __attribute__((always_inline)) void dense_rows(const void *w, const int FMT, int Kin,
+                                                             const float *const *x, const int NT, float *acc) {
+    int t, j = 0;
+    const float *wf = (const float *)w;
+    const uint16_t *wb = (const uint16_t *)w;
+#if defined(__AVX512F__)
+    __m512 a[8];
+    for (t = 0; t < NT; t++) a[t] = _mm512_setzero_ps();
+    if (NT == 1) { /* one token: four independent sums, or the FMA latency chain bounds the row */
+        __m512 b1 = _mm512_setzero_ps(), b2 = _mm512_setzero_ps(), b3 = _mm512_setzero_ps();
+        for (; j + 64 <= Kin; j += 64) {
+#define W16(o) (FMT == FMT_F32 ? _mm512_loadu_ps(wf + j + (o)) \
+                : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(wb + j + (o)))), 16)))
+            const char *pf = (const char *)w + (long)j * (FMT == FMT_F32 ? 4 : 2) + PREFETCH;
+            _mm_prefetch(pf, _MM_HINT_T0);
+            _mm_prefetch(pf + 64, _MM_HINT_T0);
+            if (FMT == FMT_F32) { _mm_prefetch(pf + 128, _MM_HINT_T0); _mm_prefetch(pf + 192, _MM_HINT_T0); }
+            a[0] = _mm512_fmadd_ps(W16(0), _mm512_loadu_ps(x[0] + j), a[0]);
+            b1 = _mm512_fmadd_ps(W16(16), _mm512_loadu_ps(x[0] + j + 16), b1);
+            b2 = _mm512_fmadd_ps(W16(32), _mm512_loadu_ps(x[0] + j + 32), b2);
+            b3 = _mm512_fmadd_ps(W16(48), _mm512_loadu_ps(x[0] + j + 48), b3);
+#undef W16
+        }
+        a[0] = _mm512_add_ps(_mm512_add_ps(a[0], b1), _mm512_add_ps(b2, b3));
+    }
+    for (; j + 16 <= Kin; j += 16) {
+        const __m512 wv = FMT == FMT_F32 ? _mm512_loadu_ps(wf + j)
+            : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(wb + j))), 16));
+        for (t = 0; t < NT; t++) a[t] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x[t] + j), a[t]);
+    }
+    for (t = 0; t < NT; t++) acc[t] = _mm512_reduce_add_ps(a[t]);
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256 a[8];
+    for (t = 0; t < NT; t++) a[t] = _mm256_setzero_ps();
+    for (; j + 8 <= Kin; j += 8) {
+        const __m256 wv = FMT == FMT_F32 ? _mm256_loadu_ps(wf + j)
+            : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(wb + j))), 16));
+        for (t = 0; t < NT; t++) a[t] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x[t] + j), a[t]);
+    }
+    for (t = 0; t < NT; t++) {
+        const __m128 v = _mm_add_ps(_mm256_castps256_ps128(a[t]), _mm256_extractf128_ps(a[t], 1));
+        const __m128 u = _mm_add_ps(v, _mm_movehl_ps(v, v));
+        acc[t] = _mm_cvtss_f32(_mm_add_ss(u, _mm_shuffle_ps(u, u, 1)));
+    }
+#else
+    for (t = 0; t < NT; t++) acc[t] = 0.0f;
+#endif
+    for (; j < Kin; j++) { /* the tail (and the whole row without AVX2) */
+        union { uint32_t u; float f; } c = {(uint32_t)wb[j] << 16};
+        const float wj = FMT == FMT_F32 ? wf[j] : c.f;
+        for (t = 0; t < NT; t++) acc[t] += wj * x[t][j];
+    }
+}
+
+/* acc[0..n) for n tokens (rows x0 + t*ld), eight at a time (eight accumulators and a weight
+ * vector fit the 16 AVX2 / 32 AVX-512 vector registers) */
+static inline __attribute__((always_inline)) void dense_slots_f(const void *w, const int FMT, int Kin,
+                                                                const float *x0, long ld, int n, float *acc) {
+    int t = 0;
+    const float *x[8];
+    for (; t + 8 <= n; t += 8) {
+        for (int i = 0; i < 8; i++) x[i] = x0 + (t + i) * ld;
+        dense_rows(w, FMT, Kin, x, 8, acc + t);
+    }
+    const int r = n - t;
+    for (int i = 0; i < r; i++) x[i] = x0 + (t + i) * ld;
+    switch (r) {
+    case 7: dense_rows(w, FMT, Kin, x, 7, acc + t); break;
+    case 6: dense_rows(w, FMT, Kin, x, 6, acc + t); break;
+    case 5: dense_rows(w, FMT, Kin, x, 5, acc + t); break;
+    case 4: dense_rows(w, FMT, Kin, x, 4, acc + t); break;
+    case 3: dense_rows(w, FMT, Kin, x, 3, acc + t); break;
+    case 2: dense_rows(w, FMT, Kin, x, 2, acc + t); break;
+    case 1: dense_rows(w, FMT, Kin, x, 1, acc + t); break;
+    default: break;
+    }
+}
+
+static void dense_slots(const void *w, int fmt, int Kin, const float *x0, long ld, int n, float *acc) {
+    if (fmt == FMT_F32) dense_slots_f(w, FMT_F32, Kin, x0, ld, n, acc);
+    else dense_slots_f(w, FMT_BF16, Kin, x0, ld, n, acc);
+}
+
+/* --- one MoE layer ---------------------------------------------------------------------------- */
+
+typedef struct {
+    int fmt; /* FMT_*: INT4 blocks (data/nbytes/offs) or stacked 16/32-bit gate_up [E, 2I, D], down [E, D, I] */
+    const uint8_t *data;
+    long nbytes; /* int4: bytes per expert block; dense: bytes per weight */
+    const long *offs; /* int4: gu_q, gu_s, gu_z, dn_q, dn_s, dn_z */
+    const uint8_t *gu, *dn;
+    int sym, G, D, I, T, K;
+    const int64_t *ids, *cnt, *order, *act;
+    const float *w;
+    float *xe, *xo, *he, *ho, *y; /* dense: xe [S, D] and he [S, I] whole rows (xo, ho unused) */
+} layer_t;
+
+static inline float silu_mul(float g, float u) { return g / (1.0f + expf(-g)) * u; }
+
+static void gate_up_item(const void *arg, long item) {
+    const layer_t *L = arg;
+    const long nb = (L->I + ROW_BLOCK - 1) / ROW_BLOCK;
+    const int64_t e = L->act[item / nb], r0 = L->cnt[e], n = L->cnt[e + 1] - r0;
+    const int I = L->I, D = L->D, i0 = (int)(item % nb) * ROW_BLOCK;
+    float gate[64], up[64];
+    if (L->fmt != FMT_INT4) {
+        const long es = L->nbytes;
+        const uint8_t *gu = L->gu + e * 2L * I * D * es;
+        for (int i = i0; i < I && i < i0 + ROW_BLOCK; i++)
+            for (int64_t c = 0; c < n; c += 64) { /* slots of this expert, 64 at a time */
+                const int m = (int)(n - c < 64 ? n - c : 64);
+                const float *x = L->xe + (r0 + c) * D;
+                dense_slots(gu + (long)i * D * es, L->fmt, D, x, D, m, gate);
+                dense_slots(gu + (long)(I + i) * D * es, L->fmt, D, x, D, m, up);
+                for (int t = 0; t < m; t++) L->he[(r0 + c + t) * I + i] = silu_mul(gate[t], up[t]);
+            }
+        return;
+    }
+    const uint8_t *blk = L->data + e * L->nbytes;
+    const uint8_t *q = blk + L->offs[0];
+    const uint16_t *s = (const uint16_t *)(blk + L->offs[1]);
+    const uint8_t *z = L->sym ? NULL : blk + L->offs[2];
+    for (int i = i0; i < I && i < i0 + ROW_BLOCK; i++) {
+        for (int64_t c = 0; c < n; c += 64) {
+            const int m = (int)(n - c < 64 ? n - c : 64);
+            const float *xe = L->xe + (r0 + c) * (D / 2), *xo = L->xo + (r0 + c) * (D / 2);
+            dot_slots(q + (long)i * (D / 2), s + i, z ? z + i : NULL, 2L * I, D, L->G, xe, xo, D / 2, m, gate);
+            dot_slots(q + (long)(I + i) * (D / 2), s + I + i, z ? z + I + i : NULL, 2L * I, D, L->G, xe, xo, D / 2,
+                      m, up);
+            float *dst = ((i & 1) ? L->ho : L->he) + (r0 + c) * (I / 2) + i / 2;
+            for (int t = 0; t < m; t++) dst[(long)t * (I / 2)] = silu_mul(gate[t], up[t]);
+        }
+    }
+}
+
+static void down_item(const void *arg, long item) {
+    const layer_t *L = arg;
+    const long nb = (L->D + ROW_BLOCK - 1) / ROW_BLOCK;
+    const int64_t e = L->act[item / nb], r0 = L->cnt[e], n = L->cnt[e + 1] - r0;
+    const int I = L->I, D = L->D, d0 = (int)(item % nb) * ROW_BLOCK, K = L->K;
+    const int int4 = L->fmt == FMT_INT4;
+    const uint8_t *blk = int4 ? L->data + e * L->nbytes : NULL;
+    const uint8_t *q = int4 ? blk + L->offs[3] : NULL;
+    const uint16_t *s = int4 ? (const uint16_t *)(blk + L->offs[4]) : NULL;
+    const uint8_t *z = int4 && !L->sym ? blk + L->offs[5] : NULL;
+    const long es = L->nbytes;
+    float acc[64];
+    for (int d = d0; d < D && d < d0 + ROW_BLOCK; d++) {
+        for (int64_t c = 0; c < n; c += 64) {
+            const int m = (int)(n - c < 64 ? n - c : 64);
+            if (int4)
+                dot_slots(q + (long)d * (I / 2), s + d, z ? z + d : NULL, D, I, L->G, L->he + (r0 + c) * (I / 2),
+                          L->ho + (r0 + c) * (I / 2), I / 2, m, acc);
+            else
+                dense_slots(L->dn + (e * (long)D * I + (long)d * I) * es, L->fmt, I, L->he + (r0 + c) * I, I, m, acc);
+            for (int t = 0; t < m; t++) {
+                const int64_t sl = L->order[r0 + c + t];
+                L->y[(r0 + c + t) * D + d] = acc[t] * L->w[(sl / K) * K + sl % K];
+            }
+        }
+    }
+}
+
+/* --- threads --------------------------------------------------------------------------------- */
+
+/* items [0, n_items) of fn over nthreads threads. Built with -fopenmp, this links libgomp.so.1 —
+ * the soname torch's own OpenMP runtime is loaded under — so the loader binds it to torch's copy:
+ * one runtime and one pool of already-warm threads for torch's ops and these kernels (a second
+ * pool of our own measured 0.1-0.2 ms per call to wake on a 2-core VM, and two pools spinning
+ * against each other collapse; see the module docstring of native.py). */
+static void parallel(void (*fn)(const void *, long), const void *arg, long n_items, int nthreads) {
+#if defined(_OPENMP)
+    if (nthreads > 1 && n_items > 1) {
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
+        for (long it = 0; it < n_items; it++) fn(arg, it);
+        return;
+    }
+#else
+    (void)nthreads;
+#endif
+    for (long it = 0; it < n_items; it++) fn(arg, it);
+}
+
+/* --- entry points (ctypes) -------------------------------------------------------------------- */
+
+/* One MoE layer. x [T, D] fp32, ids [T, K] int64 (each in [0, E)), w [T, K] fp32 → out [T, D] fp32.
+ * fmt FMT_INT4: data [E, nbytes] blocks with offs [6], perm [E, D] int32 or NULL (act order), sym, G.
+ * fmt FMT_F32 / FMT_BF16: gu [E, 2I, D] and dn [E, D, I] contiguous (data, offs, perm unused).
+ * Returns 0, or -1 when out of memory. */
+int lynx_moe(int fmt, const float *x, const int64_t *ids, const float *w, const int32_t *perm, const uint8_t *data,
+             long E, long nbytes, const long *offs, const uint8_t *gu, const uint8_t *dn, int sym, int G, int D, int I,
+             int T, int K, float *out, int nthreads) {
+    const long S = (long)T * K;
+    const int dense = fmt != FMT_INT4;
+    int64_t *cnt = calloc(E + 1, sizeof(int64_t)), *fill = malloc(E * sizeof(int64_t));
+    int64_t *order = malloc(S * sizeof(int64_t)), *pos = malloc(S * sizeof(int64_t)), *act = malloc(E * sizeof(int64_t));
+    float *xe = malloc(S * (long)D * sizeof(float)), *he = malloc(S * (long)I * sizeof(float));
+    float *y = malloc(S * (long)D * sizeof(float));
+    int rc = -1;
+    if (!cnt || !fill || !order || !pos || !act || !xe || !he || !y) goto done;
+    float *xo = xe + S * (D / 2), *ho = he + S * (I / 2); /* int4: the odd halves after the even ones */
+    /* plan: expert-major slot order (stable), active experts ascending */
+    for (long i = 0; i < S; i++) cnt[ids[i] + 1]++;
+    for (long e = 0; e < E; e++) cnt[e + 1] += cnt[e];
+    memcpy(fill, cnt, E * sizeof(int64_t));
+    for (long i = 0; i < S; i++) order[fill[ids[i]]++] = i;
+    long A = 0;
+    for (long e = 0; e < E; e++)
+        if (cnt[e + 1] > cnt[e]) act[A++] = e;
+    /* gather each sorted slot's input: whole rows (dense), or split even/odd through the act-order
+     * permutation (int4) */
+    for (long r = 0; r < S; r++) {
+        const long t = order[r] / K;
+        const float *xt = x + t * D;
+        if (dense) {
+            memcpy(xe + r * D, xt, D * sizeof(float));
+            continue;
+        }
+        float *de = xe + r * (D / 2), *dd = xo + r * (D / 2);
+        if (perm) {
+            const int32_t *p = perm + ids[order[r]] * D;
+            for (int j = 0; j < D / 2; j++) { de[j] = xt[p[2 * j]]; dd[j] = xt[p[2 * j + 1]]; }
+        } else {
+            for (int j = 0; j < D / 2; j++) { de[j] = xt[2 * j]; dd[j] = xt[2 * j + 1]; }
+        }
+    }
+    layer_t L = {fmt, data, nbytes, offs, gu, dn, sym, G, D, I, T, K, ids, cnt, order, act, w, xe, xo, he, ho, y};
+    parallel(gate_up_item, &L, A * ((I + ROW_BLOCK - 1) / ROW_BLOCK), nthreads);
+    parallel(down_item, &L, A * ((D + ROW_BLOCK - 1) / ROW_BLOCK), nthreads);
+    /* combine: out[t] = sum over k in slot order (k = 0 first) */
+    for (long r = 0; r < S; r++) pos[order[r]] = r;
+    for (long t = 0; t < T; t++) {
+        float *o = out + t * D;
+        memcpy(o, y + pos[t * K] * D, D * sizeof(float));
+        for (int k = 1; k < K; k++) {
+            const float *yr = y + pos[t * K + k] * D;
+            for (int d = 0; d < D; d++) o[d] += yr[d];
+        }
+    }
+    rc = 0;
+done:
+    free(cnt); free(fill); free(order); free(pos); free(act);
+    free(xe); free(he); free(y);
+    return rc;
+}
+
+typedef struct {
+    int fmt, T, Kin, N;
+    const float *x, *bias;
+    const uint8_t *w;
+    long es;
+    float *out;
+} linear_t;
+
+static void linear_item(const void *arg, long item) {
+    const linear_t *P = arg;
+    float acc[64];
+    for (int n = (int)item * ROW_BLOCK; n < P->N && n < (item + 1) * ROW_BLOCK; n++)
+        for (int c = 0; c < P->T; c += 64) {
+            const int m = P->T - c < 64 ? P->T - c : 64;
+            dense_slots(P->w + (long)n * P->Kin * P->es, P->fmt, P->Kin, P->x + (long)c * P->Kin, P->Kin, m, acc);
+            const float b = P->bias ? P->bias[n] : 0.0f;
+            for (int t = 0; t < m; t++) P->out[(long)(c + t) * P->N + n] = acc[t] + b;
+        }
+}
+
+/* out [T, N] = x [T, Kin] fp32 @ w [N, Kin]^T (+ bias [N] fp32 or NULL); fmt FMT_F32 / FMT_BF16. */
+void lynx_linear(int fmt, const float *x, const uint8_t *w, const float *bias, int T, int Kin, int N, float *out,
+                 int nthreads) {
+    linear_t P = {fmt, T, Kin, N, x, bias, w, fmt == FMT_F32 ? 4 : 2, out};
+    parallel(linear_item, &P, (N + ROW_BLOCK - 1) / ROW_BLOCK, nthreads);
+}

@@ -1,0 +1,175 @@
+"""Native CPU kernels (cpu_native.c): built for this machine on first use, cached, loaded by ctypes.
+
+What they compute: one MoE layer over INT4 blocks or stacked fp32/bf16 experts (`moe_int4`,
+`moe_dense`) and a dense projection (`linear`), each in one call, fp32 accumulation, on torch's
+thread count (the kernel's own pthreads; see the C file for why not torch's or numba's pools).
+
+Why built here and not shipped: the kernel is compiled with -march=native, so it uses whatever
+the CPU has (AVX-512, AVX2+FMA, NEON through the portable loop) with no per-ISA wheels. The
+first call runs the system C compiler (`$CC`, else cc/gcc/clang; ~1 s) into
+`$XDG_CACHE_HOME/lynx-edge/native/` under a name that hashes the source, flags and the CPU's
+feature flags, so a home directory shared by different machines never loads a library built for
+another ISA. No compiler, a failed build, or LYNX_EDGE_NATIVE=0: `lib()` returns None and the
+torch / numba paths run instead — same results within the stated fp32 bounds.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SRC = Path(__file__).with_name("cpu_native.c")
+FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno"]
+# -fopenmp links libgomp.so.1, which the loader binds to the copy torch already loaded (same
+# soname): one OpenMP runtime, one thread pool. Tried first; the build retries without it.
+OPENMP = ["-fopenmp"]
+
+
+def _cpu_id() -> str:
+    """The CPU's feature flags (what -march=native compiles for)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.machine() + platform.processor()
+
+
+def _compiler() -> str | None:
+    for cc in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if cc and shutil.which(cc):
+            return cc
+    return None
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lynx-edge" / "native"
+
+
+def build(cc: str | None = None) -> Path | None:
+    """The cached library for this source, compiler and CPU, compiled if missing → its path, or
+    None (no compiler, or the compile failed: logged once)."""
+    cc = cc or _compiler()
+    if cc is None:
+        log.info("no C compiler: the native CPU kernels are off (numba / torch run instead)")
+        return None
+    key = hashlib.sha256(b"\0".join([SRC.read_bytes(), cc.encode(), " ".join(FLAGS + OPENMP).encode(),
+                                     _cpu_id().encode()])).hexdigest()[:16]
+    out = cache_dir() / f"cpu_native-{key}.so"
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)  # compile aside, then one atomic rename
+    os.close(fd)
+    try:
+        err = ""
+        for extra in (OPENMP, []):
+            r = subprocess.run([cc, *FLAGS, *extra, "-o", tmp, str(SRC), "-lm"], capture_output=True, text=True,
+                               timeout=120)
+            if r.returncode == 0:
+                os.replace(tmp, out)
+                return out
+            err = (r.stderr.strip().splitlines() or [str(r.returncode)])[-1]
+        log.warning("building the native CPU kernels failed (numba / torch paths used instead): %s", err)
+        return None
+    except (OSError, subprocess.SubprocessError) as e:
+        log.warning("building the native CPU kernels failed (numba / torch paths used instead): %s", e)
+        return None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@functools.lru_cache(maxsize=None)
+def lib() -> ctypes.CDLL | None:
+    """The loaded kernel library, or None (disabled, no compiler, failed build or load)."""
+    if os.environ.get("LYNX_EDGE_NATIVE", "1") == "0" or platform.system() == "Windows":
+        return None
+    path = build()
+    if path is None:
+        return None
+    try:
+        so = ctypes.CDLL(str(path))
+    except OSError as e:
+        log.warning("loading the native CPU kernels failed (numba kernel used instead): %s", e)
+        return None
+    p, i, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
+    so.lynx_moe.argtypes = [i, p, p, p, p, p, L, L, p, p, p, i, i, i, i, i, i, p, i]
+    so.lynx_moe.restype = i
+    so.lynx_linear.argtypes = [i, p, p, p, i, i, i, p, i]
+    so.lynx_linear.restype = None
+    return so
+
+
+FMT_INT4, FMT_F32, FMT_BF16 = 0, 1, 2
+_FMT = {torch.float32: FMT_F32, torch.bfloat16: FMT_BF16}
+
+
+def dense_ok(*ws: torch.Tensor) -> bool:
+    """Whether moe_dense / linear take these weights (CPU, fp32 or bf16, contiguous) and the kernels built."""
+    return (all(w.device.type == "cpu" and w.dtype in _FMT and w.is_contiguous() for w in ws)
+            and len({w.dtype for w in ws}) == 1 and lib() is not None)
+
+
+def _call_moe(fmt, x, ids, w, perm, data, E, nbytes, offs, gu, dn, sym, G, D, I) -> torch.Tensor:
+    so = lib()
+    x32 = x.detach().to(torch.float32).contiguous()
+    ids64 = ids.to(torch.int64).contiguous()
+    w32 = w.detach().to(torch.float32).contiguous()
+    T, K = ids64.shape
+    out = torch.empty(T, D, dtype=torch.float32)
+    if T == 0:
+        return out
+    rc = so.lynx_moe(fmt, x32.data_ptr(), ids64.data_ptr(), w32.data_ptr(), perm, data, E, nbytes, offs, gu, dn,
+                     sym, G, D, I, T, K, out.data_ptr(), torch.get_num_threads())
+    if rc != 0:
+        raise MemoryError("the native MoE kernel could not allocate its scratch buffers")
+    return out
+
+
+def moe_int4(x, ids, weights, data: torch.Tensor, offs, sym: bool, G: int, D: int, I: int,
+             perm: torch.Tensor | None = None) -> torch.Tensor:
+    """Σ_k weights[t, k] · expert_{ids[t, k]}(x[t]) over INT4 blocks data uint8 [E, nbytes] (byte
+    offsets offs int64 [6] of gu_q, gu_s, gu_z, dn_q, dn_s, dn_z; perm [E, D] int32 act order) →
+    [T, D] fp32."""
+    p = None if perm is None else perm.to(torch.int32).contiguous()
+    out = _call_moe(FMT_INT4, x, ids, weights, None if p is None else p.data_ptr(), data.data_ptr(),
+                    data.shape[0], data.shape[1], offs.ctypes.data, None, None, int(sym), G, D, I)
+    return out
+
+
+def moe_dense(x, ids, weights, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """moe_ref's result over stacked fp32/bf16 experts gate_up [E, 2I, D], down [E, D, I], read in
+    place → [T, D] in x's dtype; products and sums in fp32 (h = silu(gate)·up stays fp32)."""
+    E, two_i, D = gate_up.shape
+    out = _call_moe(_FMT[gate_up.dtype], x, ids, weights, None, None, E, gate_up.element_size(), None,
+                    gate_up.data_ptr(), down.data_ptr(), 0, 0, D, two_i // 2)
+    return out.to(x.dtype)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear for a CPU fp32/bf16 weight [N, Kin] with fp32 accumulation → [..., N] in x's dtype."""
+    N, Kin = weight.shape
+    x2 = x.detach().reshape(-1, Kin).to(torch.float32).contiguous()
+    b = None if bias is None else bias.detach().to(torch.float32).contiguous()
+    out = torch.empty(x2.shape[0], N, dtype=torch.float32)
+    if x2.shape[0] == 0:
+        return out.view(*x.shape[:-1], N).to(x.dtype)
+    lib().lynx_linear(_FMT[weight.dtype], x2.data_ptr(), weight.data_ptr(), None if b is None else b.data_ptr(),
+                      x2.shape[0], Kin, N, out.data_ptr(), torch.get_num_threads())
+    return out.view(*x.shape[:-1], N).to(x.dtype)
+
+
+__all__ = ["build", "cache_dir", "dense_ok", "lib", "linear", "moe_dense", "moe_int4"]

@@ -1,0 +1,135 @@
+"""The native CPU kernels (lynx_edge/kernels/cpu_native.c): dense fp32/bf16 MoE layers and
+projections against fp32 torch references, thread-count invariance, and the build's fallbacks.
+
+Bounds: products and sums are fp32 with reassociated lanes, so results are not bit-equal to
+torch's; observed max |Δ| / output scale 6.3e-7 (MoE, up to D=1024, I=768) and 3.4e-7 (linear, Kin ≤ 4096) over these
+cases, bounds ~3× that. bf16 weights widen exactly, so bf16 cases compare against fp32 math on
+the same bf16 values; a bf16 output adds one bf16 rounding (2^-8 relative). The INT4 kernel is
+tested in tests/test_cpu_lowbit.py (both native and numba).
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lynx_edge.kernels import native
+from lynx_edge.kernels.moe_gemm import moe_ref_loop
+
+pytestmark = pytest.mark.skipif(native.lib() is None, reason="native kernels not built (no C compiler)")
+
+TOL_MOE, TOL_LIN = 2e-6, 1.2e-6
+
+
+def _rel(y, ref):
+    return (y.float() - ref.float()).abs().max().item() / max(1.0, ref.abs().max().item())
+
+
+def _moe_problem(T, K, E, D, I, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, D, generator=g)
+    gu = (torch.randn(E, 2 * I, D, generator=g) / D**0.5).to(dtype)
+    dn = (torch.randn(E, D, I, generator=g) / I**0.5).to(dtype)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).reshape(T, K)
+    w = torch.softmax(torch.randn(T, K, generator=g), -1)
+    return x, ids, w, gu, dn
+
+
+# T=1 (one-token pass), 9 and 23 slots per expert (8-token blocks and every remainder), D not a
+# multiple of 16 (the scalar tail), one token's slots on the same expert
+@pytest.mark.parametrize("T,K,E,D,I", [(1, 2, 8, 64, 32), (9, 1, 1, 128, 64), (23, 3, 4, 72, 40),
+                                       (6, 4, 16, 256, 128)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_dense_matches_reference(T, K, E, D, I, dtype):
+    x, ids, w, gu, dn = _moe_problem(T, K, E, D, I, dtype)
+    ref = moe_ref_loop(x, ids, w, gu.float(), dn.float())  # fp32 math on the same weight values
+    y = native.moe_dense(x, ids, w, gu, dn)
+    assert y.shape == ref.shape and y.dtype == torch.float32
+    assert _rel(y, ref) < TOL_MOE, _rel(y, ref)
+
+
+def test_moe_dense_bugs_are_caught():
+    x, ids, w, gu, dn = _moe_problem(5, 2, 4, 64, 32, torch.float32)
+    ref = moe_ref_loop(x, ids, w, gu, dn)
+    bad = gu.clone()
+    bad[int(ids[0, 0]), 3, 5] += 0.5  # one weight of an active expert
+    assert _rel(native.moe_dense(x, ids, w, bad, dn), ref) > 100 * TOL_MOE
+    assert _rel(native.moe_dense(x, ids, w.flip(1), gu, dn), ref) > 100 * TOL_MOE
+    assert _rel(native.moe_dense(x, ids.flip(1), w, gu, dn), ref) > 100 * TOL_MOE
+
+
+@pytest.mark.parametrize("T,Kin,N,bias", [(1, 64, 48, False), (3, 200, 17, True), (8, 1024, 64, False),
+                                          (19, 128, 33, True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_matches_reference(T, Kin, N, bias, dtype):
+    g = torch.Generator().manual_seed(T)
+    x = torch.randn(2, T, Kin, generator=g)  # leading dims are kept
+    W = (torch.randn(N, Kin, generator=g) / Kin**0.5).to(dtype)
+    b = torch.randn(N, generator=g).to(dtype) if bias else None
+    ref = F.linear(x, W.float(), None if b is None else b.float())
+    y = native.linear(x, W, b)
+    assert y.shape == ref.shape and _rel(y, ref) < TOL_LIN, _rel(y, ref)
+    yb = native.linear(x.to(dtype), W, b)  # bf16 activations: fp32 math on them, one rounding out
+    refb = F.linear(x.to(dtype).float(), W.float(), None if b is None else b.float())
+    assert yb.dtype == dtype and _rel(yb, refb) <= (TOL_LIN if dtype == torch.float32 else 2**-8)
+    W2 = W.clone()
+    W2[N // 2, Kin // 3] += 1.0
+    assert _rel(native.linear(x, W2, b), ref) > 100 * TOL_LIN
+
+
+def test_thread_count_does_not_change_results():
+    """Work items are computed identically on any thread: 1 and 2 threads agree bit for bit."""
+    x, ids, w, gu, dn = _moe_problem(16, 4, 16, 128, 64, torch.bfloat16)
+    W = torch.randn(96, 128)
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            outs.append((native.moe_dense(x, ids, w, gu, dn), native.linear(x[:5], W)))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+def test_model_paths_use_the_kernels(monkeypatch):
+    """Decode-sized CPU calls take the native kernels; prefill-sized ones torch's."""
+    from lynx_edge.models import layers
+
+    calls = []
+    monkeypatch.setattr(native, "moe_dense", lambda *a: calls.append("moe") or moe_ref_loop(*a))
+    monkeypatch.setattr(native, "linear", lambda x, w, b=None: calls.append("linear") or F.linear(x, w, b))
+    x, ids, w, gu, dn = _moe_problem(4, 2, 4, 64, 32, torch.bfloat16)
+    layers.cpu_moe(x.bfloat16(), ids, w, gu, dn)
+    layers.linear(x[:1].bfloat16(), gu[0])
+    layers.linear(x[:1], gu[0].float())  # fp32 at one row: torch's GEMV measured as fast
+    layers.linear(torch.randn(64, 64).bfloat16(), gu[0])  # prefill-sized: torch
+    assert calls == ["moe", "linear"]
+
+
+def test_disabled_or_no_compiler_falls_back(tmp_path):
+    """LYNX_EDGE_NATIVE=0 → no library (the torch / numba paths run); a compiler that fails →
+    None with a warning, nothing cached."""
+    code = "from lynx_edge.kernels import native; print(native.lib() is None)"
+    r = subprocess.run([sys.executable, "-c", code], env={"LYNX_EDGE_NATIVE": "0", "PATH": "/usr/bin:/bin"},
+                       capture_output=True, text=True, check=True)
+    assert r.stdout.strip() == "True"
+    code = ("import os; from lynx_edge.kernels import native; p = native.build('false'); "
+            "print(p is None, os.listdir(native.cache_dir()))")
+    r = subprocess.run([sys.executable, "-c", code], env={"XDG_CACHE_HOME": str(tmp_path), "PATH": "/usr/bin:/bin"},
+                       capture_output=True, text=True, check=True)
+    assert r.stdout.strip() == "True []", r.stdout + r.stderr
+
+
+def test_cache_key_follows_the_source(tmp_path, monkeypatch):
+    """A changed source (or CPU) builds a new library instead of loading a stale one."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    a = native.build()
+    src = tmp_path / "k.c"
+    src.write_text(native.SRC.read_text() + "\n/* changed */\n")
+    monkeypatch.setattr(native, "SRC", src)
+    b = native.build()
+    assert a is not None and b is not None and a != b and a.exists() and b.exists()
