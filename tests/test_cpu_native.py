@@ -106,7 +106,7 @@ def test_model_paths_use_the_kernels(monkeypatch):
     layers.cpu_moe(x.bfloat16(), ids, w, gu, dn)
     layers.linear(x[:1].bfloat16(), gu[0])
     layers.linear(x[:1], gu[0].float())  # fp32 at one row: torch's GEMV measured as fast
-    layers.linear(torch.randn(64, 64).bfloat16(), gu[0])  # prefill-sized: torch
+    layers.linear(torch.randn(200, 64).bfloat16(), gu[0])  # prefill-sized: torch (fp32 GEMM, widened)
     assert calls == ["moe", "linear"]
 
 
@@ -133,3 +133,18 @@ def test_cache_key_follows_the_source(tmp_path, monkeypatch):
     monkeypatch.setattr(native, "SRC", src)
     b = native.build()
     assert a is not None and b is not None and a != b and a.exists() and b.exists()
+
+
+def test_bf16_prefill_widens_in_chunks(monkeypatch):
+    """Past the native rows, a bf16 projection runs torch's fp32 GEMM on row chunks of the widened
+    weight: equal to fp32 math on the bf16 values, one bf16 rounding out."""
+    from lynx_edge.models import layers
+
+    monkeypatch.setattr(layers, "WIDEN_ROWS", 16)  # 40 rows of W: chunks 16, 16, 8
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(1, 200, 64, generator=g).bfloat16()
+    W, b = torch.randn(40, 64, generator=g).bfloat16(), torch.randn(40, generator=g).bfloat16()
+    y = layers.linear(x, W, b)
+    ref = F.linear(x.float(), W.float(), b.float())
+    assert y.dtype == torch.bfloat16 and y.shape == ref.shape and _rel(y, ref) <= 2**-8
+    assert torch.equal(y, ref.bfloat16())

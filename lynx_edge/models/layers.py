@@ -26,19 +26,32 @@ def _param(*shape: int, dtype, device) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
 
-# Decode-sized CPU projections go to the native kernel where it measured faster than torch's
-# (benchmarks/results/cpu_native.md): bf16 weights at any small batch (torch widens bf16 slowly
-# on CPUs without native bf16 math; the kernel widens by a shift and reads half fp32's bytes),
-# fp32 at 2-8 rows (MKL's small-M sgemm path); torch for everything larger (prefill).
-NATIVE_ROWS = {torch.bfloat16: (1, 32), torch.float32: (2, 8)}
+# CPU projections and experts by what measured fastest on this kind of machine
+# (benchmarks/results/cpu_native.md, AVX-512 without native bf16 math, 1-2 threads):
+# - fp32 weights: the native kernel at 2-8 rows (MKL's small-M path is slower there), torch's
+#   GEMM otherwise (a real blocked GEMM: 2-6x the native kernel from 32 rows up);
+# - bf16 weights: torch widens bf16 slowly without native bf16 math, so the native kernel (which
+#   widens by a shift and reads half fp32's bytes) up to 128 rows, and past that torch's fp32 GEMM
+#   on the weight widened in row chunks (a bounded transient; 4-5x torch's bf16 GEMM at 512 rows).
+NATIVE_ROWS = {torch.bfloat16: (1, 128), torch.float32: (2, 8)}
+WIDEN_ROWS = 4096  # bf16 weight rows widened to fp32 at a time past NATIVE_ROWS (≤ 32 MiB at D=2048)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, or the native CPU kernel for decode-sized batches (same dtype out, fp32 sums)."""
-    if x.device.type == "cpu" and weight.dtype in NATIVE_ROWS:
-        lo, hi = NATIVE_ROWS[weight.dtype]
-        if lo <= x.numel() // x.shape[-1] <= hi and native.dense_ok(weight) and x.dtype in NATIVE_ROWS:
-            return native.linear(x, weight, bias)
+    """F.linear, or on a CPU the path that measured faster for this weight dtype and row count
+    (same result dtype; fp32 products and sums either way)."""
+    if x.device.type != "cpu" or weight.dtype not in NATIVE_ROWS or x.dtype not in NATIVE_ROWS:
+        return F.linear(x, weight, bias)
+    lo, hi = NATIVE_ROWS[weight.dtype]
+    rows = x.numel() // x.shape[-1]
+    if lo <= rows <= hi and native.dense_ok(weight):
+        return native.linear(x, weight, bias)
+    if weight.dtype == torch.bfloat16 and rows > hi:
+        xf = x.float()
+        out = torch.cat([F.linear(xf, weight[n:n + WIDEN_ROWS].float(),
+                                  None if bias is None else bias[n:n + WIDEN_ROWS].float())
+                         for n in range(0, weight.shape[0], WIDEN_ROWS)], dim=-1)
+        return out.to(x.dtype)
     return F.linear(x, weight, bias)
 
 
@@ -258,14 +271,15 @@ class DenseMLP(nn.Module):
 
 
 def cpu_moe(x, ids, weights, gate_up, down):
-    """Resident experts on a CPU: the native kernel for decode-sized batches (one call, each active
-    expert's rows read once, fp32 sums), moe_ref's grouped GEMM for prefill-sized ones."""
-    if ids.numel() <= NATIVE_SLOTS and native.dense_ok(gate_up, down):
+    """Resident experts on a CPU: the native kernel (one call, each active expert's rows read once,
+    fp32 sums) for bf16 experts at any batch and fp32 ones at decode-sized batches (moe_ref's
+    grouped GEMM is the faster one past NATIVE_SLOTS fp32 slots)."""
+    if (ids.numel() <= NATIVE_SLOTS or gate_up.dtype == torch.bfloat16) and native.dense_ok(gate_up, down):
         return native.moe_dense(x, ids, weights, gate_up, down)
     return moe_ref(x, ids, weights, gate_up, down)
 
 
-NATIVE_SLOTS = 256  # token-expert slots per call up to which cpu_moe takes the native kernel
+NATIVE_SLOTS = 512  # fp32 token-expert slots per call up to which cpu_moe takes the native kernel
 
 
 class StackedExperts(nn.Module):
