@@ -431,3 +431,134 @@ void lynx_linear(int fmt, const float *x, const uint8_t *w, const float *bias, i
     linear_t P = {fmt, T, Kin, N, x, bias, w, fmt == FMT_F32 ? 4 : 2, out};
     parallel(linear_item, &P, (N + ROW_BLOCK - 1) / ROW_BLOCK, nthreads);
 }
+
+/* --- decode attention ------------------------------------------------------------------------- */
+
+/* One decode token per row after the fused q/k/v projection: q/k RMSNorm per head (optional),
+ * rotate-half RoPE over the first rd dims, the new K/V written into the cache, then grouped-query
+ * attention of each q head over its row's positions [pos - window + 1, pos] (all of 0..pos
+ * without a window). One work item per (row, kv head): the group's q heads share each K/V row
+ * read. Cache [Bmax, Hkv, S, hd] per tensor, fp32 or bf16 (written round-to-nearest-even). */
+typedef struct {
+    const float *qkv; /* [B, (H + 2 Hkv) hd] */
+    int B, H, Hkv, hd, rd, window, cfmt;
+    const float *qn, *kn; /* [hd] RMSNorm weights, or NULL */
+    float eps, scale;
+    const float *cos, *sin; /* [B, rd] */
+    const int64_t *pos, *rows;
+    uint8_t *kc, *vc;
+    long S;
+    float *out; /* [B, H hd] */
+    float *scores; /* [B Hkv, Lmax G] scratch */
+    long Lmax;
+} attn_t;
+
+static void norm_rope(float *v, int hd, const float *nw, float eps, const float *cos, const float *sin, int rd) {
+    if (nw) {
+        float ss = 0.0f;
+        for (int j = 0; j < hd; j++) ss += v[j] * v[j];
+        const float r = 1.0f / sqrtf(ss / (float)hd + eps);
+        for (int j = 0; j < hd; j++) v[j] = nw[j] * (v[j] * r);
+    }
+    const int h = rd / 2;
+    for (int j = 0; j < h; j++) { /* x * cos + cat(-x2, x1) * sin */
+        const float a = v[j], b = v[j + h];
+        v[j] = a * cos[j] - b * sin[j];
+        v[j + h] = b * cos[j + h] + a * sin[j + h];
+    }
+}
+
+static inline void store_row(uint8_t *dst, int cfmt, const float *v, int n) {
+    if (cfmt == FMT_F32) {
+        memcpy(dst, v, n * sizeof(float));
+        return;
+    }
+    uint16_t *d = (uint16_t *)dst;
+    for (int j = 0; j < n; j++) {
+        union { float f; uint32_t u; } c = {v[j]};
+        d[j] = (uint16_t)((c.u + 0x7FFFu + ((c.u >> 16) & 1u)) >> 16); /* round to nearest even */
+    }
+}
+
+static inline void load_row(const uint8_t *src, int cfmt, float *v, int n) {
+    if (cfmt == FMT_F32) {
+        memcpy(v, src, n * sizeof(float));
+        return;
+    }
+    const uint16_t *s = (const uint16_t *)src;
+    for (int j = 0; j < n; j++) {
+        union { uint32_t u; float f; } c = {(uint32_t)s[j] << 16};
+        v[j] = c.f;
+    }
+}
+
+#define MAX_HD 256   /* head dims and q heads per kv head the stack buffers hold (larger: torch) */
+#define MAX_GROUP 16
+
+static void attn_item(const void *arg, long item) {
+    const attn_t *A = arg;
+    const int b = (int)(item / A->Hkv), g = (int)(item % A->Hkv), hd = A->hd, G = A->H / A->Hkv;
+    const long es = A->cfmt == FMT_F32 ? 4 : 2, width = (long)(A->H + 2 * A->Hkv) * hd;
+    const int64_t p = A->pos[b];
+    const long lo = A->window > 0 && p - A->window + 1 > 0 ? p - A->window + 1 : 0, L = p - lo + 1;
+    const float *row = A->qkv + b * width, *cs = A->cos + (long)b * A->rd, *sn = A->sin + (long)b * A->rd;
+    const long base = ((long)A->rows[b] * A->Hkv + g) * A->S; /* this (row, kv head)'s [S, hd] */
+    uint8_t *kc = A->kc + base * hd * es, *vc = A->vc + base * hd * es;
+    float kv[MAX_HD], q[MAX_GROUP * MAX_HD], o[MAX_GROUP * MAX_HD], vr[MAX_HD], acc[MAX_GROUP];
+    /* the new key (normed, rotated) and value into the cache at position p */
+    memcpy(kv, row + (long)(A->H + g) * hd, hd * sizeof(float));
+    norm_rope(kv, hd, A->kn, A->eps, cs, sn, A->rd);
+    store_row(kc + p * hd * es, A->cfmt, kv, hd);
+    store_row(vc + p * hd * es, A->cfmt, row + (long)(A->H + A->Hkv + g) * hd, hd);
+    /* the group's queries, normed, rotated and scaled */
+    for (int i = 0; i < G; i++) {
+        float *qi = q + i * hd;
+        memcpy(qi, row + (long)(g * G + i) * hd, hd * sizeof(float));
+        norm_rope(qi, hd, A->qn, A->eps, cs, sn, A->rd);
+        for (int j = 0; j < hd; j++) qi[j] *= A->scale;
+    }
+    float *sc = A->scores + item * A->Lmax * G; /* scores [L, G] */
+    for (long s = 0; s < L; s++) {
+        dense_slots(kc + (lo + s) * hd * es, A->cfmt, hd, q, hd, G, acc);
+        for (int i = 0; i < G; i++) sc[s * G + i] = acc[i];
+    }
+    for (int i = 0; i < G; i++) { /* softmax over the L positions, fp32 */
+        float m = -INFINITY, sum = 0.0f;
+        for (long s = 0; s < L; s++) m = sc[s * G + i] > m ? sc[s * G + i] : m;
+        for (long s = 0; s < L; s++) { const float e = expf(sc[s * G + i] - m); sc[s * G + i] = e; sum += e; }
+        const float inv = 1.0f / sum;
+        for (long s = 0; s < L; s++) sc[s * G + i] *= inv;
+    }
+    memset(o, 0, (size_t)G * hd * sizeof(float));
+    for (long s = 0; s < L; s++) {
+        load_row(vc + (lo + s) * hd * es, A->cfmt, vr, hd);
+        for (int i = 0; i < G; i++) {
+            const float w = sc[s * G + i];
+            float *oi = o + i * hd;
+            for (int j = 0; j < hd; j++) oi[j] += w * vr[j];
+        }
+    }
+    for (int i = 0; i < G; i++) memcpy(A->out + (long)b * A->H * hd + (long)(g * G + i) * hd, o + i * hd, hd * sizeof(float));
+}
+
+/* Returns 0; -1 for a shape past the kernel's stack buffers (the caller runs torch instead), -2
+ * when the scores buffer cannot be allocated. */
+int lynx_attn_decode(const float *qkv, int B, int H, int Hkv, int hd, int rd, const float *qn, const float *kn,
+                     float eps, float scale, const float *cos, const float *sin, const int64_t *pos,
+                     const int64_t *rows, uint8_t *kc, uint8_t *vc, int cfmt, long S, int window, float *out,
+                     int nthreads) {
+    if (hd > MAX_HD || H % Hkv != 0 || H / Hkv > MAX_GROUP || rd > hd || rd % 2) return -1;
+    long Lmax = 1;
+    for (int b = 0; b < B; b++) {
+        if (pos[b] < 0 || pos[b] >= S) return -1;
+        Lmax = pos[b] + 1 > Lmax ? pos[b] + 1 : Lmax;
+    }
+    if (window > 0 && Lmax > window) Lmax = window;
+    float *scores = malloc((size_t)B * H * Lmax * sizeof(float));
+    if (!scores) return -2;
+    attn_t A = {qkv, B, H, Hkv, hd, rd, window, cfmt, qn, kn, eps, scale, cos, sin, pos, rows, kc, vc, S, out,
+                scores, Lmax};
+    parallel(attn_item, &A, (long)B * Hkv, nthreads);
+    free(scores);
+    return 0;
+}

@@ -110,6 +110,9 @@ def lib() -> ctypes.CDLL | None:
     so.lynx_moe.restype = i
     so.lynx_linear.argtypes = [i, p, p, p, i, i, i, p, i]
     so.lynx_linear.restype = None
+    f = ctypes.c_float
+    so.lynx_attn_decode.argtypes = [p, i, i, i, i, i, p, p, f, f, p, p, p, p, p, p, i, L, i, p, i]
+    so.lynx_attn_decode.restype = i
     return so
 
 
@@ -172,4 +175,29 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out.view(*x.shape[:-1], N).to(x.dtype)
 
 
-__all__ = ["build", "cache_dir", "dense_ok", "lib", "linear", "moe_dense", "moe_int4"]
+def attn_decode(qkv: torch.Tensor, H: int, Hkv: int, hd: int, q_norm: torch.Tensor | None,
+                k_norm: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
+                rows: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, window: int | None
+                ) -> torch.Tensor | None:
+    """One decode token per row: qkv [B, (H + 2·Hkv)·hd] (the fused projection's output) → the
+    attention output [B, H·hd] fp32, K/V written into the caches [Bmax, Hkv, S, hd] (fp32 or bf16)
+    at rows[b], position pos[b]; q/k RMSNorm weights [hd] (or None), RoPE cos/sin [B, rd] over the
+    first rd dims, scale 1/√hd, keys pos − window + 1 .. pos. None: a shape the kernel does not take."""
+    B = qkv.shape[0]
+    q32 = qkv.detach().to(torch.float32).contiguous()
+    qn = None if q_norm is None else q_norm.detach().to(torch.float32).contiguous()
+    kn = None if k_norm is None else k_norm.detach().to(torch.float32).contiguous()
+    c32, s32 = cos.to(torch.float32).contiguous(), sin.to(torch.float32).contiguous()
+    p64, r64 = pos.to(torch.int64).contiguous(), rows.to(torch.int64).contiguous()
+    out = torch.empty(B, H * hd, dtype=torch.float32)
+    rc = lib().lynx_attn_decode(q32.data_ptr(), B, H, Hkv, hd, c32.shape[-1], None if qn is None else qn.data_ptr(),
+                                None if kn is None else kn.data_ptr(), eps, hd ** -0.5, c32.data_ptr(),
+                                s32.data_ptr(), p64.data_ptr(), r64.data_ptr(), k_cache.data_ptr(),
+                                v_cache.data_ptr(), _FMT[k_cache.dtype], k_cache.shape[2], window or 0,
+                                out.data_ptr(), torch.get_num_threads())
+    if rc == -2:
+        raise MemoryError("the native attention kernel could not allocate its scores buffer")
+    return out if rc == 0 else None
+
+
+__all__ = ["attn_decode", "build", "cache_dir", "dense_ok", "lib", "linear", "moe_dense", "moe_int4"]

@@ -212,6 +212,10 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, ab: AttnBatch, kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         B, T, _ = x.shape
+        if T == 1 and x.device.type == "cpu" and self._native_decode is not False:
+            out = self._decode_native(x, ab, kv)
+            if out is not None:
+                return out
         q, k, v = self.project(x)
         q = q.view(B, T, self.H, self.hd).transpose(1, 2)  # [B, H, T, hd]
         k = k.view(B, T, self.Hkv, self.hd).transpose(1, 2)  # [B, Hkv, T, hd]
@@ -225,6 +229,38 @@ class Attention(nn.Module):
         vals = v_cache[ab.rows, :, : ab.kv_len]
         out = self.sdpa(q, keys, vals, ab, T)  # [B, H, T, hd]
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.H * self.hd))
+
+    _native_decode: bool | None = None  # None: not decided yet; False: this layer always runs torch
+
+    def _decode_native(self, x: torch.Tensor, ab: AttnBatch, kv) -> torch.Tensor | None:
+        """A CPU decode step in two native calls after the fused projection (kernels/cpu_native.c:
+        norm, RoPE, cache write and attention for every row and head at once) instead of ~40 torch
+        ops. Only for this class's own project/attend/sdpa with plain q/k RMSNorm; subclasses that
+        change any of them (and shapes the kernel does not take) run the torch path."""
+        if self._native_decode is None:
+            cls = type(self)
+            norms_ok = self.qk_norm == "none" or (self.qk_norm == "head" and type(self.q_norm) is RMSNorm
+                                                  and type(self.k_norm) is RMSNorm)
+            self._native_decode = (cls.project is Attention.project and cls.sdpa is Attention.sdpa
+                                   and cls.attend is Attention.attend and norms_ok and native.lib() is not None)
+            if not self._native_decode:
+                return None
+        fused = self._fused()
+        k_cache, v_cache = kv
+        if (fused is None or not native.dense_ok(fused[0]) or ab.cos is None or k_cache.dtype != v_cache.dtype
+                or k_cache.dtype not in NATIVE_ROWS or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
+            return None
+        B = x.shape[0]
+        qkv = native.linear(x.view(B, -1), *fused)
+        rows = (torch.arange(ab.rows.start, ab.rows.stop) if isinstance(ab.rows, slice) else ab.rows)
+        head = self.qk_norm == "head"
+        out = native.attn_decode(qkv, self.H, self.Hkv, self.hd, self.q_norm.weight if head else None,
+                                 self.k_norm.weight if head else None, self.q_norm.eps if head else 0.0,
+                                 ab.cos.reshape(B, -1), ab.sin.reshape(B, -1), ab.positions.reshape(B), rows,
+                                 k_cache, v_cache, self.window)
+        if out is None:
+            return None
+        return self.o_proj(out.to(x.dtype).view(B, 1, self.H * self.hd))
 
     def sdpa(self, q, keys, vals, ab: AttnBatch, T: int) -> torch.Tensor:
         mask, causal = self.attend(ab, T)
