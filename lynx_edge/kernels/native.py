@@ -126,11 +126,15 @@ def dense_ok(*ws: torch.Tensor) -> bool:
             and len({w.dtype for w in ws}) == 1 and lib() is not None)
 
 
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t as a contiguous tensor of dtype, without a dispatched op when it already is one (these
+    wrappers sit on the per-layer decode path, where each torch op costs microseconds)."""
+    return t if t.dtype == dtype and t.is_contiguous() else t.to(dtype).contiguous()
+
+
 def _call_moe(fmt, x, ids, w, perm, data, E, nbytes, offs, gu, dn, sym, G, D, I) -> torch.Tensor:
     so = lib()
-    x32 = x.detach().to(torch.float32).contiguous()
-    ids64 = ids.to(torch.int64).contiguous()
-    w32 = w.detach().to(torch.float32).contiguous()
+    x32, ids64, w32 = _as(x, torch.float32), _as(ids, torch.int64), _as(w, torch.float32)
     T, K = ids64.shape
     out = torch.empty(T, D, dtype=torch.float32)
     if T == 0:
@@ -147,7 +151,7 @@ def moe_int4(x, ids, weights, data: torch.Tensor, offs, sym: bool, G: int, D: in
     """Σ_k weights[t, k] · expert_{ids[t, k]}(x[t]) over INT4 blocks data uint8 [E, nbytes] (byte
     offsets offs int64 [6] of gu_q, gu_s, gu_z, dn_q, dn_s, dn_z; perm [E, D] int32 act order) →
     [T, D] fp32."""
-    p = None if perm is None else perm.to(torch.int32).contiguous()
+    p = None if perm is None else _as(perm, torch.int32)
     out = _call_moe(FMT_INT4, x, ids, weights, None if p is None else p.data_ptr(), data.data_ptr(),
                     data.shape[0], data.shape[1], offs.ctypes.data, None, None, int(sym), G, D, I)
     return out
@@ -159,20 +163,20 @@ def moe_dense(x, ids, weights, gate_up: torch.Tensor, down: torch.Tensor) -> tor
     E, two_i, D = gate_up.shape
     out = _call_moe(_FMT[gate_up.dtype], x, ids, weights, None, None, E, gate_up.element_size(), None,
                     gate_up.data_ptr(), down.data_ptr(), 0, 0, D, two_i // 2)
-    return out.to(x.dtype)
+    return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear for a CPU fp32/bf16 weight [N, Kin] with fp32 accumulation → [..., N] in x's dtype."""
     N, Kin = weight.shape
-    x2 = x.detach().reshape(-1, Kin).to(torch.float32).contiguous()
-    b = None if bias is None else bias.detach().to(torch.float32).contiguous()
+    x2 = _as(x.reshape(-1, Kin), torch.float32)
+    b = None if bias is None else _as(bias, torch.float32)
     out = torch.empty(x2.shape[0], N, dtype=torch.float32)
-    if x2.shape[0] == 0:
-        return out.view(*x.shape[:-1], N).to(x.dtype)
-    lib().lynx_linear(_FMT[weight.dtype], x2.data_ptr(), weight.data_ptr(), None if b is None else b.data_ptr(),
-                      x2.shape[0], Kin, N, out.data_ptr(), torch.get_num_threads())
-    return out.view(*x.shape[:-1], N).to(x.dtype)
+    if x2.shape[0]:
+        lib().lynx_linear(_FMT[weight.dtype], x2.data_ptr(), weight.data_ptr(), None if b is None else b.data_ptr(),
+                          x2.shape[0], Kin, N, out.data_ptr(), torch.get_num_threads())
+    out = out.view(*x.shape[:-1], N)
+    return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
 def attn_decode(qkv: torch.Tensor, H: int, Hkv: int, hd: int, q_norm: torch.Tensor | None,
@@ -184,11 +188,11 @@ def attn_decode(qkv: torch.Tensor, H: int, Hkv: int, hd: int, q_norm: torch.Tens
     at rows[b], position pos[b]; q/k RMSNorm weights [hd] (or None), RoPE cos/sin [B, rd] over the
     first rd dims, scale 1/√hd, keys pos − window + 1 .. pos. None: a shape the kernel does not take."""
     B = qkv.shape[0]
-    q32 = qkv.detach().to(torch.float32).contiguous()
-    qn = None if q_norm is None else q_norm.detach().to(torch.float32).contiguous()
-    kn = None if k_norm is None else k_norm.detach().to(torch.float32).contiguous()
-    c32, s32 = cos.to(torch.float32).contiguous(), sin.to(torch.float32).contiguous()
-    p64, r64 = pos.to(torch.int64).contiguous(), rows.to(torch.int64).contiguous()
+    q32 = _as(qkv, torch.float32)
+    qn = None if q_norm is None else _as(q_norm, torch.float32)
+    kn = None if k_norm is None else _as(k_norm, torch.float32)
+    c32, s32 = _as(cos, torch.float32), _as(sin, torch.float32)
+    p64, r64 = _as(pos, torch.int64), _as(rows, torch.int64)
     out = torch.empty(B, H * hd, dtype=torch.float32)
     rc = lib().lynx_attn_decode(q32.data_ptr(), B, H, Hkv, hd, c32.shape[-1], None if qn is None else qn.data_ptr(),
                                 None if kn is None else kn.data_ptr(), eps, hd ** -0.5, c32.data_ptr(),

@@ -141,6 +141,7 @@ class AttnBatch:
     cos: torch.Tensor | None = None  # [B, 1, T, hd]
     sin: torch.Tensor | None = None
     masks: dict = field(default_factory=dict)  # window → bool mask [B, 1, T, kv_len]
+    native: tuple | None = None  # the native decode attention's per-step inputs (rows, positions, cos, sin)
     # every row's tokens at positions start..start+T-1 (a host int; None: rows differ). Lets the
     # KV write be a slice copy and decode / fresh prefill skip the mask (see Attention.attend).
     start: int | None = None
@@ -252,12 +253,15 @@ class Attention(nn.Module):
             return None
         B = x.shape[0]
         qkv = native.linear(x.view(B, -1), *fused)
-        rows = (torch.arange(ab.rows.start, ab.rows.stop) if isinstance(ab.rows, slice) else ab.rows)
+        step = ab.native  # per step, shared by every layer: rows, positions, cos, sin
+        if step is None:
+            rows = torch.arange(ab.rows.start, ab.rows.stop) if isinstance(ab.rows, slice) else ab.rows
+            step = ab.native = (rows.to(torch.int64), ab.positions.reshape(B).to(torch.int64),
+                                         ab.cos.reshape(B, -1).float(), ab.sin.reshape(B, -1).float())
         head = self.qk_norm == "head"
         out = native.attn_decode(qkv, self.H, self.Hkv, self.hd, self.q_norm.weight if head else None,
                                  self.k_norm.weight if head else None, self.q_norm.eps if head else 0.0,
-                                 ab.cos.reshape(B, -1), ab.sin.reshape(B, -1), ab.positions.reshape(B), rows,
-                                 k_cache, v_cache, self.window)
+                                 step[2], step[3], step[1], step[0], k_cache, v_cache, self.window)
         if out is None:
             return None
         return self.o_proj(out.to(x.dtype).view(B, 1, self.H * self.hd))
