@@ -53,7 +53,9 @@ RANDOM = dict(layers=8, experts=32, hidden=1024, inter=768)  # 1.29 GB bf16 (exp
 # issue 16's targets: lynx-edge / llama.cpp at the same bits
 TARGET = {("B1", "16bit"): 0.9, ("B1", "4bit"): 0.8, ("Bn", "16bit"): 1.0, ("Bn", "4bit"): 1.0}
 PAIRS = {"f32": ("F32", dict(dtype="float32")), "bf16": ("BF16", dict(dtype="bfloat16")),
-         "int4": ("Q4_0", dict(int4=True))}
+         # bf16 around the 4-bit experts: Q4_0 quantises attention too, and on a CPU the native bf16
+         # projections beat fp32 ones (half the bytes; benchmarks/results/cpu_native.md)
+         "int4": ("Q4_0", dict(int4=True, dtype="bfloat16"))}
 
 # The converter refuses byte-level BPE tokenizers whose pre-tokenizer hash it does not list (the
 # demo's own tokenizer). The demo's pre-tokenizer is ByteLevel with GPT-2's regex, X
@@ -347,8 +349,9 @@ def to_markdown(res: dict) -> str:
            "- Q4_0 quantises every 2-D weight in blocks of 32 (attention and embeddings too; llama-quantize keeps "
            "the output matrix at Q6_K, and the tied embedding of the demo); lynx-edge `--int4` quantises only the experts (RTN, group 128) and "
            "keeps the rest in the dtype shown. Both read 4-bit experts, which dominate the bytes of the random model.",
-           "- lynx-edge's INT4 expert kernel (numba) runs on the calling thread whatever the thread count; "
-           "torch ops around it use the threads shown.",
+           "- lynx-edge's decode-time CPU work runs in its native kernels (lynx_edge/kernels/cpu_native.c: "
+           "experts, projections, attention) on torch's OpenMP pool at the thread count shown; "
+           "what is left (norms, routing, sampling) is torch ops and Python per layer.",
            "- llama.cpp keeps its KV cache in f16 and picks flash attention itself (defaults); lynx-edge's "
            "KV cache is in the model dtype.",
            "- B=1: llama-bench decodes from an empty context; lynx-edge after an 8-token prompt (≤ 72 "
