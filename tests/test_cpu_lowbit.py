@@ -21,6 +21,9 @@ from lynx_edge.quant.int4 import Int4Experts, int4_moe_ref, quantize_experts
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no compiled INT4 kernel (numba, C compiler)")
 
 
+_KERNEL = ["native"]  # the kernel the running test is pinned to (for its bound)
+
+
 @pytest.fixture(params=["native", "numba"])
 def kernel(request, monkeypatch):
     """Runs the test on one kernel: moe_int4_blocks' default (what the module and the offload
@@ -30,11 +33,16 @@ def kernel(request, monkeypatch):
     if request.param == "numba" and cpu_kernels._moe_nb is None:
         pytest.skip("numba not installed")
     real = cpu_kernels.moe_int4_blocks
+    _KERNEL[0] = request.param
     monkeypatch.setattr(cpu_kernels, "moe_int4_blocks",
                         lambda *a, kernel=None, **k: real(*a, kernel=request.param, **k))
     return request.param
 
-TOL = (1.7e-6, 1.2e-6)  # (max |Δ| / max(1, max |ref|), mean |Δ| / mean |ref|)
+# (max |Δ| / max(1, max |ref|), mean |Δ| / mean |ref|), ~3× the largest observed over these cases
+# plus D=2048, I=768 at 16 tokens: numba 5.7e-7 / 3.7e-7; native 2.0e-6 / 1.1e-6 (it takes the zero
+# point out of the inner loop, s·(Σq·x − z·Σx): one cancellation more, 10% more speed)
+TOLS = {"numba": (1.7e-6, 1.2e-6), "native": (6e-6, 3.3e-6)}
+TOL = TOLS["native"]  # the looser one, for the bug cases that run on both
 
 
 def _problem(T, K, E, D, I, G=32, sym=True, seed=0):
@@ -55,13 +63,15 @@ def _err(y, ref):
 def _close(y, ref):
     assert y.shape == ref.shape and y.dtype == ref.dtype
     m, a = _err(y, ref)
-    assert m < TOL[0] and a < TOL[1], (m, a)
+    tol = TOLS[_KERNEL[0]]
+    assert m < tol[0] and a < tol[1], (m, a)
 
 
 # T=1: the one-token pass; 5, 17 tokens on few experts: the 4-token blocks and their remainder
 @pytest.mark.parametrize("T,K,E,D,I,G,sym", [
     (1, 1, 4, 64, 32, 32, True), (1, 4, 8, 128, 64, 64, False), (5, 2, 4, 64, 96, 32, True),
     (17, 3, 4, 128, 64, 32, False), (9, 4, 16, 256, 128, 128, True), (3, 2, 6, 192, 64, 64, True),
+    (16, 4, 8, 1024, 256, 128, False),
 ])
 def test_kernel_matches_reference(T, K, E, D, I, G, sym, kernel):
     x, ids, w, p = _problem(T, K, E, D, I, G, sym)

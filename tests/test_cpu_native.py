@@ -200,3 +200,43 @@ def test_attention_decode_matches_torch_path(model_type, dtype, window, extra):
     ab.cos, ab.sin = rope.cos_sin(pos, dtype)
     att._native_decode = None
     assert _rel(att(x, ab, (bad, caches[1].clone())), ref) > 10 * tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rmsnorm_matches_torch_path(dtype):
+    """Native RMSNorm vs the module's torch ops: fp32 within a few ulps (sum order); bf16 the same
+    two roundings (normalised row, then the weight product), so at most one bf16 ulp apart."""
+    from lynx_edge.models.layers import RMSNorm
+
+    g = torch.Generator().manual_seed(5)
+    norm = RMSNorm(200, 1e-6, dtype, "cpu")
+    norm.weight.data.copy_(torch.randn(200, generator=g) * 0.5 + 1)
+    x = (torch.randn(3, 7, 200, generator=g) * 3).to(dtype)
+    h = x.float()
+    ref = norm.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+    y = norm(x)
+    assert y.dtype == dtype and y.shape == x.shape
+    if dtype == torch.float32:
+        assert _rel(y, ref) < 1e-6, _rel(y, ref)
+    else:
+        ulp = (ref.float().abs() * 2**-7).clamp_min(1e-30)
+        assert ((y.float() - ref.float()).abs() <= ulp).all() and (y == ref).float().mean() > 0.99
+    w2 = norm.weight.data.clone()
+    norm.weight.data[17] += 0.25
+    assert _rel(norm(x), ref) > 1e-2
+    norm.weight.data.copy_(w2)
+
+
+def test_offload_store_dense_expert_reads_block_in_place():
+    """A Fiddler-style CPU expert from a bf16 host block: the native kernel on the block's bytes
+    equals fp32 math on the same bf16 weights (no widened copy)."""
+    from lynx_edge.kernels.moe_gemm import expert_mlp
+    from lynx_edge.offload.store import DenseFormat
+
+    g = torch.Generator().manual_seed(6)
+    fmt = DenseFormat("bf16", 64, 32)
+    buf = torch.zeros(2, fmt.nbytes, dtype=torch.uint8)
+    fmt.pack_into(buf, torch.randn(2, 64, 64, generator=g) * 0.1, torch.randn(2, 64, 32, generator=g) * 0.1)
+    x = torch.randn(3, 64, generator=g)
+    gu, dn = fmt.weights(buf[1], torch.float32)
+    assert _rel(fmt.compute(buf[1], x), expert_mlp(x, gu, dn)) < TOL_MOE

@@ -247,7 +247,9 @@ def test_cached_decode_equals_recomputation(lfm):
         seq.append(tok)
         logits = decode_step(m, kv, [1], torch.tensor([tok]))
         full = prefill(m, KVCache(eng.cfg, 1, 64, torch.float32, torch.device("cpu")), 0, seq, 0, "all")[0, -1]
-        torch.testing.assert_close(logits[0], full, atol=1e-5, rtol=1e-5)
+        # decode runs the native CPU kernels, the recomputation torch's GEMMs: fp32 sums in other
+        # orders; observed max |Δ| 1.3e-5 on logits up to 3.1
+        torch.testing.assert_close(logits[0], full, atol=3e-5, rtol=1e-5)
 
 
 def test_chunked_prefill_state_equals_token_by_token(lfm):

@@ -113,6 +113,8 @@ def lib() -> ctypes.CDLL | None:
     f = ctypes.c_float
     so.lynx_attn_decode.argtypes = [p, i, i, i, i, i, p, p, f, f, p, p, p, p, p, p, i, L, i, p, i]
     so.lynx_attn_decode.restype = i
+    so.lynx_rmsnorm.argtypes = [i, p, p, f, L, i, p, i]
+    so.lynx_rmsnorm.restype = i
     return so
 
 
@@ -204,4 +206,18 @@ def attn_decode(qkv: torch.Tensor, H: int, Hkv: int, hd: int, q_norm: torch.Tens
     return out if rc == 0 else None
 
 
-__all__ = ["attn_decode", "build", "cache_dir", "dense_ok", "lib", "linear", "moe_dense", "moe_int4"]
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """RMSNorm over the last dim of x (fp32 or bf16, weight the same dtype) with fp32 statistics,
+    rounding as the torch path does (lynx_edge.models.layers.RMSNorm) → x's shape and dtype, or
+    None for a width the kernel does not take."""
+    xc = _as(x, x.dtype)
+    out = torch.empty_like(xc)
+    D = x.shape[-1]
+    if x.numel() == 0:
+        return out
+    rc = lib().lynx_rmsnorm(_FMT[x.dtype], xc.data_ptr(), weight.data_ptr(), eps, x.numel() // D, D, out.data_ptr(),
+                            torch.get_num_threads())
+    return out if rc == 0 else None
+
+
+__all__ = ["attn_decode", "rmsnorm", "build", "cache_dir", "dense_ok", "lib", "linear", "moe_dense", "moe_int4"]

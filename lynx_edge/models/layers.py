@@ -72,7 +72,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # fp32 statistics, as transformers does, then back to the activation dtype.
+        # fp32 statistics, as transformers does, then back to the activation dtype. On a CPU one
+        # native call with the same roundings instead of seven ops (a decode layer runs four norms).
+        if (x.device.type == "cpu" and x.dtype is self.weight.dtype and x.dtype in NATIVE_ROWS
+                and native.dense_ok(self.weight)):
+            y = native.rmsnorm(x, self.weight, self.eps)
+            if y is not None:
+                return y
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)

@@ -198,18 +198,26 @@ def _best(fn, reps: int) -> float:
 
 
 def measure_cpu(size_mb: int = 256, hidden: int = 2048, inter: int = 1408, reps: int = 3) -> dict:
-    """Host copy bandwidth, CPU expert weight-streaming rate (1 token) and matmul GFLOP/s (64 tokens)."""
-    from ..kernels.moe_gemm import expert_mlp
+    """Host copy bandwidth, CPU expert weight-streaming rate (1 token) and matmul GFLOP/s (64
+    tokens), measured on the path a Fiddler-style CPU expert takes: a bf16 host-store block
+    through DenseFormat.compute (the native kernel where it built, else torch)."""
+    from .store import DenseFormat
 
     n = size_mb * 2**20 // 4
     a, b = torch.ones(n), torch.empty(n)
     mem = 2 * a.nbytes / _best(lambda: b.copy_(a), reps)  # read + write
-    gu, dn = torch.randn(2 * inter, hidden) * 0.02, torch.randn(hidden, inter) * 0.02
-    x1, x64 = torch.randn(1, hidden), torch.randn(64, hidden)
-    expert = (gu.nbytes + dn.nbytes) / _best(lambda: expert_mlp(x1, gu, dn), reps * 3)
-    flops = 64 * 2 * 3 * hidden * inter / _best(lambda: expert_mlp(x64, gu, dn), reps * 3)
-    g0, d0, x0 = gu[:128, :64].contiguous(), dn[:64, :64].contiguous(), x1[:, :64].contiguous()
-    latency = _best(lambda: expert_mlp(x0, g0, d0), reps * 10)  # fixed cost of one tiny expert call
+    fmt, tiny = DenseFormat("bf16", hidden, inter), DenseFormat("bf16", 64, 64)
+    blocks = torch.zeros(max(2, 64 * 2**20 // fmt.nbytes), fmt.nbytes, dtype=torch.uint8)  # ≥ 64 MiB: not cache-resident
+    g = torch.Generator().manual_seed(0)
+    fmt.pack_into(blocks, torch.randn(1, 2 * inter, hidden, generator=g) * 0.02,
+                  torch.randn(1, hidden, inter, generator=g) * 0.02)
+    blocks[1:] = blocks[0]
+    x1, x64 = torch.randn(1, hidden, generator=g), torch.randn(64, hidden, generator=g)
+    it = iter(range(1 << 62))
+    expert = fmt.nbytes / _best(lambda: fmt.compute(blocks[next(it) % len(blocks)], x1), reps * 3)
+    flops = 64 * 2 * 3 * hidden * inter / _best(lambda: fmt.compute(blocks[0], x64), reps * 3)
+    small, x0 = torch.zeros(tiny.nbytes, dtype=torch.uint8), x1[:, :64].contiguous()
+    latency = _best(lambda: tiny.compute(small, x0), reps * 10)  # fixed cost of one tiny expert call
     return {"cpu_mem_gbps": mem / 1e9, "cpu_expert_gbps": expert / 1e9, "cpu_gflops": flops / 1e9,
             "cpu_latency_us": latency * 1e6}
 

@@ -69,7 +69,16 @@ class DenseFormat:
         return gu.to(dtype), dn.to(dtype)
 
     def compute(self, block: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """x [n, D] → [n, D]: the plain SwiGLU expert stored in block."""
+        """x [n, D] → [n, D]: the plain SwiGLU expert stored in block. On a CPU an fp32/bf16 block is
+        read in place by the native kernel (no widened copy of the expert per call)."""
+        from ..kernels import native
+
+        if x.device.type == "cpu" and block.device.type == "cpu":
+            gu = _typed(block, 0, self.gu_shape, self.dtype)
+            dn = _typed(block, self.dn_off, self.dn_shape, self.dtype)
+            if native.dense_ok(gu, dn):
+                n = x.shape[0]
+                return native.moe_dense(x, torch.zeros(n, 1, dtype=torch.int64), torch.ones(n, 1), gu[None], dn[None])
         return expert_mlp(x, *self.weights(block, x.dtype))
 
 
