@@ -4,7 +4,10 @@ Both run in this one process, side by side, on a Mixtral-style checkpoint writte
 transformers (8 layers, hidden 512, 8 experts top-2, random weights). Decode time is measured the
 same way for both: time(prompt → 1 + n tokens) − time(prompt → 1 token), median over repeats.
 
-    python benchmarks/vs_transformers.py [--batch 1,16] [--new 32] [--repeats 3]
+    python benchmarks/vs_transformers.py [--batch 1,16] [--dtype float32,bfloat16] [--new 32] [--repeats 3]
+
+Each dtype is run by both on weights of that dtype (bfloat16: how checkpoints are published and
+what a user's RAM holds; float32: lynx-edge's CPU default for checkpoints up to 2 GiB).
 """
 from __future__ import annotations
 
@@ -47,6 +50,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dtype", default="float32,bfloat16")
     ap.add_argument("--threads", type=int, default=None, help="default: lynx_edge.threads (idle cores)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/vs_transformers.json"))
     args = ap.parse_args()
@@ -59,29 +63,31 @@ def main() -> None:
     from lynx_edge import Engine
 
     ckpt = make_checkpoint(Path(tempfile.mkdtemp()) / "mixtral-8l-512")
-    hf = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
-    eng = Engine.from_pretrained(ckpt, device="cpu", dtype="float32")
     rows = []
-    for B in [int(b) for b in args.batch.split(",")]:
-        g = torch.Generator().manual_seed(B)
-        prompts = torch.randint(10, 8000, (B, args.prompt), generator=g)
+    for dtype in args.dtype.split(","):
+        hf = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=getattr(torch, dtype)).eval()
+        eng = Engine.from_pretrained(ckpt, device="cpu", dtype=dtype)
+        for B in [int(b) for b in args.batch.split(",")]:
+            g = torch.Generator().manual_seed(B)
+            prompts = torch.randint(10, 8000, (B, args.prompt), generator=g)
 
-        def hf_run(n):
-            with torch.inference_mode():
-                hf.generate(prompts, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+            def hf_run(n):
+                with torch.inference_mode():
+                    hf.generate(prompts, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
 
-        def ours_run(n):
-            eng.generate_batch([p.tolist() for p in prompts], max_new_tokens=n, ignore_eos=True)
+            def ours_run(n):
+                eng.generate_batch([p.tolist() for p in prompts], max_new_tokens=n, ignore_eos=True)
 
-        res = {"batch": B}
-        for name, run in (("transformers", hf_run), ("lynx_edge", ours_run)):
-            t1 = timed(lambda: run(1), args.repeats)
-            tn = timed(lambda: run(1 + args.new), args.repeats)
-            res[f"{name}_decode_tok_s"] = B * args.new / max(tn - t1, 1e-9)
-        res["speedup"] = res["lynx_edge_decode_tok_s"] / res["transformers_decode_tok_s"]
-        rows.append(res)
-        print(json.dumps(res), flush=True)
-    out = {"benchmark": "decode tok/s, lynx-edge vs transformers generate (CPU, fp32, same process)",
+            res = {"dtype": dtype, "batch": B}
+            for name, run in (("transformers", hf_run), ("lynx_edge", ours_run)):
+                t1 = timed(lambda: run(1), args.repeats)
+                tn = timed(lambda: run(1 + args.new), args.repeats)
+                res[f"{name}_decode_tok_s"] = B * args.new / max(tn - t1, 1e-9)
+            res["speedup"] = res["lynx_edge_decode_tok_s"] / res["transformers_decode_tok_s"]
+            rows.append(res)
+            print(json.dumps(res), flush=True)
+        del hf, eng
+    out = {"benchmark": "decode tok/s, lynx-edge vs transformers generate (CPU, same process, same dtype)",
            "model": "mixtral-style random: 8 layers, D=512, 8 experts top-2, I=1024, vocab 8192",
            "transformers": transformers.__version__, "torch": torch.__version__, "threads": args.threads, "isa": cpu_isa(),
            "prompt_tokens": args.prompt, "new_tokens": args.new, "repeats": args.repeats, "results": rows}
