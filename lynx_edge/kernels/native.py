@@ -123,9 +123,15 @@ _FMT = {torch.float32: FMT_F32, torch.bfloat16: FMT_BF16}
 
 
 def dense_ok(*ws: torch.Tensor) -> bool:
-    """Whether moe_dense / linear take these weights (CPU, fp32 or bf16, contiguous) and the kernels built."""
-    return (all(w.device.type == "cpu" and w.dtype in _FMT and w.is_contiguous() for w in ws)
-            and len({w.dtype for w in ws}) == 1 and lib() is not None)
+    """Whether moe_dense / linear take these weights (CPU, one dtype of fp32 or bf16, contiguous)
+    and the kernels built. Plain loops: this runs several times per layer per decode step."""
+    dt = ws[0].dtype
+    if dt not in _FMT:
+        return False
+    for w in ws:
+        if w.dtype is not dt or w.device.type != "cpu" or not w.is_contiguous():
+            return False
+    return lib() is not None
 
 
 def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
