@@ -69,8 +69,10 @@ def resolve_dtype(dtype, device: torch.device, cfg: ModelConfig, ckpt_bytes: int
 
 
 def default_dtype(device: torch.device, cfg: ModelConfig, ckpt_bytes: int) -> torch.dtype:
-    """bf16 on CUDA. On CPU: fp32 while the checkpoint is ≤ 2 GiB (widening is cheap, and fp32
-    matmuls beat bf16 ones on CPUs without native bf16), else the checkpoint's own 16-bit dtype."""
+    """bf16 on CUDA. On CPU: fp32 while the checkpoint is ≤ 2 GiB (widening is cheap; torch's fp32
+    GEMMs prefill up to 1.5× faster than bf16 on CPUs without native bf16 math, while the native
+    decode kernels make bf16 decode 1.1–1.5× faster: benchmarks/results/cpu_native.md), else the
+    checkpoint's own 16-bit dtype (memory first)."""
     if device.type == "cuda":
         return torch.bfloat16
     ckpt = DTYPES.get(str(cfg.torch_dtype or "bfloat16"), torch.bfloat16)
