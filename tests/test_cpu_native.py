@@ -240,3 +240,45 @@ def test_offload_store_dense_expert_reads_block_in_place():
     x = torch.randn(3, 64, generator=g)
     gu, dn = fmt.weights(buf[1], torch.float32)
     assert _rel(fmt.compute(buf[1], x), expert_mlp(x, gu, dn)) < TOL_MOE
+
+
+@pytest.mark.parametrize("T,K,E,D,I", [(1, 2, 4, 64, 32), (7, 4, 8, 96, 64), (20, 2, 3, 64, 96)])
+@pytest.mark.parametrize("kind", ["mxfp4", "float32", "bfloat16"])
+def test_gpt_oss_experts_match_reference(T, K, E, D, I, kind):
+    """gpt-oss's layer (biases, the clamped SwiGLU) on MXFP4 codes or 16-bit weights against
+    oss_moe_ref on the same values in fp32; bug cases (a flipped code, a scale one off, a clamp
+    dropped) land far outside the bound."""
+    from lynx_edge.kernels.moe_mxfp4 import mxfp4_dequant, mxfp4_quantize, oss_moe_ref
+
+    g = torch.Generator().manual_seed(T * 7 + E)
+    x = torch.randn(T, D, generator=g)
+    gu, dn = torch.randn(E, 2 * I, D, generator=g) * 0.3, torch.randn(E, D, I, generator=g) * 0.3
+    gb, db = torch.randn(E, 2 * I, generator=g) * 0.2, torch.randn(E, D, generator=g) * 0.2
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    w = torch.softmax(torch.randn(T, K, generator=g), -1)
+    limit, alpha = 1.5, 1.702  # a low limit so the clamps bite on these inputs
+    if kind == "mxfp4":
+        (gq, gs), (dq, ds) = mxfp4_quantize(gu), mxfp4_quantize(dn)
+        gs[0, 0, 0] = 0  # an e8m0 of 0: the subnormal scale 2^-127
+        args = (gq.flatten(-2).contiguous(), dq.flatten(-2).contiguous())
+        gu_v, dn_v = mxfp4_dequant(gq, gs, torch.float32), mxfp4_dequant(dq, ds, torch.float32)
+        run = lambda a, b, s1=gs, s2=ds, lim=limit: native.moe_oss(x, ids, w, a, b, gb, db, lim, alpha, s1, s2)
+    else:
+        dt = getattr(torch, kind)
+        args = (gu.to(dt), dn.to(dt))
+        gu_v, dn_v = args[0].float(), args[1].float()
+        run = lambda a, b, lim=limit: native.moe_oss(x, ids, w, a, b, gb, db, lim, alpha)
+    ref = oss_moe_ref(x, ids, w, E, lambda e: (gu_v[e], gb[e], dn_v[e], db[e]), limit, alpha)
+    y = run(*args)
+    assert y.shape == ref.shape and _rel(y, ref) < TOL_MOE, _rel(y, ref)
+    assert _rel(run(*args, lim=100.0), ref) > 100 * TOL_MOE  # the clamp matters here
+    bad = args[1].clone()  # the down projection (nothing clamps after it)
+    if kind == "mxfp4":
+        bad[int(ids[0, 0]), 1, 3] ^= 0x11
+    else:
+        bad[int(ids[0, 0]), 1, 3] += 0.5
+    assert _rel(run(args[0], bad), ref) > 100 * TOL_MOE
+    if kind == "mxfp4":
+        ds2 = ds.clone()
+        ds2[int(ids[0, 0]), 5, 0] += 1
+        assert _rel(run(*args, s2=ds2), ref) > 100 * TOL_MOE

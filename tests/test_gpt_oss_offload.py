@@ -68,7 +68,9 @@ def test_offloaded_equals_resident(ckpts, case, monkeypatch):
     want_toks, want = greedy_logits(ref, ids)
     toks, got = greedy_logits(eng, ids)
     assert toks == want_toks
-    torch.testing.assert_close(got, want, atol=3e-6, rtol=3e-6)  # observed ≤ 1e-6: sum order over k (ids vs slots)
+    # observed ≤ 1e-6 where both sides run torch (sum order over k: ids vs slots); 6.4e-6 where the
+    # resident MXFP4 experts run the native CPU kernel (fp32 sums in another order) and the slots torch
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=3e-6)
     kw = dict(max_new_tokens=10, do_sample=False, ignore_eos=True)
     assert eng.generate_batch(PROMPTS, **kw) == ref.generate_batch(PROMPTS, **kw)
     s = eng.last_stats["offload"]

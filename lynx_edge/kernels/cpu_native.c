@@ -181,7 +181,7 @@ static void group_sums(const float *xe, const float *xo, long S, int Kin, int G,
 
 /* --- 16/32-bit rows --------------------------------------------------------------------------- */
 
-enum { FMT_INT4 = 0, FMT_F32 = 1, FMT_BF16 = 2 };
+enum { FMT_INT4 = 0, FMT_F32 = 1, FMT_BF16 = 2, FMT_MXFP4 = 3 };
 
 /* acc[t] = sum_j w[j] * x_t[j] over one row w (fp32 or bf16: bf16 widens exactly by a shift) */
 static inline __attribute__((always_inline)) void dense_rows(const void *w, const int FMT, int Kin,
@@ -267,6 +267,96 @@ static void dense_slots(const void *w, int fmt, int Kin, const float *x0, long l
     else dense_slots_f(w, FMT_BF16, Kin, x0, ld, n, acc);
 }
 
+/* --- MXFP4 rows (gpt-oss) ---------------------------------------------------------------------- */
+
+static inline float e8m0(uint8_t s) { /* 2^(s - 127); s = 0 is the subnormal 2^-127 */
+    union { uint32_t u; float f; } c = {s ? (uint32_t)s << 23 : 0x00400000u};
+    return c.f;
+}
+
+/* acc[t] = sum over blocks of 32 inputs: 2^(s_b - 127) * sum_j e2m1(q_j) * x_t[j], for one row of
+ * Kin/2 code bytes q (low nibble = even input) and Kin/32 scale bytes sc; xe/xo as dot_rows_h. */
+static inline __attribute__((always_inline)) void mx_rows(const uint8_t *q, const uint8_t *sc, int Kin,
+                                                          const float *const *xe, const float *const *xo,
+                                                          const int NT, float *acc) {
+    const int nb = Kin / 32;
+    int t;
+#if defined(__AVX512F__)
+    const __m512 lut = _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                                      -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f);
+    const __m512i m15 = _mm512_set1_epi32(15);
+    __m512 tot[4];
+    for (t = 0; t < NT; t++) tot[t] = _mm512_setzero_ps();
+    for (int g = 0; g < nb; g++) {
+        const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + 16 * g)));
+        const __m512 we = _mm512_permutexvar_ps(_mm512_and_si512(b, m15), lut);
+        const __m512 wo = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), lut);
+        const __m512 sv = _mm512_set1_ps(e8m0(sc[g]));
+        for (t = 0; t < NT; t++) {
+            const __m512 p = _mm512_fmadd_ps(wo, _mm512_loadu_ps(xo[t] + 16 * g),
+                                             _mm512_mul_ps(we, _mm512_loadu_ps(xe[t] + 16 * g)));
+            tot[t] = _mm512_fmadd_ps(sv, p, tot[t]);
+        }
+    }
+    for (t = 0; t < NT; t++) acc[t] = _mm512_reduce_add_ps(tot[t]);
+#elif defined(__AVX2__) && defined(__FMA__)
+    const __m256 lut = _mm256_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f); /* magnitudes */
+    const __m256i m15 = _mm256_set1_epi32(15);
+    __m256 tot[4];
+    for (t = 0; t < NT; t++) tot[t] = _mm256_setzero_ps();
+    for (int g = 0; g < nb; g++) {
+        const __m256 sv = _mm256_set1_ps(e8m0(sc[g]));
+        for (int h = 0; h < 2; h++) {
+            const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + 16 * g + 8 * h)));
+            const __m256i lo = _mm256_and_si256(b, m15), hi = _mm256_srli_epi32(b, 4);
+            /* magnitude from the low 3 bits (permutevar reads idx & 7), sign from bit 3 */
+            const __m256 we = _mm256_xor_ps(_mm256_permutevar8x32_ps(lut, lo),
+                                            _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_srli_epi32(lo, 3), 31)));
+            const __m256 wo = _mm256_xor_ps(_mm256_permutevar8x32_ps(lut, hi),
+                                            _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_srli_epi32(hi, 3), 31)));
+            for (t = 0; t < NT; t++) {
+                const __m256 p = _mm256_fmadd_ps(wo, _mm256_loadu_ps(xo[t] + 16 * g + 8 * h),
+                                                 _mm256_mul_ps(we, _mm256_loadu_ps(xe[t] + 16 * g + 8 * h)));
+                tot[t] = _mm256_fmadd_ps(sv, p, tot[t]);
+            }
+        }
+    }
+    for (t = 0; t < NT; t++) {
+        const __m128 v = _mm_add_ps(_mm256_castps256_ps128(tot[t]), _mm256_extractf128_ps(tot[t], 1));
+        const __m128 u = _mm_add_ps(v, _mm_movehl_ps(v, v));
+        acc[t] = _mm_cvtss_f32(_mm_add_ss(u, _mm_shuffle_ps(u, u, 1)));
+    }
+#else
+    static const float lut[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                                  -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+    for (t = 0; t < NT; t++) {
+        float a = 0.0f;
+        for (int g = 0; g < nb; g++) {
+            float p = 0.0f;
+            for (int j = 0; j < 16; j++)
+                p += lut[q[16 * g + j] & 15] * xe[t][16 * g + j] + lut[q[16 * g + j] >> 4] * xo[t][16 * g + j];
+            a += e8m0(sc[g]) * p;
+        }
+        acc[t] = a;
+    }
+#endif
+}
+
+static void mx_slots(const uint8_t *q, const uint8_t *sc, int Kin, const float *xe0, const float *xo0, long ld, int n,
+                     float *acc) {
+    const float *xe[4], *xo[4];
+    int t = 0;
+    for (; t + 4 <= n; t += 4) {
+        for (int i = 0; i < 4; i++) { xe[i] = xe0 + (t + i) * ld; xo[i] = xo0 + (t + i) * ld; }
+        mx_rows(q, sc, Kin, xe, xo, 4, acc + t);
+    }
+    const int r = n - t;
+    for (int i = 0; i < r; i++) { xe[i] = xe0 + (t + i) * ld; xo[i] = xo0 + (t + i) * ld; }
+    if (r == 3) mx_rows(q, sc, Kin, xe, xo, 3, acc + t);
+    else if (r == 2) mx_rows(q, sc, Kin, xe, xo, 2, acc + t);
+    else if (r == 1) mx_rows(q, sc, Kin, xe, xo, 1, acc + t);
+}
+
 /* --- one MoE layer ---------------------------------------------------------------------------- */
 
 typedef struct {
@@ -280,9 +370,27 @@ typedef struct {
     const float *w;
     float *xe, *xo, *he, *ho, *y; /* dense: xe [S, D] and he [S, I] whole rows (xo, ho unused) */
     float *xsum, *hsum; /* int4: group sums of xe/xo [S, D/G] and he/ho [S, I/G] */
+    /* gpt-oss: MXFP4 scales gus [E, 2I, D/32], dns [E, D, I/32]; fp32 biases gub [E, 2I], dnb [E, D]
+     * (NULL: none); act 1 = the clamped SwiGLU (limit, alpha), 0 = silu(gate) * up */
+    const uint8_t *gus, *dns;
+    const float *gub, *dnb;
+    int act_kind;
+    float limit, alpha;
 } layer_t;
 
-static inline float silu_mul(float g, float u) { return g / (1.0f + expf(-g)) * u; }
+/* h_i of expert e from its gate and up rows' products (bias added first where there is one) */
+static inline float activate(const layer_t *L, int64_t e, int i, float g, float u) {
+    if (L->gub) {
+        g += L->gub[e * 2L * L->I + i];
+        u += L->gub[e * 2L * L->I + L->I + i];
+    }
+    if (L->act_kind == 1) { /* gpt-oss: (clamp(up, ±limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit) */
+        g = g < L->limit ? g : L->limit;
+        u = u < -L->limit ? -L->limit : (u > L->limit ? L->limit : u);
+        return (u + 1.0f) * (g / (1.0f + expf(-L->alpha * g)));
+    }
+    return g / (1.0f + expf(-g)) * u;
+}
 
 static void gate_up_item(const void *arg, long item) {
     const layer_t *L = arg;
@@ -290,6 +398,19 @@ static void gate_up_item(const void *arg, long item) {
     const int64_t e = L->act[item / nb], r0 = L->cnt[e], n = L->cnt[e + 1] - r0;
     const int I = L->I, D = L->D, i0 = (int)(item % nb) * ROW_BLOCK;
     float gate[64], up[64];
+    if (L->fmt == FMT_MXFP4) {
+        const uint8_t *gu = L->gu + e * 2L * I * (D / 2), *gs = L->gus + e * 2L * I * (D / 32);
+        for (int i = i0; i < I && i < i0 + ROW_BLOCK; i++)
+            for (int64_t c = 0; c < n; c += 64) {
+                const int m = (int)(n - c < 64 ? n - c : 64);
+                const float *xe = L->xe + (r0 + c) * (D / 2), *xo = L->xo + (r0 + c) * (D / 2);
+                mx_slots(gu + (long)i * (D / 2), gs + (long)i * (D / 32), D, xe, xo, D / 2, m, gate);
+                mx_slots(gu + (long)(I + i) * (D / 2), gs + (long)(I + i) * (D / 32), D, xe, xo, D / 2, m, up);
+                float *dst = ((i & 1) ? L->ho : L->he) + (r0 + c) * (I / 2) + i / 2;
+                for (int t = 0; t < m; t++) dst[(long)t * (I / 2)] = activate(L, e, i, gate[t], up[t]);
+            }
+        return;
+    }
     if (L->fmt != FMT_INT4) {
         const long es = L->nbytes;
         const uint8_t *gu = L->gu + e * 2L * I * D * es;
@@ -299,7 +420,7 @@ static void gate_up_item(const void *arg, long item) {
                 const float *x = L->xe + (r0 + c) * D;
                 dense_slots(gu + (long)i * D * es, L->fmt, D, x, D, m, gate);
                 dense_slots(gu + (long)(I + i) * D * es, L->fmt, D, x, D, m, up);
-                for (int t = 0; t < m; t++) L->he[(r0 + c + t) * I + i] = silu_mul(gate[t], up[t]);
+                for (int t = 0; t < m; t++) L->he[(r0 + c + t) * I + i] = activate(L, e, i, gate[t], up[t]);
             }
         return;
     }
@@ -316,7 +437,7 @@ static void gate_up_item(const void *arg, long item) {
             dot_slots(q + (long)(I + i) * (D / 2), s + I + i, z ? z + I + i : NULL, 2L * I, D, L->G, xe, xo, D / 2,
                       xs, m, up);
             float *dst = ((i & 1) ? L->ho : L->he) + (r0 + c) * (I / 2) + i / 2;
-            for (int t = 0; t < m; t++) dst[(long)t * (I / 2)] = silu_mul(gate[t], up[t]);
+            for (int t = 0; t < m; t++) dst[(long)t * (I / 2)] = activate(L, e, i, gate[t], up[t]);
         }
     }
 }
@@ -336,14 +457,18 @@ static void down_item(const void *arg, long item) {
     for (int d = d0; d < D && d < d0 + ROW_BLOCK; d++) {
         for (int64_t c = 0; c < n; c += 64) {
             const int m = (int)(n - c < 64 ? n - c : 64);
-            if (int4)
+            if (L->fmt == FMT_MXFP4)
+                mx_slots(L->dn + (e * (long)D + d) * (I / 2), L->dns + (e * (long)D + d) * (I / 32), I,
+                         L->he + (r0 + c) * (I / 2), L->ho + (r0 + c) * (I / 2), I / 2, m, acc);
+            else if (int4)
                 dot_slots(q + (long)d * (I / 2), s + d, z ? z + d : NULL, D, I, L->G, L->he + (r0 + c) * (I / 2),
                           L->ho + (r0 + c) * (I / 2), I / 2, L->hsum + (r0 + c) * (I / L->G), m, acc);
             else
                 dense_slots(L->dn + (e * (long)D * I + (long)d * I) * es, L->fmt, I, L->he + (r0 + c) * I, I, m, acc);
             for (int t = 0; t < m; t++) {
                 const int64_t sl = L->order[r0 + c + t];
-                L->y[(r0 + c + t) * D + d] = acc[t] * L->w[(sl / K) * K + sl % K];
+                const float b = L->dnb ? L->dnb[e * (long)D + d] : 0.0f;
+                L->y[(r0 + c + t) * D + d] = (acc[t] + b) * L->w[(sl / K) * K + sl % K];
             }
         }
     }
@@ -374,20 +499,23 @@ static void parallel(void (*fn)(const void *, long), const void *arg, long n_ite
 /* One MoE layer. x [T, D] fp32, ids [T, K] int64 (each in [0, E)), w [T, K] fp32 → out [T, D] fp32.
  * fmt FMT_INT4: data [E, nbytes] blocks with offs [6], perm [E, D] int32 or NULL (act order), sym, G.
  * fmt FMT_F32 / FMT_BF16: gu [E, 2I, D] and dn [E, D, I] contiguous (data, offs, perm unused).
+ * fmt FMT_MXFP4: gu [E, 2I, D/2] and dn [E, D, I/2] code bytes, gus / dns their e8m0 scales.
+ * gub [E, 2I] / dnb [E, D] fp32 biases or NULL; act_kind 1: gpt-oss's clamped SwiGLU.
  * Returns 0, or -1 when out of memory. */
 int lynx_moe(int fmt, const float *x, const int64_t *ids, const float *w, const int32_t *perm, const uint8_t *data,
              long E, long nbytes, const long *offs, const uint8_t *gu, const uint8_t *dn, int sym, int G, int D, int I,
-             int T, int K, float *out, int nthreads) {
+             int T, int K, float *out, int nthreads, const uint8_t *gus, const uint8_t *dns, const float *gub,
+             const float *dnb, int act_kind, float limit, float alpha) {
     const long S = (long)T * K;
-    const int dense = fmt != FMT_INT4;
+    const int dense = fmt == FMT_F32 || fmt == FMT_BF16, int4 = fmt == FMT_INT4;
     int64_t *cnt = calloc(E + 1, sizeof(int64_t)), *fill = malloc(E * sizeof(int64_t));
     int64_t *order = malloc(S * sizeof(int64_t)), *pos = malloc(S * sizeof(int64_t)), *act = malloc(E * sizeof(int64_t));
     float *xe = malloc(S * (long)D * sizeof(float)), *he = malloc(S * (long)I * sizeof(float));
     float *y = malloc(S * (long)D * sizeof(float));
-    float *xsum = dense ? NULL : malloc((S * (long)(D / G) + 1) * sizeof(float));
-    float *hsum = dense ? NULL : malloc((S * (long)(I / G) + 1) * sizeof(float));
+    float *xsum = int4 ? malloc((S * (long)(D / G) + 1) * sizeof(float)) : NULL;
+    float *hsum = int4 ? malloc((S * (long)(I / G) + 1) * sizeof(float)) : NULL;
     int rc = -1;
-    if (!cnt || !fill || !order || !pos || !act || !xe || !he || !y || (!dense && (!xsum || !hsum))) goto done;
+    if (!cnt || !fill || !order || !pos || !act || !xe || !he || !y || (int4 && (!xsum || !hsum))) goto done;
     float *xo = xe + S * (D / 2), *ho = he + S * (I / 2); /* int4: the odd halves after the even ones */
     /* plan: expert-major slot order (stable), active experts ascending */
     for (long i = 0; i < S; i++) cnt[ids[i] + 1]++;
@@ -414,11 +542,11 @@ int lynx_moe(int fmt, const float *x, const int64_t *ids, const float *w, const 
             for (int j = 0; j < D / 2; j++) { de[j] = xt[2 * j]; dd[j] = xt[2 * j + 1]; }
         }
     }
-    if (!dense) group_sums(xe, xo, S, D, G, xsum);
+    if (int4) group_sums(xe, xo, S, D, G, xsum);
     layer_t L = {fmt, data, nbytes, offs, gu, dn, sym, G, D, I, T, K, ids, cnt, order, act, w, xe, xo, he, ho, y,
-                 xsum, hsum};
+                 xsum, hsum, gus, dns, gub, dnb, act_kind, limit, alpha};
     parallel(gate_up_item, &L, A * ((I + ROW_BLOCK - 1) / ROW_BLOCK), nthreads);
-    if (!dense) group_sums(he, ho, S, I, G, hsum);
+    if (int4) group_sums(he, ho, S, I, G, hsum);
     parallel(down_item, &L, A * ((D + ROW_BLOCK - 1) / ROW_BLOCK), nthreads);
     /* combine: out[t] = sum over k in slot order (k = 0 first) */
     for (long r = 0; r < S; r++) pos[order[r]] = r;

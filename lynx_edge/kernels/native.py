@@ -106,7 +106,8 @@ def lib() -> ctypes.CDLL | None:
         log.warning("loading the native CPU kernels failed (numba kernel used instead): %s", e)
         return None
     p, i, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
-    so.lynx_moe.argtypes = [i, p, p, p, p, p, L, L, p, p, p, i, i, i, i, i, i, p, i]
+    so.lynx_moe.argtypes = [i, p, p, p, p, p, L, L, p, p, p, i, i, i, i, i, i, p, i, p, p, p, p, i, ctypes.c_float,
+                            ctypes.c_float]
     so.lynx_moe.restype = i
     so.lynx_linear.argtypes = [i, p, p, p, i, i, i, p, i]
     so.lynx_linear.restype = None
@@ -118,7 +119,7 @@ def lib() -> ctypes.CDLL | None:
     return so
 
 
-FMT_INT4, FMT_F32, FMT_BF16 = 0, 1, 2
+FMT_INT4, FMT_F32, FMT_BF16, FMT_MXFP4 = 0, 1, 2, 3
 _FMT = {torch.float32: FMT_F32, torch.bfloat16: FMT_BF16}
 
 
@@ -140,7 +141,8 @@ def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype == dtype and t.is_contiguous() else t.to(dtype).contiguous()
 
 
-def _call_moe(fmt, x, ids, w, perm, data, E, nbytes, offs, gu, dn, sym, G, D, I) -> torch.Tensor:
+def _call_moe(fmt, x, ids, w, perm, data, E, nbytes, offs, gu, dn, sym, G, D, I, oss=(None, None, None, None, 0, 0.0, 0.0)
+              ) -> torch.Tensor:
     so = lib()
     x32, ids64, w32 = _as(x, torch.float32), _as(ids, torch.int64), _as(w, torch.float32)
     T, K = ids64.shape
@@ -148,7 +150,7 @@ def _call_moe(fmt, x, ids, w, perm, data, E, nbytes, offs, gu, dn, sym, G, D, I)
     if T == 0:
         return out
     rc = so.lynx_moe(fmt, x32.data_ptr(), ids64.data_ptr(), w32.data_ptr(), perm, data, E, nbytes, offs, gu, dn,
-                     sym, G, D, I, T, K, out.data_ptr(), torch.get_num_threads())
+                     sym, G, D, I, T, K, out.data_ptr(), torch.get_num_threads(), *oss)
     if rc != 0:
         raise MemoryError("the native MoE kernel could not allocate its scratch buffers")
     return out
@@ -171,6 +173,25 @@ def moe_dense(x, ids, weights, gate_up: torch.Tensor, down: torch.Tensor) -> tor
     E, two_i, D = gate_up.shape
     out = _call_moe(_FMT[gate_up.dtype], x, ids, weights, None, None, E, gate_up.element_size(), None,
                     gate_up.data_ptr(), down.data_ptr(), 0, 0, D, two_i // 2)
+    return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+
+def moe_oss(x, ids, weights, gate_up: torch.Tensor, down: torch.Tensor, gate_up_b: torch.Tensor,
+            down_b: torch.Tensor, limit: float, alpha: float, gate_up_scales: torch.Tensor | None = None,
+            down_scales: torch.Tensor | None = None) -> torch.Tensor:
+    """gpt-oss's MoE layer (kernels/moe_mxfp4.oss_moe_ref's result) over MXFP4 experts — code bytes
+    gate_up [E, 2I, D/2], down [E, D, I/2] with e8m0 scales [E, 2I, D/32], [E, D, I/32] — or
+    16-bit ones [E, 2I, D], [E, D, I]; biases gate_up_b [E, 2I], down_b [E, D] fp32 → [T, D] in x's
+    dtype (products and sums in fp32, the activation in fp32)."""
+    E, two_i = gate_up.shape[:2]
+    D = down.shape[1]
+    mx = gate_up_scales is not None
+    gb, db = _as(gate_up_b, torch.float32), _as(down_b, torch.float32)
+    oss = (gate_up_scales.data_ptr() if mx else None, down_scales.data_ptr() if mx else None, gb.data_ptr(),
+           db.data_ptr(), 1, float(limit), float(alpha))
+    out = _call_moe(FMT_MXFP4 if mx else _FMT[gate_up.dtype], x, ids, weights, None, None, E,
+                    1 if mx else gate_up.element_size(), None, gate_up.data_ptr(), down.data_ptr(), 0, 0, D, two_i // 2,
+                    oss)
     return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
@@ -226,4 +247,4 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor |
     return out if rc == 0 else None
 
 
-__all__ = ["attn_decode", "rmsnorm", "build", "cache_dir", "dense_ok", "lib", "linear", "moe_dense", "moe_int4"]
+__all__ = ["attn_decode", "moe_oss", "rmsnorm", "build", "cache_dir", "dense_ok", "lib", "linear", "moe_dense", "moe_int4"]

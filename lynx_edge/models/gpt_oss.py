@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ConfigError, check_top_k, parse_rope
+from ..kernels import native
 from ..kernels.moe_mxfp4 import fused_moe_oss, mxfp4_dequant, mxfp4_quantize, oss_act, oss_moe_ref, triton_ok
 from ..routing import RouterSpec
 from .layers import Attention, MoEBlock, _param
@@ -281,8 +282,22 @@ class OssExperts(nn.Module):
             sc = dict(gu_scales=self.gate_up_scales, dn_scales=self.down_scales) if self.mxfp4 else {}
             return fused_moe_oss(x, ids, weights, self.gate_up, self.gate_up_b, self.down, self.down_b,
                                  self.limit, self.alpha, **sc)
+        if x.device.type == "cpu" and (native.lib() is not None if self.mxfp4 else
+                                       native.dense_ok(self.gate_up, self.down)):
+            # one native call: MXFP4 codes decoded in registers (no expert widened per step)
+            gb, db = self._biases32()
+            sc = dict(gate_up_scales=self.gate_up_scales, down_scales=self.down_scales) if self.mxfp4 else {}
+            return native.moe_oss(x, ids, weights, self.gate_up, self.down, gb, db, self.limit, self.alpha, **sc)
         return oss_moe_ref(x, ids, weights, self.num_experts, lambda e: self.expert(e, x.dtype),
                            self.limit, self.alpha)
+
+    def _biases32(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 copies of the biases for the native kernel, made once (re-made if a bias changes)."""
+        key = tuple((b.data_ptr(), b._version) for b in (self.gate_up_b, self.down_b))
+        cached = getattr(self, "_b32", None)
+        if cached is None or cached[0] != key:
+            cached = self._b32 = (key, self.gate_up_b.detach().float().contiguous(), self.down_b.detach().float().contiguous())
+        return cached[1], cached[2]
 
 
 def _check(name: str, w: torch.Tensor, want: tuple[int, ...]) -> None:
