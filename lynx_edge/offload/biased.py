@@ -12,6 +12,8 @@ nothing here names a family. Glossary: n tokens, D hidden, I expert intermediate
 """
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 
@@ -115,9 +117,31 @@ class BiasedFormat:
         return gu, self._t(block, "gu_b").to(dtype), dn, self._t(block, "dn_b").to(dtype)
 
     def compute(self, block: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """x [n, D] → [n, D] in x's dtype: the ops of kernels/moe_mxfp4.oss_moe_ref for one expert."""
+        """x [n, D] → [n, D] in x's dtype: the ops of kernels/moe_mxfp4.oss_moe_ref for one expert.
+        On a CPU, gpt-oss's activation over an MXFP4 / fp32 / bf16 block runs the native kernel on
+        the block's bytes in place (no expert dequantised per call)."""
+        fast = self._native(block, x)
+        if fast is not None:
+            return fast
         gu, gu_b, dn, dn_b = self.tensors(block, x.dtype)
         return F.linear(self.act(F.linear(x, gu, gu_b)), dn, dn_b)
+
+    def _native(self, block: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
+        from ..kernels import native
+        from ..kernels.moe_mxfp4 import oss_act
+
+        act = self.act
+        if (x.device.type != "cpu" or block.device.type != "cpu" or not isinstance(act, partial)
+                or act.func is not oss_act or native.lib() is None):
+            return None
+        gu, dn = self._t(block, "gu"), self._t(block, "dn")
+        if not self.mx and not native.dense_ok(gu, dn):
+            return None
+        n = x.shape[0]
+        sc = dict(gate_up_scales=self._t(block, "gu_s")[None], down_scales=self._t(block, "dn_s")[None]) if self.mx else {}
+        return native.moe_oss(x, torch.zeros(n, 1, dtype=torch.int64), torch.ones(n, 1), gu[None], dn[None],
+                              self._t(block, "gu_b")[None], self._t(block, "dn_b")[None], act.keywords["limit"],
+                              act.keywords["alpha"], **sc)
 
 
 def family_format(cfg, dtype: torch.dtype, four_bit: bool) -> BiasedFormat | None:
