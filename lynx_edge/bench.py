@@ -184,7 +184,16 @@ def _describe(engine, prompt_len: int, gen_len: int, reps: int, seed: int) -> di
             # what shapes the numbers: threads in use, expert storage and placement (--int4/--offload)
             "threads": torch.get_num_threads(), "int4": bool(getattr(conf, "int4", False)),
             "offload": bool(getattr(conf, "offload", False)),
-            "experts": getattr(placement, "experts", None), "isa": cpu_isa()}
+            "experts": getattr(placement, "experts", None), "isa": cpu_isa(),
+            # whether the CPU decode ran lynx-edge's native kernels (kernels/cpu_native.c) or the
+            # torch/numba fallbacks (no C compiler, LYNX_EDGE_NATIVE=0)
+            "native_kernels": native_kernels()}
+
+
+def native_kernels() -> bool:
+    from .kernels import native
+
+    return native.lib() is not None
 
 
 def cpu_isa() -> str:
@@ -334,5 +343,5 @@ def plot_bench(result: dict, path: str | Path) -> Path:
     return Path(path)
 
 
-__all__ = ["METRICS", "QUALITY", "aggregate", "compare", "cpu_isa", "verdict", "eval_rows", "measure", "metrics", "model_shape", "plot_bench",
+__all__ = ["METRICS", "QUALITY", "aggregate", "compare", "cpu_isa", "native_kernels", "verdict", "eval_rows", "measure", "metrics", "model_shape", "plot_bench",
            "projector", "quality_delta", "run_bench", "synthetic_prompts"]

@@ -124,6 +124,14 @@ def test_disabled_or_no_compiler_falls_back(tmp_path):
     assert r.stdout.strip() == "True []", r.stdout + r.stderr
 
 
+def test_unwritable_cache_falls_back(tmp_path, monkeypatch):
+    """A cache directory that cannot be created: no library, no exception (torch / numba run)."""
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))  # a file where the directory should go
+    assert native.build() is None
+
+
 def test_cache_key_follows_the_source(tmp_path, monkeypatch):
     """A changed source (or CPU) builds a new library instead of loading a stale one."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))

@@ -67,7 +67,10 @@ def bench(
     opts = engine_options("off", offload, int4, profile, ctx_size or max(prompt_len + gen_len + 8, 256))  # ≥ 256: eval windows
     engine = load_engine(model, dtype, device, **opts)
     project = lib.projector(engine, simulate, shape) if simulate else None
-    ui.note(f"threads {engine.config.threads} · {engine.model.placement.experts} experts · "
+    cpu = ""
+    if engine.model.device.type == "cpu":  # which CPU kernels the numbers come from
+        cpu = f"{'native' if lib.native_kernels() else 'torch/numba (no C compiler)'} CPU kernels · "
+    ui.note(f"threads {engine.config.threads} · {engine.model.placement.experts} experts · {cpu}"
             f"{len(sizes)} batch sizes × {len(modes)} modes × {reps + 1} runs (-t sets threads)", stderr=True)
     result = lib.run_bench(engine, sizes, prompt_len, gen_len, reps, modes, seed=seed or 0,
                            progress=ui.progress_line("bench"), project=project)

@@ -70,9 +70,14 @@ def build(cc: str | None = None) -> Path | None:
     out = cache_dir() / f"cpu_native-{key}.so"
     if out.is_file():
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)  # compile aside, then one atomic rename
-    os.close(fd)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)  # compile aside, then one atomic rename
+        os.close(fd)
+    except OSError as e:  # e.g. a read-only home: run without the native kernels, say why once
+        log.warning("cannot write the native CPU kernels' cache %s (numba / torch paths used instead): %s",
+                    out.parent, e)
+        return None
     try:
         err = ""
         for extra in (OPENMP, []):
