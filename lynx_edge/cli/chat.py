@@ -235,6 +235,18 @@ class ChatSession:
             self.turn(text)
 
 
+def _ctrl_c_on_a_terminal() -> None:
+    """Ctrl-C at an interactive prompt must stop the answer / clear the line, however the process
+    was started: a shell without job control starts background commands with SIGINT ignored, and
+    Python then installs no KeyboardInterrupt handler (found when a test ran under such a shell:
+    ^C did nothing). On a terminal, take SIGINT back."""
+    import signal
+    import sys
+
+    if sys.stdin.isatty() and signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def chat(
     model: Model = "demo",
     prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", help="answer one message and exit")] = None,
@@ -287,4 +299,5 @@ def chat(
             raise typer.Exit(1)
         return
     ui.chat_banner(str(engine.model_dir), opts["lynx"], COMMANDS)
+    _ctrl_c_on_a_terminal()
     session.loop()
