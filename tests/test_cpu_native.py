@@ -9,8 +9,10 @@ tested in tests/test_cpu_lowbit.py (both native and numba).
 """
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -290,3 +292,19 @@ def test_gpt_oss_experts_match_reference(T, K, E, D, I, kind):
         ds2 = ds.clone()
         ds2[int(ids[0, 0]), 5, 0] += 1
         assert _rel(run(*args, s2=ds2), ref) > 100 * TOL_MOE
+
+
+@pytest.mark.parametrize("arch", ["haswell", "x86-64"])
+def test_other_isa_paths(arch, tmp_path):
+    """The AVX2/FMA (haswell) and portable (x86-64) code paths, which an AVX-512 machine never
+    takes, built for that -march and run through this file's kernel tests in a subprocess."""
+    import platform
+
+    if platform.machine() != "x86_64":
+        pytest.skip("x86 -march targets")
+    env = {**os.environ, "LYNX_EDGE_NATIVE_ARCH": arch, "XDG_CACHE_HOME": str(tmp_path)}
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "tests/test_cpu_lowbit.py",
+                        "-k", "matches or gpt_oss or rmsnorm or thread_count or (lowbit and native)"],
+                       env=env, capture_output=True, text=True, cwd=str(Path(__file__).parents[1]))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert list(tmp_path.glob("lynx-edge/native/cpu_native-*.so")), "the test built no library for " + arch

@@ -179,6 +179,22 @@ static void group_sums(const float *xe, const float *xo, long S, int Kin, int G,
         }
 }
 
+/* --- horizontal sums ------------------------------------------------------------------------- */
+
+#if defined(__AVX2__)
+/* [sum a, sum b, sum c, sum d] of four 8-lane vectors: three hadds and one fold (one reduction each
+ * would cost ~2.5x the shuffles; with short rows the reductions rival the multiply-adds) */
+static inline __m128 sum4_256(__m256 a, __m256 b, __m256 c, __m256 d) {
+    const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+#endif
+#if defined(__AVX512F__)
+static inline __m256 fold512(__m512 v) {
+    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+#endif
+
 /* --- 16/32-bit rows --------------------------------------------------------------------------- */
 
 enum { FMT_INT4 = 0, FMT_F32 = 1, FMT_BF16 = 2, FMT_MXFP4 = 3 };
@@ -214,7 +230,17 @@ static inline __attribute__((always_inline)) void dense_rows(const void *w, cons
             : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(wb + j))), 16));
         for (t = 0; t < NT; t++) a[t] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x[t] + j), a[t]);
     }
-    for (t = 0; t < NT; t++) acc[t] = _mm512_reduce_add_ps(a[t]);
+    t = 0;
+    if (NT >= 2) { /* four at a time (missing tokens as zero vectors) */
+        const __m256 z = _mm256_setzero_ps();
+        for (; t < NT; t += 4) {
+            float r[4];
+            _mm_storeu_ps(r, sum4_256(fold512(a[t]), t + 1 < NT ? fold512(a[t + 1]) : z,
+                                      t + 2 < NT ? fold512(a[t + 2]) : z, t + 3 < NT ? fold512(a[t + 3]) : z));
+            for (int i = 0; i < 4 && t + i < NT; i++) acc[t + i] = r[i];
+        }
+    }
+    for (; t < NT; t++) acc[t] = _mm512_reduce_add_ps(a[t]);
 #elif defined(__AVX2__) && defined(__FMA__)
     __m256 a[8];
     for (t = 0; t < NT; t++) a[t] = _mm256_setzero_ps();
@@ -223,15 +249,31 @@ static inline __attribute__((always_inline)) void dense_rows(const void *w, cons
             : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(wb + j))), 16));
         for (t = 0; t < NT; t++) a[t] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x[t] + j), a[t]);
     }
-    for (t = 0; t < NT; t++) {
-        const __m128 v = _mm_add_ps(_mm256_castps256_ps128(a[t]), _mm256_extractf128_ps(a[t], 1));
-        const __m128 u = _mm_add_ps(v, _mm_movehl_ps(v, v));
-        acc[t] = _mm_cvtss_f32(_mm_add_ss(u, _mm_shuffle_ps(u, u, 1)));
+    for (t = 0; t < NT; t += 4) {
+        const __m256 z = _mm256_setzero_ps();
+        float r[4];
+        _mm_storeu_ps(r, sum4_256(a[t], t + 1 < NT ? a[t + 1] : z, t + 2 < NT ? a[t + 2] : z, t + 3 < NT ? a[t + 3] : z));
+        for (int i = 0; i < 4 && t + i < NT; i++) acc[t + i] = r[i];
     }
 #else
-    for (t = 0; t < NT; t++) acc[t] = 0.0f;
+    /* portable: eight partial sums per token (as vector lanes would; the compiler may vectorise
+     * them) — one running sum over a long row would lose more to rounding */
+    float lane[8][8];
+    for (t = 0; t < NT; t++)
+        for (int l = 0; l < 8; l++) lane[t][l] = 0.0f;
+    for (; j + 8 <= Kin; j += 8)
+        for (int l = 0; l < 8; l++) {
+            union { uint32_t u; float f; } c = {(uint32_t)wb[j + l] << 16};
+            const float wj = FMT == FMT_F32 ? wf[j + l] : c.f;
+            for (t = 0; t < NT; t++) lane[t][l] += wj * x[t][j + l];
+        }
+    for (t = 0; t < NT; t++) {
+        float sum = 0.0f;
+        for (int l = 0; l < 8; l++) sum += lane[t][l];
+        acc[t] = sum;
+    }
 #endif
-    for (; j < Kin; j++) { /* the tail (and the whole row without AVX2) */
+    for (; j < Kin; j++) { /* the tail */
         union { uint32_t u; float f; } c = {(uint32_t)wb[j] << 16};
         const float wj = FMT == FMT_F32 ? wf[j] : c.f;
         for (t = 0; t < NT; t++) acc[t] += wj * x[t][j];

@@ -30,7 +30,9 @@ import torch
 log = logging.getLogger(__name__)
 
 SRC = Path(__file__).with_name("cpu_native.c")
-FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno"]
+# LYNX_EDGE_NATIVE_ARCH picks another -march (e.g. haswell: the AVX2/FMA paths; x86-64: the
+# portable loops) — how the tests check the paths this machine's own ISA would not take
+FLAGS = ["-O3", f"-march={os.environ.get('LYNX_EDGE_NATIVE_ARCH', 'native')}", "-fPIC", "-shared", "-fno-math-errno"]
 # -fopenmp links libgomp.so.1, which the loader binds to the copy torch already loaded (same
 # soname): one OpenMP runtime, one thread pool. Tried first; the build retries without it.
 OPENMP = ["-fopenmp"]
