@@ -1,13 +1,17 @@
-/* Native CPU kernels, one call per MoE layer or projection: lynx_edge/kernels/native.py builds
- * this file with the machine's C compiler for its own ISA (-march=native) the first time it is
- * needed and caches the library; without a compiler the numba (INT4) and torch paths run.
+/* Native CPU kernels, one call per MoE layer, projection, attention step or norm:
+ * lynx_edge/kernels/native.py builds this file with the machine's C compiler for its own ISA
+ * (-march=native) the first time it is needed and caches the library; without a compiler the
+ * numba (INT4) and torch paths run.
  *
- * lynx_moe: a whole MoE layer over INT4 blocks or stacked fp32/bf16 experts. Plan (slots sorted
- * expert-major), gather, gate/up rows with silu(gate)*up, down rows times the routing weight, then
- * each token's K slots summed in slot order (as moe_ref). Each active expert's weights are read
- * once per call however many tokens share it; up to four tokens share each loaded vector.
+ * lynx_moe: a whole MoE layer over INT4 blocks, stacked fp32/bf16 experts or MXFP4 codes (gpt-oss,
+ * with biases and its clamped SwiGLU). Plan (slots sorted expert-major), gather, gate/up rows with
+ * the activation, down rows times the routing weight, then each token's K slots summed in slot
+ * order (as moe_ref). Each active expert's weights are read once per call however many tokens
+ * share it; up to four (INT4, MXFP4) or eight (dense) tokens share each loaded vector.
  * lynx_linear: a dense projection for decode-sized T (bf16 weights widen exactly by a shift, so
  * bf16 costs half the bytes of fp32 on a CPU without native bf16 math).
+ * lynx_attn_decode: one decode token per row after the fused q/k/v projection (norm, RoPE, cache
+ * write, GQA). lynx_rmsnorm: RMSNorm with the torch path's roundings.
  *
  * INT4 layout, as cpu_kernels._moe (read that docstring): packed codes [N, Kin/2] (low nibble =
  * even input column), fp16 scales [Kin/G, N], uint8 zeros [Kin/G, N] (sym: 8) in one block per

@@ -1,16 +1,19 @@
 """Native CPU kernels (cpu_native.c): built for this machine on first use, cached, loaded by ctypes.
 
-What they compute: one MoE layer over INT4 blocks or stacked fp32/bf16 experts (`moe_int4`,
-`moe_dense`) and a dense projection (`linear`), each in one call, fp32 accumulation, on torch's
-thread count (the kernel's own pthreads; see the C file for why not torch's or numba's pools).
+What they compute, each in one call with fp32 products and sums: an MoE layer over INT4 blocks,
+stacked fp32/bf16 experts or gpt-oss's MXFP4/16-bit experts with biases (`moe_int4`, `moe_dense`,
+`moe_oss`), a dense projection (`linear`), a decode step's attention after the fused q/k/v
+projection (`attn_decode`) and RMSNorm (`rmsnorm`). Threads: torch's count, run on torch's own
+OpenMP pool (see OPENMP below and parallel() in the C file: a pool of our own was slow to wake,
+and two pools side by side collapse on a small machine).
 
-Why built here and not shipped: the kernel is compiled with -march=native, so it uses whatever
-the CPU has (AVX-512, AVX2+FMA, NEON through the portable loop) with no per-ISA wheels. The
+Why built here and not shipped: the kernels are compiled with -march=native, so they use
+whatever the CPU has (AVX-512, AVX2+FMA, portable loops elsewhere) with no per-ISA wheels. The
 first call runs the system C compiler (`$CC`, else cc/gcc/clang; ~1 s) into
 `$XDG_CACHE_HOME/lynx-edge/native/` under a name that hashes the source, flags and the CPU's
 feature flags, so a home directory shared by different machines never loads a library built for
-another ISA. No compiler, a failed build, or LYNX_EDGE_NATIVE=0: `lib()` returns None and the
-torch / numba paths run instead — same results within the stated fp32 bounds.
+another ISA. No compiler, a failed build, an unwritable cache, or LYNX_EDGE_NATIVE=0: `lib()`
+returns None and the torch / numba paths run instead — same results within the stated fp32 bounds.
 """
 from __future__ import annotations
 
