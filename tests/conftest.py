@@ -114,3 +114,24 @@ def run_interpreter_suite(test_file: str, min_passed: int) -> None:
     passed = re.search(r"(\d+) passed", r.stdout)
     ok = r.returncode == 0 and passed and int(passed.group(1)) >= min_passed and "skipped" not in r.stdout
     assert ok, r.stdout[-6000:] + r.stderr[-3000:]
+
+
+class RouteSpy:
+    """Wraps an engine's routing function (begin_step etc. reach the wrapped one); each call's
+    result, beside exact routing's ids for the same scores, goes through `record` into `calls`."""
+
+    def __init__(self, inner, spec):
+        self.inner, self.spec, self.calls = inner, spec, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def __call__(self, scores, is_decode, layer, probs=None):
+        from lynx_edge.routing import exact_route
+
+        ids, w = self.inner(scores, is_decode, layer, probs)
+        self.calls.append(self.record(scores, is_decode, ids, w, exact_route(scores, self.spec, probs)[0]))
+        return ids, w
+
+    def record(self, scores, is_decode, ids, w, exact_ids):
+        return scores, is_decode, ids, w, exact_ids

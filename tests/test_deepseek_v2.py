@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TEXT, write_tokenizer
+from conftest import TEXT, RouteSpy, write_tokenizer
 from typer.testing import CliRunner
 
 from lynx_edge import Engine
@@ -292,21 +292,11 @@ def test_router_spec_weights():
     assert ds.router_spec(ModelConfig.from_dict(base)).num_shared_experts == 2
 
 
-class _Watch:
-    """Wraps the engine's routing function: every call's result next to exact routing's."""
+class _Watch(RouteSpy):
+    """Every routing call's result next to exact routing's."""
 
-    def __init__(self, inner, spec):
-        self.inner, self.spec, self.calls = inner, spec, []
-
-    def __getattr__(self, name):  # begin_step etc. reach the wrapped router
-        return getattr(self.inner, name)
-
-    def __call__(self, scores, is_decode, layer, probs=None):
-        ids, w = self.inner(scores, is_decode, layer, probs)
-        ids0, _ = exact_route(scores, self.spec, probs)
-        self.calls.append((scores, is_decode.reshape(-1).bool() if torch.is_tensor(is_decode) else is_decode,
-                           ids, ids0))
-        return ids, w
+    def record(self, scores, is_decode, ids, w, exact_ids):
+        return scores, is_decode.reshape(-1).bool() if torch.is_tensor(is_decode) else is_decode, ids, exact_ids
 
 
 def test_lynx_invariants_on_group_limited_model(models):

@@ -18,6 +18,8 @@ from lynx_edge import Engine
 from lynx_edge.config import ModelConfig
 from lynx_edge.models import FAMILIES
 
+from conftest import RouteSpy
+
 REAL = Path(__file__).parent / "fixtures" / "real" / "gpt-oss-20b"
 DEMO_TOK = Path(__file__).parent.parent / "lynx_edge" / "demo" / "tokenizer.json"
 # sizes only (the window and YaRN's original length shrunk too, so short prompts run past both)
@@ -326,21 +328,11 @@ def test_fused_moe_oss_on_cuda(T):
 
 
 # LYNX, 4-bit, info (offload: test_gpt_oss_offload.py) ----------------------------------------------------------------------------
-class _Watch:
-    """Wraps the routing function; records (scores, is_decode, ids, exact ids) per call."""
+class _Watch(RouteSpy):
+    """Records (is_decode, ids, exact ids, weights) per call."""
 
-    def __init__(self, inner, spec):
-        self.inner, self.spec, self.calls = inner, spec, []
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def __call__(self, scores, is_decode, layer, probs=None):
-        from lynx_edge.routing import exact_route
-
-        ids, w = self.inner(scores, is_decode, layer, probs)
-        self.calls.append((is_decode, ids, exact_route(scores, self.spec, probs)[0], w))
-        return ids, w
+    def record(self, scores, is_decode, ids, w, exact_ids):
+        return is_decode, ids, exact_ids, w
 
 
 def test_lynx_invariants(ckpt):

@@ -20,7 +20,7 @@ from lynx_edge.engine import EngineConfig
 from lynx_edge.offload import store as store_mod
 from lynx_edge.tokenizer import Tokenizer
 from test_gpt_oss import REAL, build, pack_mxfp4, prompt_ids
-from conftest import greedy_logits
+from conftest import RouteSpy, greedy_logits
 
 E, D, I, L, K = 8, 64, 32, 4, 4  # the tiny checkpoint (test_gpt_oss.SIZES)
 
@@ -144,21 +144,11 @@ def test_memory_plan_bytes_per_expert_are_the_stores(ckpts):
         assert p.resource("host").parts["expert store"] == st.host_bytes()
 
 
-class _Record:
-    """Wraps the routing hook; records (ids, weights, exact ids, is_decode) per call."""
+class _Record(RouteSpy):
+    """Records (ids, weights, exact ids, is_decode) per call."""
 
-    def __init__(self, inner, spec):
-        self.inner, self.spec, self.calls = inner, spec, []
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def __call__(self, scores, is_decode, layer, probs=None):
-        from lynx_edge.routing import exact_route
-
-        ids, w = self.inner(scores, is_decode, layer, probs)
-        self.calls.append((ids.clone(), w.clone(), exact_route(scores, self.spec, probs)[0], is_decode))
-        return ids, w
+    def record(self, scores, is_decode, ids, w, exact_ids):
+        return ids.clone(), w.clone(), exact_ids, is_decode
 
 
 class _Replay:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TEXT, write_tokenizer
+from conftest import TEXT, RouteSpy, write_tokenizer
 
 from lynx_edge import Engine
 from lynx_edge.config import ConfigError, ModelConfig
@@ -26,7 +26,6 @@ from lynx_edge.lynx import LynxConfig
 from lynx_edge.models import FAMILIES
 from lynx_edge.models import delta_rule
 from lynx_edge.modelinfo import param_counts
-from lynx_edge.routing import exact_route
 from lynx_edge.step import decode_step, prefill
 
 FIXTURE = Path(__file__).parent / "fixtures" / "qwen3-next-80b-a3b"
@@ -333,18 +332,10 @@ def test_state_bytes_per_sequence_on_the_published_config():
 
 
 # LYNX, offload, INT4 ----------------------------------------------------------------------------------------
-class _Watch:
-    def __init__(self, inner, spec):
-        self.inner, self.spec, self.calls = inner, spec, []
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def __call__(self, scores, is_decode, layer, probs=None):
-        ids, w = self.inner(scores, is_decode, layer, probs)
+class _Watch(RouteSpy):
+    def record(self, scores, is_decode, ids, w, exact_ids):
         dec = is_decode if torch.is_tensor(is_decode) else torch.full((len(ids),), bool(is_decode))
-        self.calls.append((ids, exact_route(scores, self.spec, probs)[0], dec.reshape(-1).bool()))
-        return ids, w
+        return ids, exact_ids, dec.reshape(-1).bool()
 
 
 def test_lynx_invariants(models):
