@@ -308,3 +308,18 @@ def test_other_isa_paths(arch, tmp_path):
                        env=env, capture_output=True, text=True, cwd=str(Path(__file__).parents[1]))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     assert list(tmp_path.glob("lynx-edge/native/cpu_native-*.so")), "the test built no library for " + arch
+
+
+def test_bad_ids_and_rows_raise_without_writing():
+    """An expert id outside [0, E) is one clear error (the C kernel checks before it writes); a
+    cache row or position outside the cache leaves the caches untouched (torch's path decides)."""
+    x, ids, w, gu, dn = _moe_problem(3, 2, 4, 64, 32, torch.float32)
+    bad = ids.clone()
+    bad[1, 0] = 4
+    with pytest.raises(IndexError, match="expert id 4 out of range for 4 experts"):
+        native.moe_dense(x, bad, w, gu, dn)
+    kc, vc = torch.zeros(2, 2, 8, 16), torch.zeros(2, 2, 8, 16)
+    qkv, cs = torch.randn(1, 8 * 16), torch.ones(1, 16)
+    for rows, pos in ((torch.tensor([2]), torch.tensor([0])), (torch.tensor([0]), torch.tensor([8]))):
+        assert native.attn_decode(qkv, 4, 2, 16, None, None, 0.0, cs, cs, pos, rows, kc, vc, None) is None
+    assert not kc.any() and not vc.any()

@@ -547,13 +547,15 @@ static void parallel(void (*fn)(const void *, long), const void *arg, long n_ite
  * fmt FMT_F32 / FMT_BF16: gu [E, 2I, D] and dn [E, D, I] contiguous (data, offs, perm unused).
  * fmt FMT_MXFP4: gu [E, 2I, D/2] and dn [E, D, I/2] code bytes, gus / dns their e8m0 scales.
  * gub [E, 2I] / dnb [E, D] fp32 biases or NULL; act_kind 1: gpt-oss's clamped SwiGLU.
- * Returns 0, or -1 when out of memory. */
+ * Returns 0; -1 when out of memory; -3 for an expert id outside [0, E). */
 int lynx_moe(int fmt, const float *x, const int64_t *ids, const float *w, const int32_t *perm, const uint8_t *data,
              long E, long nbytes, const long *offs, const uint8_t *gu, const uint8_t *dn, int sym, int G, int D, int I,
              int T, int K, float *out, int nthreads, const uint8_t *gus, const uint8_t *dns, const float *gub,
              const float *dnb, int act_kind, float limit, float alpha) {
     const long S = (long)T * K;
     const int dense = fmt == FMT_F32 || fmt == FMT_BF16, int4 = fmt == FMT_INT4;
+    for (long i = 0; i < S; i++)
+        if (ids[i] < 0 || ids[i] >= E) return -3; /* nothing written: the caller names the bad id */
     int64_t *cnt = calloc(E + 1, sizeof(int64_t)), *fill = malloc(E * sizeof(int64_t));
     int64_t *order = malloc(S * sizeof(int64_t)), *pos = malloc(S * sizeof(int64_t)), *act = malloc(E * sizeof(int64_t));
     float *xe = malloc(S * (long)D * sizeof(float)), *he = malloc(S * (long)I * sizeof(float));
@@ -751,12 +753,12 @@ static void attn_item(const void *arg, long item) {
  * when the scores buffer cannot be allocated. */
 int lynx_attn_decode(const float *qkv, int B, int H, int Hkv, int hd, int rd, const float *qn, const float *kn,
                      float eps, float scale, const float *cos, const float *sin, const int64_t *pos,
-                     const int64_t *rows, uint8_t *kc, uint8_t *vc, int cfmt, long S, int window, float *out,
-                     int nthreads) {
+                     const int64_t *rows, uint8_t *kc, uint8_t *vc, int cfmt, long Bmax, long S, int window,
+                     float *out, int nthreads) {
     if (hd > MAX_HD || H % Hkv != 0 || H / Hkv > MAX_GROUP || rd > hd || rd % 2) return -1;
     long Lmax = 1;
     for (int b = 0; b < B; b++) {
-        if (pos[b] < 0 || pos[b] >= S) return -1;
+        if (pos[b] < 0 || pos[b] >= S || rows[b] < 0 || rows[b] >= Bmax) return -1;
         Lmax = pos[b] + 1 > Lmax ? pos[b] + 1 : Lmax;
     }
     if (window > 0 && Lmax > window) Lmax = window;

@@ -122,7 +122,7 @@ def lib() -> ctypes.CDLL | None:
     so.lynx_linear.argtypes = [i, p, p, p, i, i, i, p, i]
     so.lynx_linear.restype = None
     f = ctypes.c_float
-    so.lynx_attn_decode.argtypes = [p, i, i, i, i, i, p, p, f, f, p, p, p, p, p, p, i, L, i, p, i]
+    so.lynx_attn_decode.argtypes = [p, i, i, i, i, i, p, p, f, f, p, p, p, p, p, p, i, L, L, i, p, i]
     so.lynx_attn_decode.restype = i
     so.lynx_rmsnorm.argtypes = [i, p, p, f, L, i, p, i]
     so.lynx_rmsnorm.restype = i
@@ -161,6 +161,9 @@ def _call_moe(fmt, x, ids, w, perm, data, E, nbytes, offs, gu, dn, sym, G, D, I,
         return out
     rc = so.lynx_moe(fmt, x32.data_ptr(), ids64.data_ptr(), w32.data_ptr(), perm, data, E, nbytes, offs, gu, dn,
                      sym, G, D, I, T, K, out.data_ptr(), torch.get_num_threads(), *oss)
+    if rc == -3:
+        bad = ids64[(ids64 < 0) | (ids64 >= E)]
+        raise IndexError(f"expert id {int(bad[0])} out of range for {E} experts")
     if rc != 0:
         raise MemoryError("the native MoE kernel could not allocate its scratch buffers")
     return out
@@ -236,7 +239,7 @@ def attn_decode(qkv: torch.Tensor, H: int, Hkv: int, hd: int, q_norm: torch.Tens
     rc = lib().lynx_attn_decode(q32.data_ptr(), B, H, Hkv, hd, c32.shape[-1], None if qn is None else qn.data_ptr(),
                                 None if kn is None else kn.data_ptr(), eps, hd ** -0.5, c32.data_ptr(),
                                 s32.data_ptr(), p64.data_ptr(), r64.data_ptr(), k_cache.data_ptr(),
-                                v_cache.data_ptr(), _FMT[k_cache.dtype], k_cache.shape[2], window or 0,
+                                v_cache.data_ptr(), _FMT[k_cache.dtype], k_cache.shape[0], k_cache.shape[2], window or 0,
                                 out.data_ptr(), torch.get_num_threads())
     if rc == -2:
         raise MemoryError("the native attention kernel could not allocate its scores buffer")
