@@ -323,3 +323,12 @@ def test_bad_ids_and_rows_raise_without_writing():
     for rows, pos in ((torch.tensor([2]), torch.tensor([0])), (torch.tensor([0]), torch.tensor([8]))):
         assert native.attn_decode(qkv, 4, 2, 16, None, None, 0.0, cs, cs, pos, rows, kc, vc, None) is None
     assert not kc.any() and not vc.any()
+
+
+def test_long_batches_run_in_bounded_chunks(monkeypatch):
+    """Past MAX_SLOTS token-expert slots the layer runs in token chunks (bounded scratch): the same
+    result as one call, to fp32 rounding."""
+    x, ids, w, gu, dn = _moe_problem(23, 3, 4, 72, 40, torch.float32)
+    whole = native.moe_dense(x, ids, w, gu, dn)
+    monkeypatch.setattr(native, "MAX_SLOTS", 9)  # 3 tokens per call: 8 calls, the last short
+    assert _rel(native.moe_dense(x, ids, w, gu, dn), whole) < TOL_MOE

@@ -130,6 +130,9 @@ def lib() -> ctypes.CDLL | None:
 
 
 FMT_INT4, FMT_F32, FMT_BF16, FMT_MXFP4 = 0, 1, 2, 3
+# token-expert slots per MoE call: bounds the kernel's fp32 scratch, S·(2D + I) floats (~60 MiB at
+# D=2048, I=768) however long the prompt being prefilled
+MAX_SLOTS = 4096
 _FMT = {torch.float32: FMT_F32, torch.bfloat16: FMT_BF16}
 
 
@@ -157,15 +160,16 @@ def _call_moe(fmt, x, ids, w, perm, data, E, nbytes, offs, gu, dn, sym, G, D, I,
     x32, ids64, w32 = _as(x, torch.float32), _as(ids, torch.int64), _as(w, torch.float32)
     T, K = ids64.shape
     out = torch.empty(T, D, dtype=torch.float32)
-    if T == 0:
-        return out
-    rc = so.lynx_moe(fmt, x32.data_ptr(), ids64.data_ptr(), w32.data_ptr(), perm, data, E, nbytes, offs, gu, dn,
-                     sym, G, D, I, T, K, out.data_ptr(), torch.get_num_threads(), *oss)
-    if rc == -3:
-        bad = ids64[(ids64 < 0) | (ids64 >= E)]
-        raise IndexError(f"expert id {int(bad[0])} out of range for {E} experts")
-    if rc != 0:
-        raise MemoryError("the native MoE kernel could not allocate its scratch buffers")
+    step = max(1, MAX_SLOTS // K)  # tokens per call (a long prompt's prefill runs in several)
+    for t0 in range(0, T, step):
+        n = min(step, T - t0)  # row slices of contiguous tensors: contiguous, pointers offset
+        rc = so.lynx_moe(fmt, x32[t0].data_ptr(), ids64[t0].data_ptr(), w32[t0].data_ptr(), perm, data, E, nbytes,
+                         offs, gu, dn, sym, G, D, I, n, K, out[t0].data_ptr(), torch.get_num_threads(), *oss)
+        if rc == -3:
+            bad = ids64[(ids64 < 0) | (ids64 >= E)]
+            raise IndexError(f"expert id {int(bad[0])} out of range for {E} experts")
+        if rc != 0:
+            raise MemoryError("the native MoE kernel could not allocate its scratch buffers")
     return out
 
 
