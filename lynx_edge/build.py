@@ -93,6 +93,7 @@ class Placement:
     int4_sym: bool | None = None
     quant_method: str | None = None  # gptq | awq for a 4-bit checkpoint
     dense_layers: tuple[int, ...] = ()  # mixed layers kept 16-bit (a 4-bit checkpoint with 16-bit experts)
+    packed_linears: int = 0  # 4-bit non-expert linears read packed (CPU: quant/linear.Int4Linear)
 
 
 def load_model(model_dir: Path, cfg: ModelConfig, opts: LoadOptions, progress: ProgressFn | None = None):
@@ -128,6 +129,8 @@ def load_model(model_dir: Path, cfg: ModelConfig, opts: LoadOptions, progress: P
         rt = _offload_runtime(cfg, opts, dt, dev, name, group, sym, mixed)
     experts = _backends(cfg, dt, dev, int4, group, sym, mixed, rt)
     model = MoEForCausalLM(cfg, dt, dev, experts=experts)
+    if qc is not None:
+        placement.packed_linears = _keep_linears_packed(model, ckpt, family, dev)
     load_weights(model, ckpt, family, qc, progress)
     ckpt.close()
     model.placement = placement
@@ -137,6 +140,33 @@ def load_model(model_dir: Path, cfg: ModelConfig, opts: LoadOptions, progress: P
         rt.bind(model)
         _install_route(rt, rt.opts)
     return model
+
+
+def _keep_linears_packed(model, ckpt: Checkpoint, family, dev) -> int:
+    """On a CPU with the native kernels, the checkpoint's 4-bit attention / shared-expert / dense
+    linears become Int4Linear (read packed each step: a quarter of bf16's bytes and memory) instead
+    of being widened at load; elsewhere they stay 16-bit Linears. → how many were kept packed."""
+    from .kernels import native
+    from .loader import packed_linears
+    from .models.layers import Linear
+    from .quant.linear import Int4Linear
+
+    if dev.type != "cpu" or native.lib() is None:
+        return 0
+    n = 0
+    for name in sorted(packed_linears(ckpt, family)):
+        parent, _, leaf = name.rpartition(".")
+        try:
+            owner = model.get_submodule(parent)
+        except AttributeError:
+            continue
+        old = getattr(owner, leaf, None)
+        if type(old) is not Linear:
+            continue
+        out_f, in_f = old.weight.shape
+        setattr(owner, leaf, Int4Linear(out_f, in_f, old.bias is not None, old.weight.dtype, dev))
+        n += 1
+    return n
 
 
 def _check_memory(cfg: ModelConfig, opts: LoadOptions, dev, dt, qc, file_bytes: int) -> None:

@@ -8,8 +8,9 @@ in file order and sends
     mmap) — the sink packs it (copy, RTN INT4, or into the pinned store) and nothing else of the
     16-bit expert is kept;
   - 4-bit linears (GPTQ / AWQ: qweight, qzeros, scales[, g_idx]) to
-    `block.experts.load_quant_part(e, part, QuantLinear)` for experts, or dequantised into the
-    parameter for attention / shared-expert / dense-MLP linears (counted at 16-bit in the plan).
+    `block.experts.load_quant_part(e, part, QuantLinear)` for experts; attention / shared-expert /
+    dense-MLP ones to `module.load_quant(QuantLinear)` where the build kept them packed (a CPU with
+    the native kernels: quant/linear.Int4Linear), else dequantised into the 16-bit parameter.
 Names understood: on-disk per-expert (`experts.{e}.w1/w2/w3`, `experts.{e}.gate_proj/up_proj/
 down_proj`) and transformers' fused (`experts.gate_up_proj` [E, 2I, D], `experts.down_proj`
 [E, D, I]). Missing or wrong-shape tensors raise LoadError naming them.
@@ -64,6 +65,16 @@ def expert_storage(ckpt: Checkpoint, family) -> dict[int, set[str]]:
     return dict(kinds)
 
 
+def packed_linears(ckpt: Checkpoint, family) -> set[str]:
+    """Internal module names of the non-expert linears the checkpoint stores 4-bit (qweight)."""
+    out = set()
+    for name in ckpt.names():
+        n = internal_name(name, family.RENAMES)
+        if n.endswith(".qweight") and not _ignored(n, family) and not _EXPERT_RE.match(n):
+            out.add(n[: -len(".qweight")])
+    return out
+
+
 def _layer_of(name: str) -> int:
     m = _LAYER_RE.match(name)
     return int(m.group(1)) if m else -1
@@ -72,7 +83,7 @@ def _layer_of(name: str) -> int:
 class _Units:
     """The checkpoint grouped into load units, in file order of their first tensor."""
 
-    def __init__(self, ckpt: Checkpoint, family, params: dict, experts: dict):
+    def __init__(self, ckpt: Checkpoint, family, params: dict, experts: dict, packed: dict):
         self.order: list[tuple] = []
         quant: dict[tuple, dict[str, str]] = {}
         for name in ckpt.names():
@@ -92,8 +103,9 @@ class _Units:
                 self.order.append(("fused", fm.group(1), fm.group(2), name))
             elif n in params:
                 self.order.append(("param", n, name))
-            elif (qm := _QUANT_RE.match(n)) is not None and qm.group(1) + ".weight" in params:
-                self._quant(quant, ("qlinear", qm.group(1) + ".weight"), qm.group(2), name)
+            elif (qm := _QUANT_RE.match(n)) is not None and (qm.group(1) + ".weight" in params
+                                                              or qm.group(1) in packed):
+                self._quant(quant, ("qlinear", qm.group(1)), qm.group(2), name)
             # else: tensors this runtime does not use (rotary inv_freq, MTP heads, …) are skipped
         self.quant = quant
 
@@ -109,7 +121,8 @@ def load_weights(model, ckpt: Checkpoint, family, quant=None, progress: Progress
     QuantConfig (lynx_edge.quant.formats) when it has 4-bit linears, else None."""
     params = dict(model.named_parameters())
     experts = {f"layers.{i}.mlp.experts": model.layers[i].mlp.experts for i in model.cfg.moe_layer_ids}
-    units = _Units(ckpt, family, params, experts)
+    packed = {n: m for n, m in model.named_modules() if hasattr(m, "load_quant")}  # 4-bit linears kept packed
+    units = _Units(ckpt, family, params, experts, packed)
     total, done = ckpt.total_bytes or 1, 0
     filled: set[str] = set()
     got: dict[str, set] = defaultdict(set)  # expert prefix → {(e, part)}
@@ -149,14 +162,22 @@ def load_weights(model, ckpt: Checkpoint, family, quant=None, progress: Progress
                 except ValueError as exc:  # act-order where unsupported, a layout mismatch: one line
                     raise LoadError(f"{ckpt.refs[names[0]].file.name}: {names[0].rsplit('.', 1)[0]}: {exc}") from None
                 got[prefix].add((e, part))
+            elif u[1] in packed:  # kept 4-bit (a CPU with the native kernels: quant/linear.py)
+                try:
+                    packed[u[1]].load_quant(ql)
+                except ValueError as exc:
+                    raise LoadError(f"{ckpt.refs[names[0]].file.name}: {u[1]}: {exc}") from None
             else:
-                n = u[1]
+                n = u[1] + ".weight"
                 _copy(params[n], ql.dequant(params[n].dtype), ckpt.refs[tensors["qweight"]])
                 filled.add(n)
         done += sum(ckpt.refs[x].nbytes for x in names)
         if progress:
             progress(done, total)
     _check_complete(model, params, filled, experts, got, ckpt)
+    for name, m in packed.items():
+        if not m.loaded:
+            raise LoadError(f"{ckpt.dir}: missing tensor {name}.qweight")
     for sink in experts.values():
         finish = getattr(sink, "finish_load", None)
         if finish is not None:
@@ -228,4 +249,5 @@ def _check_complete(model, params, filled, experts, got, ckpt: Checkpoint) -> No
             raise LoadError(f"{ckpt.dir}: missing tensor {name!r}")
 
 
-__all__ = ["Checkpoint", "LoadError", "ProgressFn", "expert_storage", "internal_name", "load_weights"]
+__all__ = ["Checkpoint", "LoadError", "ProgressFn", "expert_storage", "internal_name", "load_weights",
+           "packed_linears"]

@@ -332,3 +332,82 @@ def test_long_batches_run_in_bounded_chunks(monkeypatch):
     whole = native.moe_dense(x, ids, w, gu, dn)
     monkeypatch.setattr(native, "MAX_SLOTS", 9)  # 3 tokens per call: 8 calls, the last short
     assert _rel(native.moe_dense(x, ids, w, gu, dn), whole) < TOL_MOE
+
+
+# --- INT4 linear (GPTQ / AWQ attention kept packed: quant/linear.py) ---------------------------
+
+TOL_Q4 = 3.5e-6  # observed max |Δ| / output scale 9.2e-7 over these cases × 5 seeds
+
+
+def _q4_problem(T, N, Kin, G, sym, act_order, bias, seed=0):
+    from lynx_edge.quant.formats import QuantLinear
+    from lynx_edge.quant.int4 import quantize_rtn
+
+    g = torch.Generator().manual_seed(seed)
+    codes, s, z = quantize_rtn(torch.randn(N, Kin, generator=g), G, sym)
+    perm = torch.randperm(Kin, generator=g) if act_order else None
+    ql = QuantLinear(codes, s, z, perm, sym=sym)
+    x = torch.randn(T, Kin, generator=g)
+    b = torch.randn(N, generator=g) if bias else None
+    ref = F.linear(x.double(), ql.dequant().double(), None if b is None else b.double()).float()
+    return ql, x, b, ref
+
+
+@pytest.mark.parametrize("T,N,Kin,G,sym,act_order,bias", [
+    (1, 48, 64, 32, False, False, False), (1, 512, 2048, 128, True, False, True), (3, 40, 256, 64, False, True, True),
+    (7, 96, 128, 32, True, True, False), (70, 24, 128, 128, False, False, True)])
+def test_int4_linear_matches_reference(T, N, Kin, G, sym, act_order, bias):
+    ql, x, b, ref = _q4_problem(T, N, Kin, G, sym, act_order, bias)
+    p = None if ql.perm is None else ql.perm.to(torch.int32)
+    y = native.linear_int4(x, ql.packed, ql.scales, None if sym else ql.zeros, p, b)
+    assert y.shape == ref.shape and y.dtype == torch.float32
+    assert _rel(y, ref) < TOL_Q4, _rel(y, ref)
+    assert torch.equal(native.dequant_int4(ql.packed, ql.scales, None if sym else ql.zeros),
+                       _dequant_code_order(ql))
+
+
+def _dequant_code_order(ql) -> torch.Tensor:
+    from lynx_edge.quant.int4 import dequant
+
+    return dequant(ql.packed, ql.scales, None if ql.sym else ql.zeros, ql.group_size)
+
+
+def test_int4_linear_bugs_are_caught():
+    ql, x, b, ref = _q4_problem(2, 64, 256, 64, False, True, True)
+    p = ql.perm.to(torch.int32)
+    bad_s = ql.scales.clone()
+    bad_s[1, 7] *= 1.01  # one group's scale of one row, 1% off
+    assert _rel(native.linear_int4(x, ql.packed, bad_s, ql.zeros, p, b), ref) > 10 * TOL_Q4
+    rev = p.flip(0).contiguous()  # the act-order permutation ignored / applied wrongly
+    assert _rel(native.linear_int4(x, ql.packed, ql.scales, ql.zeros, rev, b), ref) > 10 * TOL_Q4
+    bad_z = ql.zeros.clone()
+    bad_z[0, 0] ^= 1  # one zero point
+    assert _rel(native.linear_int4(x, ql.packed, ql.scales, bad_z, p, b), ref) > 10 * TOL_Q4
+
+
+@pytest.mark.parametrize("rows", [1, 5, 40])  # the kernel (≤ NATIVE_MAX_ROWS) and the widened prefill path
+def test_int4_linear_module_and_fused_qkv(rows):
+    from lynx_edge.quant.linear import NATIVE_MAX_ROWS, Int4Linear
+
+    assert (rows <= NATIVE_MAX_ROWS) == (rows < 40)
+    mods, refs = [], []
+    x = torch.randn(1, rows, 128, generator=torch.Generator().manual_seed(4))
+    for i, n in enumerate((64, 32, 32)):  # q, k, v sharing one act-order permutation
+        ql, _, b, _ = _q4_problem(1, n, 128, 32, False, False, True, seed=i)
+        ql.perm = torch.randperm(128, generator=torch.Generator().manual_seed(9))
+        m = Int4Linear(n, 128, True, torch.float32, "cpu")
+        m.load_quant(ql)
+        m.bias.data.copy_(b)
+        mods.append(m)
+        refs.append(F.linear(x.double(), ql.dequant().double(), b.double()).float())
+    for m, ref in zip(mods, refs):
+        assert _rel(m(x), ref) < TOL_Q4
+    fused = Int4Linear.fuse(mods)
+    y = fused(x)
+    assert y.shape == (1, rows, 128)
+    assert _rel(y, torch.cat(refs, -1)) < TOL_Q4
+    assert mods[1].packed.data_ptr() == fused.packed[64:].data_ptr()  # views: the copies are freed
+    for m, ref in zip(mods, refs):  # the separate modules still compute on their views
+        assert _rel(m(x), ref) < TOL_Q4
+    mods[2].perm = mods[2].perm.flip(0)
+    assert Int4Linear.fuse(mods) is None  # different permutations do not fuse

@@ -372,7 +372,7 @@ def test_fused_qkv_is_one_gemm_with_the_same_result():
         ab.cos, ab.sin = rope.cos_sin(pos, torch.float32)
         outs.append(a(x, ab, (torch.zeros(B, a.Hkv, 8, a.hd), torch.zeros(B, a.Hkv, 8, a.hd))))
     torch.testing.assert_close(outs[0], outs[1], atol=1e-6, rtol=1e-6)  # same math, one GEMM
-    w = attns[0]._fused()[0]
+    w = attns[0]._fused().weight
     assert attns[0].k_proj.weight.data_ptr() == w[attns[0].H * attns[0].hd :].data_ptr()
     with _CountOps() as mode:
         attns[0]._fused()

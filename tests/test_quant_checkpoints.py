@@ -4,8 +4,8 @@ Each fixture (tests/fixtures/*_tiny) carries expected_dequant.safetensors: the f
 4-bit linears decode to, computed by the tool that wrote it (gptqmodel 7.7 for gptq_tiny's
 experts) or by an independent slow decoder of the published format (AWQ, act-order, mixed). The
 reference is a 16-bit checkpoint with those weights in place of every 4-bit linear, loaded as a
-plain float model; the 4-bit load (experts kept INT4, attention / shared / dense linears
-dequantised at load) must give the same logits.
+plain float model; the 4-bit load (experts kept INT4; attention / shared / dense linears kept
+packed on a CPU with the native kernels, else dequantised at load) must give the same logits.
 """
 from __future__ import annotations
 
@@ -114,6 +114,38 @@ def test_4bit_checkpoint_matches_its_float_reference(fixture, tmp_path):
                   if isinstance(eng.model.layers[i].mlp.experts, Int4MoEExperts))
     packed.gu_s.mul_(1.01)
     assert (_logits(eng) - ref).abs().max().item() > 10 * max(err, 1e-6)
+
+
+@pytest.mark.parametrize("fixture", ["gptq_tiny", "awq_tiny", "gptq_mixed_tiny", "gptq_actorder_tiny"])
+def test_4bit_attention_stays_packed_on_a_cpu(fixture, tmp_path, monkeypatch):
+    """q/k/v/o (and shared experts) of a 4-bit checkpoint are Int4Linear on a CPU with the native
+    kernels — the fused q/k/v too — and give the float reference's logits on the kernel path
+    (≤ 32 rows) and the widened prefill path; without the kernels they load dequantised, as before."""
+    from lynx_edge.kernels import native
+    from lynx_edge.models.layers import Linear
+    from lynx_edge.quant.linear import Int4Linear
+    from lynx_edge.step import prefill
+
+    if native.lib() is None:
+        pytest.skip("native kernels not built")
+    src = FIX / fixture
+    ref_eng = _engine(float_reference(src, tmp_path / "ref"))
+    long = PROMPT * 4  # 40 rows: prefill widens row chunks instead of the kernel
+    refs = [_logits(ref_eng), prefill(ref_eng.model, ref_eng._cache(1), 0, long, 0, logits_for="all")[0]]
+    eng = _engine(src)
+    attn = eng.model.layers[0].self_attn
+    assert type(attn.q_proj) is Int4Linear and type(attn.o_proj) is Int4Linear
+    assert eng.model.placement.packed_linears >= 4
+    got = [_logits(eng), prefill(eng.model, eng._cache(1), 0, long, 0, logits_for="all")[0]]
+    assert type(attn._fused()) is Int4Linear  # one kernel call for q, k and v
+    errs = [(g - r).abs().max().item() for g, r in zip(got, refs)]
+    assert max(errs) <= 1e-6, errs  # observed ≤ 3.6e-7: fp32 sums in another order
+    attn.o_proj.scales.mul_(1.01)  # bug injection: the packed attention is what runs
+    assert (_logits(eng) - refs[0]).abs().max().item() > 10 * max(max(errs), 1e-7)
+    monkeypatch.setattr(native, "lib", lambda: None)  # no compiler: dequantised at load, as before
+    plain = _engine(src)
+    assert type(plain.model.layers[0].self_attn.q_proj) is Linear and plain.model.placement.packed_linears == 0
+    assert (_logits(plain) - refs[0]).abs().max().item() <= 1e-6
 
 
 def test_act_order_keeps_one_input_permutation_per_expert():

@@ -9,7 +9,8 @@
  * order (as moe_ref). Each active expert's weights are read once per call however many tokens
  * share it; up to four (INT4, MXFP4) or eight (dense) tokens share each loaded vector.
  * lynx_linear: a dense projection for decode-sized T (bf16 weights widen exactly by a shift, so
- * bf16 costs half the bytes of fp32 on a CPU without native bf16 math).
+ * bf16 costs half the bytes of fp32 on a CPU without native bf16 math); lynx_linear_int4 the same
+ * for an INT4 linear read packed (GPTQ / AWQ attention).
  * lynx_attn_decode: one decode token per row after the fused q/k/v projection (norm, RoPE, cache
  * write, GQA). lynx_rmsnorm: RMSNorm with the torch path's roundings.
  *
@@ -638,6 +639,83 @@ void lynx_linear(int fmt, const float *x, const uint8_t *w, const float *bias, i
                  int nthreads) {
     linear_t P = {fmt, T, Kin, N, x, bias, w, fmt == FMT_F32 ? 4 : 2, out};
     parallel(linear_item, &P, (N + ROW_BLOCK - 1) / ROW_BLOCK, nthreads);
+}
+
+typedef struct {
+    int T, Kin, N, G;
+    const uint8_t *q, *z;
+    const uint16_t *s;
+    const float *xe, *xo, *xs, *bias;
+    float *out;
+} qlinear_t;
+
+static void qlinear_item(const void *arg, long item) {
+    const qlinear_t *P = arg;
+    float acc[64];
+    const int Kin = P->Kin, h = Kin / 2, ng = Kin / P->G;
+    for (int n = (int)item * ROW_BLOCK; n < P->N && n < (item + 1) * ROW_BLOCK; n++)
+        for (int c = 0; c < P->T; c += 64) {
+            const int m = P->T - c < 64 ? P->T - c : 64;
+            dot_slots(P->q + (long)n * h, P->s + n, P->z ? P->z + n : NULL, P->N, Kin, P->G, P->xe + (long)c * h,
+                      P->xo + (long)c * h, h, P->xs + (long)c * ng, m, acc);
+            const float b = P->bias ? P->bias[n] : 0.0f;
+            for (int t = 0; t < m; t++) P->out[(long)(c + t) * P->N + n] = acc[t] + b;
+        }
+}
+
+/* out [T, N] = x [T, Kin] fp32 @ W^T (+ bias [N] fp32 or NULL) for one INT4 linear W [N, Kin] kept
+ * packed (a GPTQ / AWQ attention or dense projection): codes q [N, Kin/2], fp16 scales s [Kin/G, N],
+ * zeros z [Kin/G, N] or NULL (symmetric: 8), perm [Kin] int32 or NULL (act order: code column j
+ * multiplies input perm[j]). The input is split into even/odd columns once, then every row block
+ * is one work item (as the MoE kernel's rows). Returns 0, or -1 when out of memory. */
+int lynx_linear_int4(const float *x, const uint8_t *q, const uint16_t *s, const uint8_t *z, const int32_t *perm,
+                     const float *bias, int T, int Kin, int N, int G, float *out, int nthreads) {
+    const long h = Kin / 2;
+    float *xe = malloc(2L * T * h * sizeof(float)), *xs = malloc(((long)T * (Kin / G) + 1) * sizeof(float));
+    if (!xe || !xs) { free(xe); free(xs); return -1; }
+    float *xo = xe + (long)T * h;
+    for (long t = 0; t < T; t++) {
+        const float *xt = x + t * Kin;
+        float *de = xe + t * h, *dd = xo + t * h;
+        if (perm) for (long j = 0; j < h; j++) { de[j] = xt[perm[2 * j]]; dd[j] = xt[perm[2 * j + 1]]; }
+        else for (long j = 0; j < h; j++) { de[j] = xt[2 * j]; dd[j] = xt[2 * j + 1]; }
+    }
+    group_sums(xe, xo, T, Kin, G, xs);
+    qlinear_t P = {T, Kin, N, G, q, z, s, xe, xo, xs, bias, out};
+    parallel(qlinear_item, &P, (N + ROW_BLOCK - 1) / ROW_BLOCK, nthreads);
+    free(xe); free(xs);
+    return 0;
+}
+
+typedef struct {
+    const uint8_t *q, *z;
+    const uint16_t *s;
+    int Kin, N, G;
+    float *out;
+} dequant_t;
+
+static void dequant_item(const void *arg, long item) {
+    const dequant_t *P = arg;
+    const int h = P->Kin / 2, ng = P->Kin / P->G;
+    for (int n = (int)item * ROW_BLOCK; n < P->N && n < (item + 1) * ROW_BLOCK; n++) {
+        const uint8_t *q = P->q + (long)n * h;
+        float *o = P->out + (long)n * P->Kin;
+        for (int g = 0; g < ng; g++) {
+            const float sg = h2f(P->s[(long)g * P->N + n]), zg = (float)(P->z ? P->z[(long)g * P->N + n] : 8);
+            for (int j = g * (P->G / 2); j < (g + 1) * (P->G / 2); j++) {
+                o[2 * j] = ((float)(q[j] & 15) - zg) * sg;
+                o[2 * j + 1] = ((float)(q[j] >> 4) - zg) * sg;
+            }
+        }
+    }
+}
+
+/* w [N, Kin] fp32 = s * (q - z) for one INT4 linear (layout as lynx_linear_int4; columns in code
+ * order, act order not applied): exact, as int4.dequant. Prefill widens row chunks with it. */
+void lynx_dequant_int4(const uint8_t *q, const uint16_t *s, const uint8_t *z, int Kin, int N, int G, float *out,
+                       int nthreads) {
+    dequant_t P = {q, z, s, Kin, N, G, out};
+    parallel(dequant_item, &P, (N + ROW_BLOCK - 1) / ROW_BLOCK, nthreads);
 }
 
 /* --- decode attention ------------------------------------------------------------------------- */

@@ -2,8 +2,8 @@
 
 What they compute, each in one call with fp32 products and sums: an MoE layer over INT4 blocks,
 stacked fp32/bf16 experts or gpt-oss's MXFP4/16-bit experts with biases (`moe_int4`, `moe_dense`,
-`moe_oss`), a dense projection (`linear`), a decode step's attention after the fused q/k/v
-projection (`attn_decode`) and RMSNorm (`rmsnorm`). Threads: torch's count, run on torch's own
+`moe_oss`), a dense projection (`linear`; `linear_int4` for a packed GPTQ / AWQ one), a decode
+step's attention after the fused q/k/v projection (`attn_decode`) and RMSNorm (`rmsnorm`). Threads: torch's count, run on torch's own
 OpenMP pool (see OPENMP below and parallel() in the C file: a pool of our own was slow to wake,
 and two pools side by side collapse on a small machine).
 
@@ -121,6 +121,10 @@ def lib() -> ctypes.CDLL | None:
     so.lynx_moe.restype = i
     so.lynx_linear.argtypes = [i, p, p, p, i, i, i, p, i]
     so.lynx_linear.restype = None
+    so.lynx_linear_int4.argtypes = [p, p, p, p, p, p, i, i, i, i, p, i]
+    so.lynx_linear_int4.restype = i
+    so.lynx_dequant_int4.argtypes = [p, p, p, i, i, i, p, i]
+    so.lynx_dequant_int4.restype = None
     f = ctypes.c_float
     so.lynx_attn_decode.argtypes = [p, i, i, i, i, i, p, p, f, f, p, p, p, p, p, p, i, L, L, i, p, i]
     so.lynx_attn_decode.restype = i
@@ -225,6 +229,40 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
+def linear_int4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                perm: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ Wᵀ (+ bias) for an INT4 linear W [N, Kin] read packed — codes packed uint8 [N, Kin/2],
+    fp16 scales [Kin/G, N], uint8 zeros [Kin/G, N] or None (symmetric), perm int32 [Kin] or None
+    (act order) — with fp32 products and sums → [..., N] in x's dtype."""
+    N, h = packed.shape
+    Kin, G = 2 * h, 2 * h // scales.shape[0]
+    x2 = _as(x.reshape(-1, Kin), torch.float32)
+    scales, zeros = _as(scales, torch.float16), None if zeros is None else _as(zeros, torch.uint8)
+    b = None if bias is None else _as(bias, torch.float32)
+    out = torch.empty(x2.shape[0], N, dtype=torch.float32)
+    if x2.shape[0]:
+        rc = lib().lynx_linear_int4(x2.data_ptr(), packed.data_ptr(), scales.data_ptr(),
+                                    None if zeros is None else zeros.data_ptr(), None if perm is None else perm.data_ptr(),
+                                    None if b is None else b.data_ptr(), x2.shape[0], Kin, N, G, out.data_ptr(),
+                                    torch.get_num_threads())
+        if rc != 0:
+            raise MemoryError("the native INT4 linear could not allocate its scratch buffers")
+    out = out.view(*x.shape[:-1], N)
+    return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+
+def dequant_int4(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None) -> torch.Tensor:
+    """int4.dequant's result (fp32 [N, Kin], code order), exact, for packed [N, Kin/2] uint8,
+    fp16 scales and uint8 zeros [Kin/G, N] (None: symmetric)."""
+    N, h = packed.shape
+    scales, zeros = _as(scales, torch.float16), None if zeros is None else _as(zeros, torch.uint8)
+    out = torch.empty(N, 2 * h, dtype=torch.float32)
+    lib().lynx_dequant_int4(_as(packed, torch.uint8).data_ptr(), scales.data_ptr(),
+                            None if zeros is None else zeros.data_ptr(), 2 * h, N, 2 * h // scales.shape[0],
+                            out.data_ptr(), torch.get_num_threads())
+    return out
+
+
 def attn_decode(qkv: torch.Tensor, H: int, Hkv: int, hd: int, q_norm: torch.Tensor | None,
                 k_norm: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
                 rows: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, window: int | None
@@ -264,4 +302,5 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor |
     return out if rc == 0 else None
 
 
-__all__ = ["attn_decode", "moe_oss", "rmsnorm", "build", "cache_dir", "dense_ok", "lib", "linear", "moe_dense", "moe_int4"]
+__all__ = ["attn_decode", "moe_oss", "rmsnorm", "build", "cache_dir", "dense_ok", "dequant_int4", "lib", "linear", "linear_int4",
+           "moe_dense", "moe_int4"]

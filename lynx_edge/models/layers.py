@@ -64,6 +64,35 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
 
+    def native(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The native kernel's result at any row count (a decode step's fused q/k/v), or None
+        when it does not take this weight."""
+        return native.linear(x, self.weight, self.bias) if native.dense_ok(self.weight) else None
+
+    def storage(self) -> int:
+        return self.weight.data_ptr()
+
+    @staticmethod
+    def fuse(lins: list["Linear"]) -> "Linear | None":
+        """One Linear over the rows of all of lins (one GEMM instead of several), with their weights
+        and biases turned into views of it (no extra memory); None when dtypes or bias presence
+        differ."""
+        if len({(m.weight.dtype, m.weight.device) for m in lins}) != 1 or len({m.bias is None for m in lins}) != 1:
+            return None
+        out = Linear.__new__(Linear)
+        nn.Module.__init__(out)
+        out.weight = nn.Parameter(torch.cat([m.weight.data for m in lins]), requires_grad=False)
+        has_b = lins[0].bias is not None
+        out.bias = nn.Parameter(torch.cat([m.bias.data for m in lins]), requires_grad=False) if has_b else None
+        at = 0
+        for m in lins:
+            n = m.weight.shape[0]
+            m.weight.data = out.weight.data[at : at + n]
+            if has_b:
+                m.bias.data = out.bias.data[at : at + n]
+            at += n
+        return out
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, dtype, device):
@@ -185,36 +214,26 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype, device)
             self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype, device)
 
-    def _fused(self) -> torch.Tensor | None:
-        """One [(H + 2·Hkv)·hd, D] weight for q, k and v (one GEMM instead of three), built at the
-        first forward — after the loader has streamed q/k/v into their own parameters — with the
-        three weights turned into views of it (no extra memory). None when they are not plain
-        Linears of one dtype (e.g. 4-bit attention) or were replaced since."""
+    def _fused(self) -> nn.Module | None:
+        """One projection [(H + 2·Hkv)·hd, D] for q, k and v (one GEMM instead of three), built at
+        the first forward — after the loader has streamed q/k/v into their own modules — by their
+        class's `fuse` (a plain Linear, or a packed INT4 one: quant/linear.py) with the three turned
+        into views of it (no extra memory). None when they are not one class that fuses, or were
+        replaced since."""
         f = getattr(self, "_qkv", None)
         if f is not None:
-            return f[0] if f and self.q_proj.weight.data_ptr() == f[2] else None
-        lins = (self.q_proj, self.k_proj, self.v_proj)
-        ok = all(type(m) is Linear for m in lins) and len({(m.weight.dtype, m.weight.device) for m in lins}) == 1
-        if not ok or any((m.bias is None) != (self.q_proj.bias is None) for m in lins):
-            self._qkv = ()
-            return None
-        w = torch.cat([m.weight.data for m in lins])  # [(H + 2·Hkv)·hd, D]
-        b = torch.cat([m.bias.data for m in lins]) if self.q_proj.bias is not None else None
-        at = 0
-        for m in lins:
-            n = m.weight.shape[0]
-            m.weight.data = w[at : at + n]
-            if b is not None:
-                m.bias.data = b[at : at + n]
-            at += n
-        self._qkv = ((w, b), True, self.q_proj.weight.data_ptr())
-        return self._qkv[0]
+            return f[0] if f and self.q_proj.storage() == f[1] else None
+        lins = [self.q_proj, self.k_proj, self.v_proj]
+        kind = type(lins[0])
+        fused = kind.fuse(lins) if all(type(m) is kind for m in lins) and hasattr(kind, "fuse") else None
+        self._qkv = (fused, self.q_proj.storage()) if fused is not None else ()
+        return fused
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [B, T, D] → q [B, T, H·hd], k, v [B, T, Hkv·hd]."""
         fused = self._fused()
         if fused is not None:
-            return linear(x, *fused).split([self.H * self.hd, self.Hkv * self.hd, self.Hkv * self.hd], -1)
+            return fused(x).split([self.H * self.hd, self.Hkv * self.hd, self.Hkv * self.hd], -1)
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def forward(self, x: torch.Tensor, ab: AttnBatch, kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -254,11 +273,13 @@ class Attention(nn.Module):
                 return None
         fused = self._fused()
         k_cache, v_cache = kv
-        if (fused is None or not native.dense_ok(fused[0]) or ab.cos is None or k_cache.dtype != v_cache.dtype
-                or k_cache.dtype not in NATIVE_ROWS or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
+        if (fused is None or ab.cos is None or k_cache.dtype != v_cache.dtype or k_cache.dtype not in NATIVE_ROWS
+                or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
             return None
         B = x.shape[0]
-        qkv = native.linear(x.view(B, -1), *fused)
+        qkv = fused.native(x.view(B, -1))
+        if qkv is None:
+            return None
         step = ab.native  # per step, shared by every layer: rows, positions, cos, sin
         if step is None:
             rows = torch.arange(ab.rows.start, ab.rows.stop) if isinstance(ab.rows, slice) else ab.rows

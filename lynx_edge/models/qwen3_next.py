@@ -25,7 +25,7 @@ from torch import nn
 
 from ..config import ConfigError, check_act, check_top_k, parse_rope, routed_experts, sparse_step_layers
 from . import delta_rule
-from .layers import Attention, Linear, RMSNorm, _param, _rotate, _write_kv, linear
+from .layers import Attention, Linear, RMSNorm, _param, _rotate, _write_kv
 from .state import State, causal_conv, read_state, write_state
 from .transformer import kv_cache_spec, moe_or_dense, softmax_router
 
@@ -121,7 +121,7 @@ class GatedAttention(Attention):
     def project(self, x):
         fused = self._fused()  # one GEMM for q+gate, k, v once loaded
         if fused is not None:
-            return linear(x, *fused).split([2 * self.H * self.hd, self.Hkv * self.hd, self.Hkv * self.hd], -1)
+            return fused(x).split([2 * self.H * self.hd, self.Hkv * self.hd, self.Hkv * self.hd], -1)
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def forward(self, x: torch.Tensor, ab, kv) -> torch.Tensor:

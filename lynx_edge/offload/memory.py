@@ -352,9 +352,11 @@ def build(cfg: ModelConfig, *, device, dtype, offload, int4, quant, ctx, batch, 
                               note="the checkpoint's mmap: file-backed, the OS drops it under pressure; "
                                    "not counted in host RAM" + ("" if file_bytes is not None else " (estimated)")))
     if quant is not None:
+        where = ("on a CPU with the native kernels they stay 4-bit (quant/linear.py), so this is an upper "
+                 "bound" if dev == "cpu" else "they are dequantized at load")
         notes.append(f"{quant.method} checkpoint: experts stay 4-bit (g{quant.group_size}, "
-                     f"{'sym' if quant.sym else 'asym'}); quantized non-expert linears are dequantized to "
-                     f"{_name(dtype)} at load and counted at that size")
+                     f"{'sym' if quant.sym else 'asym'}); quantized non-expert linears are counted at "
+                     f"{_name(dtype)} ({where})")
     return MemoryPlan(cfg.model_type, mode, dev, _name(dtype), fmt, eb, total, slots, ctx, batch, m.name,
                       resources, notes, pow2)
 
