@@ -1,4 +1,5 @@
-"""`lynx-edge quantize`: GPTQ (or RTN) the experts of a checkpoint, layer by layer, into a GPTQ checkpoint.
+"""`lynx-edge quantize`: GPTQ (or RTN) the experts of a checkpoint — with `attention=True` (`--attn`)
+its attention q/k/v/o too, as published GPTQ checkpoints are — layer by layer, into a GPTQ checkpoint.
 
 `quantize_model(src, out)` never holds the model: it streams one decoder layer at a time from
 the source checkpoint's mmap (in fp32), runs the calibration activations through it, GPTQ-
@@ -86,8 +87,11 @@ def check_output_dir(out: Path) -> None:
 
 def quantize_model(src, out_dir, method: str = "gptq", group_size: int = 128, sym: bool = True,
                    calib_text: str | None = None, calib_tokens: int = 16384, window: int = 256,
-                   progress: Callable[[int, int], None] | None = None) -> Path:
-    """src (a directory or name) → out_dir: a GPTQ-format checkpoint (v1 zeros) with INT4 experts.
+                   progress: Callable[[int, int], None] | None = None, attention: bool = False) -> Path:
+    """src (a directory or name) → out_dir: a GPTQ-format checkpoint (v1 zeros) with INT4 experts
+    and, with attention=True, INT4 q/k/v/o in every layer with plain softmax attention (q/k/v
+    share one input, so GPTQ runs them as one [Nq+Nk+Nv, D] matrix over one Hessian; o_proj over
+    the attention output; layers of other kinds — linear attention, MLA — keep 16-bit attention).
 
     Calibration text defaults to the first quarter of the model's heldout.txt (the rest is left
     for evaluation). Experts that see no calibration token fall back to RTN."""
@@ -123,6 +127,7 @@ def quantize_model(src, out_dir, method: str = "gptq", group_size: int = 128, sy
         layer = DecoderLayer(cfg, i, RoutingContext(router_spec(cfg)), torch.float32, torch.device("cpu"))
         load_weights(_OneLayer(cfg, i, layer), ckpt, family)
         tensors = {n: _copy16(ckpt.get(n)) for n in by_layer.get(i, []) if ".experts." not in n}
+        attn = _AttnCapture(layer, G, x is not None) if attention else None
         if cfg.moe_layers[i]:
             ex = layer.mlp.experts
             if x is not None:
@@ -137,6 +142,8 @@ def quantize_model(src, out_dir, method: str = "gptq", group_size: int = 128, sy
             tensors.update(expert_gptq_tensors(packed, i, naming))
         elif x is not None:
             x = _run_layer(layer, x, rope, family.cache_spec(cfg, i, x.shape[1]))
+        if attn is not None:
+            tensors = attn.quantize(tensors, by_layer.get(i, []), family, sym)
         weight_map.update(_write_shard(out, f"model-{i:05d}-of-{cfg.num_layers:05d}.safetensors", tensors))
         del layer, tensors
         if progress:
@@ -150,6 +157,59 @@ def quantize_model(src, out_dir, method: str = "gptq", group_size: int = 128, sy
         if (model_dir / f).is_file():
             shutil.copy(model_dir / f, out / f)
     return out
+
+
+class _AttnCapture:
+    """One layer's attention linears for `attention=True`: the inputs GPTQ needs (hooks on the
+    attention module — q/k/v's input — and on o_proj) while the float layer runs, then the swap of
+    their 16-bit tensors for GPTQ ones. Only q_proj/k_proj/v_proj/o_proj plain Linears whose input
+    widths the group size divides; otherwise nothing is captured or changed."""
+
+    PARTS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+    def __init__(self, layer: DecoderLayer, G: int, calibrate: bool):
+        from .models.layers import Linear
+
+        a = getattr(layer, "self_attn", None)
+        lins = {p: getattr(a, p, None) for p in self.PARTS}
+        ok = all(type(m) is Linear and m.weight.shape[1] % G == 0 for m in lins.values())
+        self.lins, self.G, self.H, self.hooks = (lins if ok else {}), G, {}, []
+        if ok and calibrate:
+            self.hooks = [a.register_forward_pre_hook(lambda m, args: self._add("qkv", args[0])),
+                          lins["o_proj"].register_forward_pre_hook(lambda m, args: self._add("o", args[0]))]
+
+    def _add(self, key: str, x: torch.Tensor) -> None:
+        """Accumulate Σ xᵀx in fp64 (the rows themselves are not kept) and the row count."""
+        x = x.reshape(-1, x.shape[-1]).double()
+        h, n = self.H.get(key, (0.0, 0))
+        self.H[key] = (h + x.t() @ x, n + x.shape[0])
+
+    def quantize(self, tensors: dict, names: list[str], family, sym: bool) -> dict:
+        """tensors (the layer's 16-bit ones, checkpoint names) with q/k/v/o swapped for GPTQ tensors."""
+        from .quant.gptq import gptq_quantize, gptq_tensors
+        from .quant.int4 import quantize_rtn
+
+        for h in self.hooks:
+            h.remove()
+        if not self.lins:
+            return tensors
+        for key, parts in (("qkv", ("q_proj", "k_proj", "v_proj")), ("o", ("o_proj",))):
+            w = torch.cat([self.lins[p].weight.data.float() for p in parts])  # [ΣN, in]
+            if key in self.H:  # H = 2/n·Σxᵀx, as quant.gptq.hessian
+                h, n = self.H[key]
+                codes = gptq_quantize(w, torch.empty(0, w.shape[1]), self.G, sym, H=2.0 / max(1, n) * h)
+            else:
+                codes = quantize_rtn(w, self.G, sym)
+            at = 0
+            for p in parts:
+                rows = self.lins[p].weight.shape[0]
+                q, s, z = codes[0][at : at + rows], codes[1][:, at : at + rows], codes[2][:, at : at + rows]
+                at += rows
+                name = next(n for n in names if internal_name(n, family.RENAMES).endswith(f"self_attn.{p}.weight"))
+                del tensors[name]
+                base = name[: -len(".weight")]
+                tensors.update({f"{base}.{k}": t.contiguous() for k, t in gptq_tensors((q, s, z), self.G).items()})
+        return tensors
 
 
 def _copy16(t: torch.Tensor) -> torch.Tensor:

@@ -37,12 +37,14 @@ def gptq_quantize(
     sym: bool = True,
     damp: float = 0.01,
     block_size: int = 128,
+    H: torch.Tensor | None = None,
 ) -> Codes:
-    """GPTQ codes [out, in] uint8, scales [in/G, out] fp16, zeros [in/G, out] uint8."""
-    if x.shape[0] == 0:  # no calibration data (an expert no token chose): RTN
+    """GPTQ codes [out, in] uint8, scales [in/G, out] fp16, zeros [in/G, out] uint8. H: x's
+    Hessian when the caller already has it (several linears over one input)."""
+    if H is None and x.shape[0] == 0:  # no calibration data (an expert no token chose): RTN
         return quantize_rtn(w, group_size, sym)
     W = w.double().clone()
-    H = hessian(x)
+    H = hessian(x) if H is None else H.clone()
     dead = torch.diag(H) == 0  # inputs never active: their weights don't matter
     H[dead, dead] = 1.0
     W[:, dead] = 0.0
