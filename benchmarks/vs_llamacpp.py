@@ -13,7 +13,9 @@ llama-quantize makes Q4_0. Pairs compared (same weights, same thread count):
 
     16-bit/32-bit: llama.cpp F32  vs lynx-edge dtype float32;  BF16 vs dtype bfloat16
     4-bit:         llama.cpp Q4_0 vs lynx-edge --int4 (RTN INT4 experts, group 128; the rest of
-                   the model in the CPU default dtype; Q4_0 also quantises attention and embeddings)
+                   the model bf16; Q4_0 also quantises attention and embeddings), and vs the
+                   checkpoint `lynx-edge quantize --method rtn --attn` writes (experts and
+                   attention 4-bit, group 128: what a published GPTQ checkpoint holds)
 
 Measured the same way on both sides, tools alternating within every round (so drifting
 background load hits them alike), medians over rounds:
@@ -55,7 +57,10 @@ TARGET = {("B1", "16bit"): 0.9, ("B1", "4bit"): 0.8, ("Bn", "16bit"): 1.0, ("Bn"
 PAIRS = {"f32": ("F32", dict(dtype="float32")), "bf16": ("BF16", dict(dtype="bfloat16")),
          # bf16 around the 4-bit experts: Q4_0 quantises attention too, and on a CPU the native bf16
          # projections beat fp32 ones (half the bytes; benchmarks/results/cpu_native.md)
-         "int4": ("Q4_0", dict(int4=True, dtype="bfloat16"))}
+         "int4": ("Q4_0", dict(int4=True, dtype="bfloat16")),
+         # a GPTQ-format checkpoint with attention 4-bit too (`lynx-edge quantize --method rtn --attn`,
+         # group 128), as published GPTQ checkpoints are: on a CPU its attention is read packed
+         "int4attn": ("Q4_0", dict(dtype="bfloat16"))}
 
 # The converter refuses byte-level BPE tokenizers whose pre-tokenizer hash it does not list (the
 # demo's own tokenizer). The demo's pre-tokenizer is ByteLevel with GPT-2's regex, X
@@ -195,6 +200,18 @@ def write_random(path: Path) -> Path:
     return path
 
 
+def lynx_4bit(src: Path, out: Path) -> Path:
+    """src quantized by lynx-edge itself (RTN, group 128, experts and attention) → its dir (cached)."""
+    from lynx_edge.quantize import quantize_model
+
+    if not (out / "config.json").is_file():
+        tmp = out.with_name(out.name + ".part")
+        shutil.rmtree(tmp, ignore_errors=True)
+        quantize_model(src, tmp, method="rtn", attention=True)
+        tmp.rename(out)
+    return out
+
+
 def ckpt_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.glob("*.safetensors"))
 
@@ -252,15 +269,17 @@ def run(args) -> dict:
         f32 = to_gguf(src, path, work / f"{tag}-f32.gguf", "f32")
         ggufs = {"f32": f32, "bf16": to_gguf(src, path, work / f"{tag}-bf16.gguf", "bf16"),
                  "int4": quantize(bins, f32, work / f"{tag}-q4_0.gguf", max(threads))}
+        ggufs["int4attn"] = ggufs["int4"]
         res["models"][model] = {"path": str(path), "checkpoint_bytes_bf16": ckpt_bytes(path),
                                 "gguf_bytes": {k: ggufs[k].stat().st_size for k in kinds}}
         for kind in kinds:
             ll_name, opts = PAIRS[kind]
-            eng = Engine.from_pretrained(path, device="cpu", max_num_seqs=args.batch, **opts)
+            src_k = lynx_4bit(path, work / f"{tag}-lynx-rtn-attn-g128") if kind == "int4attn" else path
+            eng = Engine.from_pretrained(src_k, device="cpu", max_num_seqs=args.batch, **opts)
             dt = str(next(p for p in eng.model.parameters() if p.is_floating_point()).dtype).replace("torch.", "")
             p1 = synthetic_prompts(eng, 1, 8)
             pB = synthetic_prompts(eng, args.batch, args.prompt)
-            bits = "4bit" if kind == "int4" else "16bit"
+            bits = "4bit" if kind.startswith("int4") else "16bit"
             for th in threads:
                 set_threads(th, explicit=True)
                 ours(eng, p1, 4, "off")  # warm-up at this thread count
@@ -337,7 +356,8 @@ def to_markdown(res: dict) -> str:
                "| ratio | target | met |" + (" previous run |" if res.get("previous") else ""),
                "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if res.get("previous") else "")]
         for r in (r for r in res["rows"] if r["model"] == model):
-            ours_name = "--int4 (" + r["ours_dtype"] + ")" if r["kind"] == "int4" else r["ours_dtype"]
+            ours_name = {"int4": f"--int4 ({r['ours_dtype']})", "int4attn": f"4-bit ckpt + attn ({r['ours_dtype']})"
+                         }.get(r["kind"], r["ours_dtype"])
             md.append(f"| {r['threads']} | {r['batch']} | {r['llama_type']} | {ours_name} | {r['lynx']} | "
                       f"{r['llama_tok_s']:.1f} ({min(r['llama_all']):.1f}–{max(r['llama_all']):.1f}) | "
                       f"{r['ours_tok_s']:.1f} ({min(r['ours_all']):.1f}–{max(r['ours_all']):.1f}) | {r['ratio']:.3f} | {r['target']} | "
@@ -348,7 +368,10 @@ def to_markdown(res: dict) -> str:
     md += ["## What differs between the two sides", "",
            "- Q4_0 quantises every 2-D weight in blocks of 32 (attention and embeddings too; llama-quantize keeps "
            "the output matrix at Q6_K, and the tied embedding of the demo); lynx-edge `--int4` quantises only the experts (RTN, group 128) and "
-           "keeps the rest in the dtype shown. Both read 4-bit experts, which dominate the bytes of the random model.",
+           "keeps the rest in the dtype shown. `4-bit ckpt + attn` is the checkpoint `lynx-edge quantize --method rtn "
+           "--attn` writes (GPTQ format, group 128, experts and attention q/k/v/o 4-bit, as published GPTQ "
+           "checkpoints are; embeddings, router and output matrix 16-bit): on a CPU its attention is read packed "
+           "(lynx_edge/quant/linear.py). Both read 4-bit experts, which dominate the bytes of the random model.",
            "- lynx-edge's decode-time CPU work runs in its native kernels (lynx_edge/kernels/cpu_native.c: "
            "experts, projections, attention) on torch's OpenMP pool at the thread count shown; "
            "what is left (norms, routing, sampling) is torch ops and Python per layer.",
@@ -366,7 +389,9 @@ def to_markdown(res: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="demo,random", help="demo and/or random (≥ 1 GB bf16 qwen3_moe)")
-    ap.add_argument("--bits", default="f32,bf16,int4", help="pairs: f32 (F32 vs fp32), bf16, int4 (Q4_0 vs --int4)")
+    ap.add_argument("--bits", default="f32,bf16,int4,int4attn",
+                    help="pairs: f32 (F32 vs fp32), bf16, int4 (Q4_0 vs --int4), int4attn (Q4_0 vs a lynx-edge "
+                         "4-bit checkpoint with 4-bit attention)")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("-r", "--rounds", type=int, default=5)
     ap.add_argument("-n", type=int, default=64, help="decode tokens at B=1 (llama-bench -n)")
