@@ -41,6 +41,7 @@ class LoadOptions:
     offload: bool = False
     int4: bool = False
     int4_group: int = 128
+    int4_act: str | None = None  # CPU INT4 activations: "f32" (exact) | "q8" (int8, approximate); None: $LYNX_EDGE_INT4_ACT or f32
     allow_pickle: bool = False
     ctx: int = 4096  # for the offload plan's KV share
     batch: int = 1  # KV rows the caller will allocate (serve: --max-num-seqs), for the plans' KV share
@@ -94,6 +95,7 @@ class Placement:
     quant_method: str | None = None  # gptq | awq for a 4-bit checkpoint
     dense_layers: tuple[int, ...] = ()  # mixed layers kept 16-bit (a 4-bit checkpoint with 16-bit experts)
     packed_linears: int = 0  # 4-bit non-expert linears read packed (CPU: quant/linear.Int4Linear)
+    int4_act: str | None = None  # CPU INT4 kernels' activations: f32 | q8 (None: not an INT4 CPU model)
 
 
 def load_model(model_dir: Path, cfg: ModelConfig, opts: LoadOptions, progress: ProgressFn | None = None):
@@ -108,6 +110,7 @@ def load_model(model_dir: Path, cfg: ModelConfig, opts: LoadOptions, progress: P
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     dt = resolve_dtype(opts.dtype, dev, cfg, ckpt.total_bytes)
+    act = int4_act(opts.int4_act)
     D, I = cfg.hidden_size, cfg.moe_intermediate_size
     storage = expert_storage(ckpt, family)
     int4 = qc is not None or opts.int4
@@ -127,10 +130,12 @@ def load_model(model_dir: Path, cfg: ModelConfig, opts: LoadOptions, progress: P
     rt = None
     if opts.offload:
         rt = _offload_runtime(cfg, opts, dt, dev, name, group, sym, mixed)
-    experts = _backends(cfg, dt, dev, int4, group, sym, mixed, rt)
+    experts = _backends(cfg, dt, dev, int4, group, sym, mixed, rt, act)
     model = MoEForCausalLM(cfg, dt, dev, experts=experts)
     if qc is not None:
-        placement.packed_linears = _keep_linears_packed(model, ckpt, family, dev)
+        placement.packed_linears = _keep_linears_packed(model, ckpt, family, dev, act)
+    if int4 and dev.type == "cpu":
+        placement.int4_act = act
     load_weights(model, ckpt, family, qc, progress)
     ckpt.close()
     model.placement = placement
@@ -142,7 +147,17 @@ def load_model(model_dir: Path, cfg: ModelConfig, opts: LoadOptions, progress: P
     return model
 
 
-def _keep_linears_packed(model, ckpt: Checkpoint, family, dev) -> int:
+def int4_act(value: str | None) -> str:
+    """The CPU INT4 kernels' activations: value, else $LYNX_EDGE_INT4_ACT, else f32; checked."""
+    from .kernels import native
+
+    act = value or native.INT4_ACT
+    if act not in native.INT4_ACTS:
+        raise ConfigError(f"int4 activations {act!r} not supported; use one of {', '.join(native.INT4_ACTS)}")
+    return act
+
+
+def _keep_linears_packed(model, ckpt: Checkpoint, family, dev, act: str | None = None) -> int:
     """On a CPU with the native kernels, the checkpoint's 4-bit attention / shared-expert / dense
     linears become Int4Linear (read packed each step: a quarter of bf16's bytes and memory) instead
     of being widened at load; elsewhere they stay 16-bit Linears. → how many were kept packed."""
@@ -164,7 +179,7 @@ def _keep_linears_packed(model, ckpt: Checkpoint, family, dev) -> int:
         if type(old) is not Linear:
             continue
         out_f, in_f = old.weight.shape
-        setattr(owner, leaf, Int4Linear(out_f, in_f, old.bias is not None, old.weight.dtype, dev))
+        setattr(owner, leaf, Int4Linear(out_f, in_f, old.bias is not None, old.weight.dtype, dev, act))
         n += 1
     return n
 
@@ -182,7 +197,7 @@ def _check_memory(cfg: ModelConfig, opts: LoadOptions, dev, dt, qc, file_bytes: 
     plan.check()
 
 
-def _backends(cfg: ModelConfig, dt, dev, int4: bool, group, sym, mixed, rt):
+def _backends(cfg: ModelConfig, dt, dev, int4: bool, group, sym, mixed, rt, act: str | None = None):
     """layer → its expert backend (a load sink), chosen once here."""
     D, I, E = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
     own = getattr(FAMILIES[cfg.model_type], "experts", None)  # a family with its own expert math (gpt-oss)
@@ -197,7 +212,7 @@ def _backends(cfg: ModelConfig, dt, dev, int4: bool, group, sym, mixed, rt):
         if int4 and layer not in mixed:
             from .quant.experts import Int4MoEExperts
 
-            return Int4MoEExperts.empty(E, D, I, group, sym, dev)
+            return Int4MoEExperts.empty(E, D, I, group, sym, dev, act)
         return StackedExperts(E, D, I, dt, dev)
 
     return make

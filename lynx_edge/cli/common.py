@@ -38,7 +38,7 @@ def lynx_mode(text: str) -> str:
 
 
 def engine_options(lynx: str = "off", offload: bool = False, int4: bool = False, profile: str | None = None,
-                   ctx_size: int | None = None, record_routing: bool = True) -> dict:
+                   ctx_size: int | None = None, record_routing: bool = True, int4_act=None) -> dict:
     """Options → Engine.from_pretrained keywords; offload/int4/profile only where this build's
     EngineConfig has them (an `offload` field typed OffloadOptions gets the profile inside)."""
     from ..engine import EngineConfig
@@ -53,6 +53,8 @@ def engine_options(lynx: str = "off", offload: bool = False, int4: bool = False,
         if name not in fields:
             raise CliError(f"{flag} is not available in this build", "run without it")
         opts[name] = value
+    if int4_act is not None:
+        opts["int4_act"] = getattr(int4_act, "value", int4_act)
     if as_options:
         from ..offload import OffloadOptions
 

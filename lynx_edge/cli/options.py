@@ -17,6 +17,14 @@ Lynx = Annotated[str, typer.Option("--lynx", help="expert selection: off (exact)
 # boolean options are plain flags: metavar "" so help shows `--int4`, not `--int4 <bool>`
 Offload = Annotated[bool, typer.Option("--offload", metavar="", help="keep experts in host memory, cache hot ones on the GPU")]
 Int4 = Annotated[bool, typer.Option("--int4", metavar="", help="INT4 experts (quantized at load time or from a GPTQ checkpoint)")]
+class Int4ActChoice(str, Enum):
+    f32 = "f32"
+    q8 = "q8"
+
+
+Int4Act = Annotated[Optional[Int4ActChoice], typer.Option(
+    "--int4-act", help="CPU INT4 kernels' activations: f32 (exact) | q8 (int8 like llama.cpp's Q4_0: faster, "
+    "approximate) [default: $LYNX_EDGE_INT4_ACT, else f32]")]
 Profile = Annotated[Optional[str], typer.Option("--profile", help="hardware profile (TOML) for placement")]
 Dtype = Annotated[Optional[str], typer.Option("--dtype", help="float32 | bfloat16 | float16 (default: bf16 on CUDA, fp32 on CPU)")]
 Device = Annotated[Optional[str], typer.Option("--device", help="cuda | cpu (default: cuda when present)")]

@@ -184,6 +184,156 @@ static void group_sums(const float *xe, const float *xo, long S, int Kin, int G,
         }
 }
 
+/* --- INT4 rows against int8 activations (Q8: llama.cpp's Q4_0 x Q8_0 idea, on our layout) ---------
+ *
+ * The activations of a row are quantized in blocks of QB = 32 code-order inputs (16 even + 16 odd
+ * columns): d_b = max|x| / 127, xq = round(x / d_b) (int8), so a row of weights multiplies int8 by
+ * u4 in integer lanes: acc_b = sum_j q_j * xq_j exactly (vpdpbusd with AVX512-VNNI; maddubs + madd
+ * otherwise), then y = sum_g s_g * (sum_{b in g} d_b * acc_b - z_g * zx_g) with zx_g = sum_{b in g}
+ * d_b * sum_{j in b} xq_j. Approximate: the activation rounding adds a relative error of ~2^-8 per
+ * input (far below the 4-bit weights' own), which is why it is an option (native.INT4_ACT).
+ * Needs Kin % 128 == 0 (64-byte weight chunks); other widths use the fp32 rows above. */
+#define QB 32
+
+/* xq [S, Kin/2] even and odd columns (int8), d [S, Kin/QB], zx [S, Kin/G] of fp32 rows xe/xo */
+static void quant_q8(const float *xe, const float *xo, long S, int Kin, int G, int8_t *qe, int8_t *qo, float *d,
+                     float *zx) {
+    const int h = Kin / 2, nb = Kin / QB, bpg = G / QB;
+    for (long r = 0; r < S; r++) {
+        const float *e = xe + r * h, *o = xo + r * h;
+        int8_t *ge = qe + r * h, *go = qo + r * h;
+        float zsum = 0.0f;
+        for (int b = 0; b < nb; b++) {
+            float amax = 0.0f;
+            for (int j = b * (QB / 2); j < (b + 1) * (QB / 2); j++) {
+                const float a = fabsf(e[j]), c = fabsf(o[j]);
+                amax = a > amax ? a : amax;
+                amax = c > amax ? c : amax;
+            }
+            const float db = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+            int isum = 0;
+            for (int j = b * (QB / 2); j < (b + 1) * (QB / 2); j++) {
+                const int a = (int)nearbyintf(e[j] * id), c = (int)nearbyintf(o[j] * id);
+                ge[j] = (int8_t)a;
+                go[j] = (int8_t)c;
+                isum += a + c;
+            }
+            d[r * nb + b] = db;
+            zsum += db * (float)isum;
+            if ((b + 1) % bpg == 0) {
+                zx[r * (Kin / G) + b / bpg] = zsum;
+                zsum = 0.0f;
+            }
+        }
+    }
+}
+
+/* acc[t] for NT (1..4) tokens over one packed row q; s / z at this row's group 0 entry (stride N) */
+static inline __attribute__((always_inline)) void q8_rows(
+    const uint8_t *q, const uint16_t *s, const uint8_t *z, long N, int Kin, int G, const int8_t *const *xe,
+    const int8_t *const *xo, const float *const *d, const float *const *zx, const int NT, float *acc) {
+    const int ng = Kin / G;
+    float corr[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    int t;
+    for (int g = 0; g < ng; g++) {
+        const float sg = h2f(s[g * N]), zg = (float)(z ? z[g * N] : 8);
+        for (t = 0; t < NT; t++) corr[t] += sg * zg * zx[t][g];
+    }
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    {
+        __m512 tot[4];
+        for (t = 0; t < NT; t++) tot[t] = _mm512_setzero_ps();
+        const __m512i m4 = _mm512_set1_epi8(15);
+        const __m512i quarter = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+#if !defined(__AVX512VNNI__)
+        const __m512i ones = _mm512_set1_epi16(1);
+#endif
+        for (int c = 0; c < Kin / 128; c++) { /* 64 bytes: 128 weights, 4 blocks of QB */
+            const __m512i w = _mm512_loadu_si512((const void *)(q + 64L * c));
+            _mm_prefetch((const char *)q + 64L * c + PREFETCH, _MM_HINT_T0);
+            const __m512i lo = _mm512_and_si512(w, m4), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), m4);
+            __m512 sv; /* s_g per lane: a group covers G/8 lanes */
+            if (G >= 128) sv = _mm512_set1_ps(h2f(s[(long)(c * 128 / G) * N]));
+            else if (G == 64)
+                sv = _mm512_insertf32x8(_mm512_set1_ps(h2f(s[(long)(2 * c) * N])), _mm256_set1_ps(h2f(s[(long)(2 * c + 1) * N])), 1);
+            else
+                sv = _mm512_permutexvar_ps(quarter, _mm512_castps128_ps512(_mm_setr_ps(
+                         h2f(s[(long)(4 * c) * N]), h2f(s[(long)(4 * c + 1) * N]), h2f(s[(long)(4 * c + 2) * N]),
+                         h2f(s[(long)(4 * c + 3) * N]))));
+            for (t = 0; t < NT; t++) {
+                const __m512i ve = _mm512_loadu_si512((const void *)(xe[t] + 64L * c));
+                const __m512i vo = _mm512_loadu_si512((const void *)(xo[t] + 64L * c));
+#if defined(__AVX512VNNI__)
+                const __m512i a = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, ve), hi, vo);
+#else
+                const __m512i a = _mm512_madd_epi16(_mm512_add_epi16(_mm512_maddubs_epi16(lo, ve),
+                                                                     _mm512_maddubs_epi16(hi, vo)), ones);
+#endif
+                const __m512 dv = _mm512_permutexvar_ps(quarter, _mm512_castps128_ps512(_mm_loadu_ps(d[t] + 4L * c)));
+                tot[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(dv, sv), tot[t]);
+            }
+        }
+        for (t = 0; t < NT; t++) acc[t] = _mm512_reduce_add_ps(tot[t]) - corr[t];
+        return;
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+    {
+        __m256 tot[4];
+        for (t = 0; t < NT; t++) tot[t] = _mm256_setzero_ps();
+        const __m256i m4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+        for (int c = 0; c < Kin / 64; c++) { /* 32 bytes: 64 weights, 2 blocks of QB */
+            const __m256i w = _mm256_loadu_si256((const __m256i *)(q + 32L * c));
+            const __m256i lo = _mm256_and_si256(w, m4), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), m4);
+            const float s0 = h2f(s[(long)(c * 64 / G) * N]);
+            const __m256 sv = G >= 64 ? _mm256_set1_ps(s0)
+                                      : _mm256_set_m128(_mm_set1_ps(h2f(s[(long)(2 * c + 1) * N])), _mm_set1_ps(s0));
+            for (t = 0; t < NT; t++) {
+                const __m256i ve = _mm256_loadu_si256((const __m256i *)(xe[t] + 32L * c));
+                const __m256i vo = _mm256_loadu_si256((const __m256i *)(xo[t] + 32L * c));
+                const __m256i a = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, ve),
+                                                                     _mm256_maddubs_epi16(hi, vo)), ones);
+                const __m256 dv = _mm256_set_m128(_mm_set1_ps(d[t][2 * c + 1]), _mm_set1_ps(d[t][2 * c]));
+                tot[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_mul_ps(dv, sv), tot[t]);
+            }
+        }
+        for (t = 0; t < NT; t++) {
+            const __m128 v = _mm_add_ps(_mm256_castps256_ps128(tot[t]), _mm256_extractf128_ps(tot[t], 1));
+            const __m128 u = _mm_add_ps(v, _mm_movehl_ps(v, v));
+            acc[t] = _mm_cvtss_f32(_mm_add_ss(u, _mm_shuffle_ps(u, u, 1))) - corr[t];
+        }
+        return;
+    }
+#else
+    for (t = 0; t < NT; t++) {
+        float tot = 0.0f;
+        for (int b = 0; b < Kin / QB; b++) {
+            int a = 0;
+            for (int j = b * (QB / 2); j < (b + 1) * (QB / 2); j++) a += (q[j] & 15) * xe[t][j] + (q[j] >> 4) * xo[t][j];
+            tot += (float)a * d[t][b] * h2f(s[(long)(b * QB / G) * N]);
+        }
+        acc[t] = tot - corr[t];
+    }
+#endif
+}
+
+/* acc[0..n) for n tokens (rows of stride h / nb / ng from xe0, xo0, d0, zx0), four at a time */
+static void q8_slots(const uint8_t *q, const uint16_t *s, const uint8_t *z, long N, int Kin, int G, const int8_t *xe0,
+                     const int8_t *xo0, const float *d0, const float *zx0, int n, float *acc) {
+    const long h = Kin / 2, nb = Kin / QB, ng = Kin / G;
+    const int8_t *xe[4], *xo[4];
+    const float *d[4], *zx[4];
+    for (int t = 0; t < n; t += 4) {
+        const int m = n - t < 4 ? n - t : 4;
+        for (int i = 0; i < m; i++) {
+            xe[i] = xe0 + (t + i) * h; xo[i] = xo0 + (t + i) * h; d[i] = d0 + (t + i) * nb; zx[i] = zx0 + (t + i) * ng;
+        }
+        if (m == 4) q8_rows(q, s, z, N, Kin, G, xe, xo, d, zx, 4, acc + t);
+        else if (m == 3) q8_rows(q, s, z, N, Kin, G, xe, xo, d, zx, 3, acc + t);
+        else if (m == 2) q8_rows(q, s, z, N, Kin, G, xe, xo, d, zx, 2, acc + t);
+        else q8_rows(q, s, z, N, Kin, G, xe, xo, d, zx, 1, acc + t);
+    }
+}
+
 /* --- horizontal sums ------------------------------------------------------------------------- */
 
 #if defined(__AVX2__)
@@ -423,6 +573,10 @@ typedef struct {
     const float *gub, *dnb;
     int act_kind;
     float limit, alpha;
+    /* int4 with int8 activations (q8_rows): xq/hq even|odd [S, D/2] / [S, I/2], block scales xd/hd,
+     * group sums xz/hz; NULL where the fp32 rows run */
+    const int8_t *xqe, *xqo, *hqe, *hqo;
+    const float *xd, *xz, *hd, *hz;
 } layer_t;
 
 /* h_i of expert e from its gate and up rows' products (bias added first where there is one) */
@@ -479,10 +633,19 @@ static void gate_up_item(const void *arg, long item) {
         for (int64_t c = 0; c < n; c += 64) {
             const int m = (int)(n - c < 64 ? n - c : 64);
             const float *xe = L->xe + (r0 + c) * (D / 2), *xo = L->xo + (r0 + c) * (D / 2);
-            const float *xs = L->xsum + (r0 + c) * (D / L->G);
-            dot_slots(q + (long)i * (D / 2), s + i, z ? z + i : NULL, 2L * I, D, L->G, xe, xo, D / 2, xs, m, gate);
-            dot_slots(q + (long)(I + i) * (D / 2), s + I + i, z ? z + I + i : NULL, 2L * I, D, L->G, xe, xo, D / 2,
-                      xs, m, up);
+            if (L->xqe) {
+                const long o = (r0 + c) * (D / 2);
+                const float *xd = L->xd + (r0 + c) * (D / QB), *xz = L->xz + (r0 + c) * (D / L->G);
+                q8_slots(q + (long)i * (D / 2), s + i, z ? z + i : NULL, 2L * I, D, L->G, L->xqe + o, L->xqo + o, xd,
+                         xz, m, gate);
+                q8_slots(q + (long)(I + i) * (D / 2), s + I + i, z ? z + I + i : NULL, 2L * I, D, L->G, L->xqe + o,
+                         L->xqo + o, xd, xz, m, up);
+            } else {
+                const float *xs = L->xsum + (r0 + c) * (D / L->G);
+                dot_slots(q + (long)i * (D / 2), s + i, z ? z + i : NULL, 2L * I, D, L->G, xe, xo, D / 2, xs, m, gate);
+                dot_slots(q + (long)(I + i) * (D / 2), s + I + i, z ? z + I + i : NULL, 2L * I, D, L->G, xe, xo, D / 2,
+                          xs, m, up);
+            }
             float *dst = ((i & 1) ? L->ho : L->he) + (r0 + c) * (I / 2) + i / 2;
             for (int t = 0; t < m; t++) dst[(long)t * (I / 2)] = activate(L, e, i, gate[t], up[t]);
         }
@@ -507,6 +670,10 @@ static void down_item(const void *arg, long item) {
             if (L->fmt == FMT_MXFP4)
                 mx_slots(L->dn + (e * (long)D + d) * (I / 2), L->dns + (e * (long)D + d) * (I / 32), I,
                          L->he + (r0 + c) * (I / 2), L->ho + (r0 + c) * (I / 2), I / 2, m, acc);
+            else if (int4 && L->hqe)
+                q8_slots(q + (long)d * (I / 2), s + d, z ? z + d : NULL, D, I, L->G, L->hqe + (r0 + c) * (I / 2),
+                         L->hqo + (r0 + c) * (I / 2), L->hd + (r0 + c) * (I / QB), L->hz + (r0 + c) * (I / L->G), m,
+                         acc);
             else if (int4)
                 dot_slots(q + (long)d * (I / 2), s + d, z ? z + d : NULL, D, I, L->G, L->he + (r0 + c) * (I / 2),
                           L->ho + (r0 + c) * (I / 2), I / 2, L->hsum + (r0 + c) * (I / L->G), m, acc);
@@ -552,9 +719,10 @@ static void parallel(void (*fn)(const void *, long), const void *arg, long n_ite
 int lynx_moe(int fmt, const float *x, const int64_t *ids, const float *w, const int32_t *perm, const uint8_t *data,
              long E, long nbytes, const long *offs, const uint8_t *gu, const uint8_t *dn, int sym, int G, int D, int I,
              int T, int K, float *out, int nthreads, const uint8_t *gus, const uint8_t *dns, const float *gub,
-             const float *dnb, int act_kind, float limit, float alpha) {
+             const float *dnb, int act_kind, float limit, float alpha, int q8) {
     const long S = (long)T * K;
     const int dense = fmt == FMT_F32 || fmt == FMT_BF16, int4 = fmt == FMT_INT4;
+    const int q8x = int4 && q8 && D % 128 == 0, q8h = int4 && q8 && I % 128 == 0;
     for (long i = 0; i < S; i++)
         if (ids[i] < 0 || ids[i] >= E) return -3; /* nothing written: the caller names the bad id */
     int64_t *cnt = calloc(E + 1, sizeof(int64_t)), *fill = malloc(E * sizeof(int64_t));
@@ -563,8 +731,12 @@ int lynx_moe(int fmt, const float *x, const int64_t *ids, const float *w, const 
     float *y = malloc(S * (long)D * sizeof(float));
     float *xsum = int4 ? malloc((S * (long)(D / G) + 1) * sizeof(float)) : NULL;
     float *hsum = int4 ? malloc((S * (long)(I / G) + 1) * sizeof(float)) : NULL;
+    int8_t *xq = q8x ? malloc(S * (long)D) : NULL, *hq = q8h ? malloc(S * (long)I) : NULL;
+    float *xd = q8x ? malloc((S * (long)(D / QB + D / G) + 1) * sizeof(float)) : NULL;
+    float *hd = q8h ? malloc((S * (long)(I / QB + I / G) + 1) * sizeof(float)) : NULL;
     int rc = -1;
     if (!cnt || !fill || !order || !pos || !act || !xe || !he || !y || (int4 && (!xsum || !hsum))) goto done;
+    if ((q8x && (!xq || !xd)) || (q8h && (!hq || !hd))) goto done;
     float *xo = xe + S * (D / 2), *ho = he + S * (I / 2); /* int4: the odd halves after the even ones */
     /* plan: expert-major slot order (stable), active experts ascending */
     for (long i = 0; i < S; i++) cnt[ids[i] + 1]++;
@@ -591,11 +763,15 @@ int lynx_moe(int fmt, const float *x, const int64_t *ids, const float *w, const 
             for (int j = 0; j < D / 2; j++) { de[j] = xt[2 * j]; dd[j] = xt[2 * j + 1]; }
         }
     }
-    if (int4) group_sums(xe, xo, S, D, G, xsum);
+    if (q8x) quant_q8(xe, xo, S, D, G, xq, xq + S * (D / 2), xd, xd + S * (D / QB));
+    else if (int4) group_sums(xe, xo, S, D, G, xsum);
     layer_t L = {fmt, data, nbytes, offs, gu, dn, sym, G, D, I, T, K, ids, cnt, order, act, w, xe, xo, he, ho, y,
-                 xsum, hsum, gus, dns, gub, dnb, act_kind, limit, alpha};
+                 xsum, hsum, gus, dns, gub, dnb, act_kind, limit, alpha,
+                 xq, q8x ? xq + S * (D / 2) : NULL, hq, q8h ? hq + S * (I / 2) : NULL,
+                 xd, q8x ? xd + S * (D / QB) : NULL, hd, q8h ? hd + S * (I / QB) : NULL};
     parallel(gate_up_item, &L, A * ((I + ROW_BLOCK - 1) / ROW_BLOCK), nthreads);
-    if (int4) group_sums(he, ho, S, I, G, hsum);
+    if (q8h) quant_q8(he, ho, S, I, G, hq, hq + S * (I / 2), hd, hd + S * (I / QB));
+    else if (int4) group_sums(he, ho, S, I, G, hsum);
     parallel(down_item, &L, A * ((D + ROW_BLOCK - 1) / ROW_BLOCK), nthreads);
     /* combine: out[t] = sum over k in slot order (k = 0 first) */
     for (long r = 0; r < S; r++) pos[order[r]] = r;
@@ -610,7 +786,7 @@ int lynx_moe(int fmt, const float *x, const int64_t *ids, const float *w, const 
     rc = 0;
 done:
     free(cnt); free(fill); free(order); free(pos); free(act);
-    free(xe); free(he); free(y); free(xsum); free(hsum);
+    free(xe); free(he); free(y); free(xsum); free(hsum); free(xq); free(hq); free(xd); free(hd);
     return rc;
 }
 
@@ -647,6 +823,8 @@ typedef struct {
     const uint16_t *s;
     const float *xe, *xo, *xs, *bias;
     float *out;
+    const int8_t *qe, *qo; /* int8 activations (q8_rows) or NULL */
+    const float *d, *zx;
 } qlinear_t;
 
 static void qlinear_item(const void *arg, long item) {
@@ -656,8 +834,12 @@ static void qlinear_item(const void *arg, long item) {
     for (int n = (int)item * ROW_BLOCK; n < P->N && n < (item + 1) * ROW_BLOCK; n++)
         for (int c = 0; c < P->T; c += 64) {
             const int m = P->T - c < 64 ? P->T - c : 64;
-            dot_slots(P->q + (long)n * h, P->s + n, P->z ? P->z + n : NULL, P->N, Kin, P->G, P->xe + (long)c * h,
-                      P->xo + (long)c * h, h, P->xs + (long)c * ng, m, acc);
+            if (P->qe)
+                q8_slots(P->q + (long)n * h, P->s + n, P->z ? P->z + n : NULL, P->N, Kin, P->G, P->qe + (long)c * h,
+                         P->qo + (long)c * h, P->d + (long)c * (Kin / QB), P->zx + (long)c * ng, m, acc);
+            else
+                dot_slots(P->q + (long)n * h, P->s + n, P->z ? P->z + n : NULL, P->N, Kin, P->G, P->xe + (long)c * h,
+                          P->xo + (long)c * h, h, P->xs + (long)c * ng, m, acc);
             const float b = P->bias ? P->bias[n] : 0.0f;
             for (int t = 0; t < m; t++) P->out[(long)(c + t) * P->N + n] = acc[t] + b;
         }
@@ -667,12 +849,15 @@ static void qlinear_item(const void *arg, long item) {
  * packed (a GPTQ / AWQ attention or dense projection): codes q [N, Kin/2], fp16 scales s [Kin/G, N],
  * zeros z [Kin/G, N] or NULL (symmetric: 8), perm [Kin] int32 or NULL (act order: code column j
  * multiplies input perm[j]). The input is split into even/odd columns once, then every row block
- * is one work item (as the MoE kernel's rows). Returns 0, or -1 when out of memory. */
+ * is one work item (as the MoE kernel's rows). q8: int8 activations (q8_rows) where Kin % 128 == 0.
+ * Returns 0, or -1 when out of memory. */
 int lynx_linear_int4(const float *x, const uint8_t *q, const uint16_t *s, const uint8_t *z, const int32_t *perm,
-                     const float *bias, int T, int Kin, int N, int G, float *out, int nthreads) {
+                     const float *bias, int T, int Kin, int N, int G, float *out, int nthreads, int q8) {
     const long h = Kin / 2;
-    float *xe = malloc(2L * T * h * sizeof(float)), *xs = malloc(((long)T * (Kin / G) + 1) * sizeof(float));
-    if (!xe || !xs) { free(xe); free(xs); return -1; }
+    q8 = q8 && Kin % 128 == 0;
+    float *xe = malloc(2L * T * h * sizeof(float)), *xs = malloc(((long)T * (Kin / G + Kin / QB) + 1) * sizeof(float));
+    int8_t *xq = q8 ? malloc(2L * T * h) : NULL;
+    if (!xe || !xs || (q8 && !xq)) { free(xe); free(xs); free(xq); return -1; }
     float *xo = xe + (long)T * h;
     for (long t = 0; t < T; t++) {
         const float *xt = x + t * Kin;
@@ -680,10 +865,12 @@ int lynx_linear_int4(const float *x, const uint8_t *q, const uint16_t *s, const 
         if (perm) for (long j = 0; j < h; j++) { de[j] = xt[perm[2 * j]]; dd[j] = xt[perm[2 * j + 1]]; }
         else for (long j = 0; j < h; j++) { de[j] = xt[2 * j]; dd[j] = xt[2 * j + 1]; }
     }
-    group_sums(xe, xo, T, Kin, G, xs);
-    qlinear_t P = {T, Kin, N, G, q, z, s, xe, xo, xs, bias, out};
+    float *d = xs + (long)T * (Kin / G); /* q8: block scales after the group sums */
+    if (q8) quant_q8(xe, xo, T, Kin, G, xq, xq + (long)T * h, d, xs);
+    else group_sums(xe, xo, T, Kin, G, xs);
+    qlinear_t P = {T, Kin, N, G, q, z, s, xe, xo, xs, bias, out, xq, q8 ? xq + (long)T * h : NULL, d, xs};
     parallel(qlinear_item, &P, (N + ROW_BLOCK - 1) / ROW_BLOCK, nthreads);
-    free(xe); free(xs);
+    free(xe); free(xs); free(xq);
     return 0;
 }
 

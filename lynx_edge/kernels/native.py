@@ -117,11 +117,11 @@ def lib() -> ctypes.CDLL | None:
         return None
     p, i, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
     so.lynx_moe.argtypes = [i, p, p, p, p, p, L, L, p, p, p, i, i, i, i, i, i, p, i, p, p, p, p, i, ctypes.c_float,
-                            ctypes.c_float]
+                            ctypes.c_float, i]
     so.lynx_moe.restype = i
     so.lynx_linear.argtypes = [i, p, p, p, i, i, i, p, i]
     so.lynx_linear.restype = None
-    so.lynx_linear_int4.argtypes = [p, p, p, p, p, p, i, i, i, i, p, i]
+    so.lynx_linear_int4.argtypes = [p, p, p, p, p, p, i, i, i, i, p, i, i]
     so.lynx_linear_int4.restype = i
     so.lynx_dequant_int4.argtypes = [p, p, p, i, i, i, p, i]
     so.lynx_dequant_int4.restype = None
@@ -134,6 +134,12 @@ def lib() -> ctypes.CDLL | None:
 
 
 FMT_INT4, FMT_F32, FMT_BF16, FMT_MXFP4 = 0, 1, 2, 3
+# INT4 weights against "f32" activations (exact to fp32 rounding of the dequantised weight) or
+# "q8" (int8 activations in blocks of 32, integer dot products: llama.cpp's Q4_0 × Q8_0 scheme,
+# approximate; see q8_rows in the C file). LYNX_EDGE_INT4_ACT sets the default; Engine option
+# int4_act per engine.
+INT4_ACTS = ("f32", "q8")
+INT4_ACT = os.environ.get("LYNX_EDGE_INT4_ACT", "f32")
 # token-expert slots per MoE call: bounds the kernel's fp32 scratch, S·(2D + I) floats (~60 MiB at
 # D=2048, I=768) however long the prompt being prefilled
 MAX_SLOTS = 4096
@@ -158,8 +164,8 @@ def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype == dtype and t.is_contiguous() else t.to(dtype).contiguous()
 
 
-def _call_moe(fmt, x, ids, w, perm, data, E, nbytes, offs, gu, dn, sym, G, D, I, oss=(None, None, None, None, 0, 0.0, 0.0)
-              ) -> torch.Tensor:
+def _call_moe(fmt, x, ids, w, perm, data, E, nbytes, offs, gu, dn, sym, G, D, I, oss=(None, None, None, None, 0, 0.0, 0.0),
+              q8: bool = False) -> torch.Tensor:
     so = lib()
     x32, ids64, w32 = _as(x, torch.float32), _as(ids, torch.int64), _as(w, torch.float32)
     T, K = ids64.shape
@@ -168,7 +174,7 @@ def _call_moe(fmt, x, ids, w, perm, data, E, nbytes, offs, gu, dn, sym, G, D, I,
     for t0 in range(0, T, step):
         n = min(step, T - t0)  # row slices of contiguous tensors: contiguous, pointers offset
         rc = so.lynx_moe(fmt, x32[t0].data_ptr(), ids64[t0].data_ptr(), w32[t0].data_ptr(), perm, data, E, nbytes,
-                         offs, gu, dn, sym, G, D, I, n, K, out[t0].data_ptr(), torch.get_num_threads(), *oss)
+                         offs, gu, dn, sym, G, D, I, n, K, out[t0].data_ptr(), torch.get_num_threads(), *oss, int(q8))
         if rc == -3:
             bad = ids64[(ids64 < 0) | (ids64 >= E)]
             raise IndexError(f"expert id {int(bad[0])} out of range for {E} experts")
@@ -178,13 +184,14 @@ def _call_moe(fmt, x, ids, w, perm, data, E, nbytes, offs, gu, dn, sym, G, D, I,
 
 
 def moe_int4(x, ids, weights, data: torch.Tensor, offs, sym: bool, G: int, D: int, I: int,
-             perm: torch.Tensor | None = None) -> torch.Tensor:
+             perm: torch.Tensor | None = None, act: str | None = None) -> torch.Tensor:
     """Σ_k weights[t, k] · expert_{ids[t, k]}(x[t]) over INT4 blocks data uint8 [E, nbytes] (byte
     offsets offs int64 [6] of gu_q, gu_s, gu_z, dn_q, dn_s, dn_z; perm [E, D] int32 act order) →
-    [T, D] fp32."""
+    [T, D] fp32. act: "f32" or "q8" activations (None: INT4_ACT)."""
     p = None if perm is None else _as(perm, torch.int32)
     out = _call_moe(FMT_INT4, x, ids, weights, None if p is None else p.data_ptr(), data.data_ptr(),
-                    data.shape[0], data.shape[1], offs.ctypes.data, None, None, int(sym), G, D, I)
+                    data.shape[0], data.shape[1], offs.ctypes.data, None, None, int(sym), G, D, I,
+                    q8=(act or INT4_ACT) == "q8")
     return out
 
 
@@ -230,10 +237,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def linear_int4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-                perm: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+                perm: torch.Tensor | None = None, bias: torch.Tensor | None = None, act: str | None = None
+                ) -> torch.Tensor:
     """x @ Wᵀ (+ bias) for an INT4 linear W [N, Kin] read packed — codes packed uint8 [N, Kin/2],
     fp16 scales [Kin/G, N], uint8 zeros [Kin/G, N] or None (symmetric), perm int32 [Kin] or None
-    (act order) — with fp32 products and sums → [..., N] in x's dtype."""
+    (act order) — with fp32 products and sums (act "q8": int8 activations, see INT4_ACT) →
+    [..., N] in x's dtype."""
     N, h = packed.shape
     Kin, G = 2 * h, 2 * h // scales.shape[0]
     x2 = _as(x.reshape(-1, Kin), torch.float32)
@@ -244,7 +253,7 @@ def linear_int4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zer
         rc = lib().lynx_linear_int4(x2.data_ptr(), packed.data_ptr(), scales.data_ptr(),
                                     None if zeros is None else zeros.data_ptr(), None if perm is None else perm.data_ptr(),
                                     None if b is None else b.data_ptr(), x2.shape[0], Kin, N, G, out.data_ptr(),
-                                    torch.get_num_threads())
+                                    torch.get_num_threads(), int((act or INT4_ACT) == "q8"))
         if rc != 0:
             raise MemoryError("the native INT4 linear could not allocate its scratch buffers")
     out = out.view(*x.shape[:-1], N)

@@ -265,18 +265,20 @@ def _offsets(layout) -> np.ndarray:
 
 
 def moe_int4_blocks(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, data: torch.Tensor, layout,
-                    x_perm: torch.Tensor | None = None, kernel: str | None = None) -> torch.Tensor:
+                    x_perm: torch.Tensor | None = None, kernel: str | None = None, act: str | None = None
+                    ) -> torch.Tensor:
     """Σ_k weights[t, k] · expert_{ids[t, k]}(x[t]) over INT4 expert blocks data uint8 [E, nbytes]
     (CPU, rows in lynx_edge.quant.int4's Int4Layout `layout`) → [T, D] in x's dtype, computed in
     fp32 whatever x's dtype. x_perm [E, D] int32: expert e's gate/up read x[:, x_perm[e]]
     (act-order GPTQ). kernel: "native" (kernels/cpu_native.c, on torch's thread count), "numba" (the
-    calling thread), None: native when it built, else numba."""
+    calling thread), None: native when it built, else numba. act: the native kernel's activations,
+    "f32" or "q8" (None: kernels.native.INT4_ACT; numba is always f32)."""
     use_native = kernel in (None, "native") and native.lib() is not None
     if kernel == "native" and not use_native:
         raise RuntimeError("the native CPU kernels are not available (no C compiler, or LYNX_EDGE_NATIVE=0)")
     if use_native:
         return native.moe_int4(x, ids, weights, data, _offsets(layout), layout.sym, layout.group_size,
-                               layout.hidden, layout.inter, x_perm).to(x.dtype)
+                               layout.hidden, layout.inter, x_perm, act).to(x.dtype)
     x32 = x.detach().to(torch.float32).contiguous()
     ids64 = ids.to(torch.int64).contiguous()
     w32 = weights.detach().to(torch.float32).contiguous()
@@ -287,9 +289,9 @@ def moe_int4_blocks(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, d
 
 
 def moe_int4_cpu(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, packed,
-                 x_perm: torch.Tensor | None = None) -> torch.Tensor:
+                 x_perm: torch.Tensor | None = None, act: str | None = None) -> torch.Tensor:
     """moe_int4_blocks over an Int4Experts (x [T, D], ids/weights [T, K]) → [T, D]."""
-    return moe_int4_blocks(x, ids, weights, packed.data, packed.layout, x_perm)
+    return moe_int4_blocks(x, ids, weights, packed.data, packed.layout, x_perm, act=act)
 
 
 def experts_rows(x: torch.Tensor, experts: list[int], counts: list[int], data: torch.Tensor, layout) -> torch.Tensor:

@@ -56,15 +56,19 @@ class Int4MoEExperts(nn.Module):
         # permutation runs over I, internal to the expert, and is absorbed into gate/up's rows.
         self.x_perm: torch.Tensor | None = None
         self._down_perm: dict[int, torch.Tensor] = {}
+        self.act: str | None = None  # CPU activations "f32" | "q8" (kernels/native.INT4_ACT), set at build
 
     @classmethod
-    def empty(cls, E: int, D: int, I: int, group: int, sym: bool, device) -> "Int4MoEExperts":
+    def empty(cls, E: int, D: int, I: int, group: int, sym: bool, device, act: str | None = None) -> "Int4MoEExperts":
         layout = Int4Layout(D, I, group, sym)
-        return cls(Int4Experts(torch.empty(E, layout.nbytes, dtype=torch.uint8, device=device), layout))
+        out = cls(Int4Experts(torch.empty(E, layout.nbytes, dtype=torch.uint8, device=device), layout))
+        out.act = act
+        return out
 
     def extra_repr(self) -> str:
         p = self.packed
-        return f"E={p.num_experts}, D={p.hidden}, I={p.inter}, int4 group={p.group_size}, sym={p.sym}"
+        return (f"E={p.num_experts}, D={p.hidden}, I={p.inter}, int4 group={p.group_size}, sym={p.sym}"
+                + (f", act={self.act}" if self.act else ""))
 
     def load_part(self, e: int, part: str, w: torch.Tensor) -> None:
         quantize_part(self.packed, e, part, w)
@@ -105,7 +109,7 @@ class Int4MoEExperts(nn.Module):
         if x.device.type == "cpu" and not use_triton(x) and cpu_kernels.available():
             # one compiled call over the packed blocks (no per-step dequantised copy, no Python
             # per expert); fp32 math, tests/test_cpu_lowbit.py bounds it against the reference
-            return cpu_kernels.moe_int4_cpu(x, ids, weights, self.packed, x_perm=self.x_perm)
+            return cpu_kernels.moe_int4_cpu(x, ids, weights, self.packed, x_perm=self.x_perm, act=self.act)
         return fused_moe_int4(x, ids, weights, self.packed, x_perm=self.x_perm)
 
 

@@ -11,7 +11,8 @@ experts of a layer are ~1.8 B parameters in 4-bit, 0.9 GB). On a CPU with the na
     perm   [Kin] int32 or None: act order, code column j multiplies input perm[j]
 
 Decode-sized inputs (≤ NATIVE_MAX_ROWS rows) run the native kernel, fp32 products and sums
-(within fp32 rounding of F.linear on the dequantised weight); prefill widens WIDEN_ROWS output
+(within fp32 rounding of F.linear on the dequantised weight), or int8 activations with
+act="q8" (approximate, opt-in: kernels/native.INT4_ACT); prefill widens WIDEN_ROWS output
 rows at a time to fp32 and runs torch's GEMM (compute-bound there, where MKL wins). The choice of
 this class is made once, at build time (build.install_int4_linears), only where the kernels
 built; elsewhere the loader dequantises into a plain Linear as before. Glossary: N out, Kin in,
@@ -36,8 +37,9 @@ class Int4Linear(nn.Module):
     """y = x Wᵀ (+ b) for W [out_f, in_f] held as INT4 codes with group scales/zeros (see module doc).
     Built empty; the loader fills it with `load_quant` (a quant.formats.QuantLinear)."""
 
-    def __init__(self, out_f: int, in_f: int, bias: bool, dtype, device):
+    def __init__(self, out_f: int, in_f: int, bias: bool, dtype, device, act: str | None = None):
         super().__init__()
+        self.act = act  # "f32" | "q8" activations for the kernel (kernels/native.INT4_ACT), set at build
         self.out_features, self.in_features = out_f, in_f
         self.register_buffer("packed", torch.empty(0, dtype=torch.uint8, device=device))
         self.register_buffer("scales", torch.empty(0, dtype=torch.float16, device=device))
@@ -70,7 +72,7 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() // self.in_features <= NATIVE_MAX_ROWS:
-            return native.linear_int4(x, self.packed, self.scales, self.zeros, self.perm, self.bias)
+            return self.native(x)
         return self.widened(x)
 
     def widened(self, x: torch.Tensor) -> torch.Tensor:
@@ -89,7 +91,7 @@ class Int4Linear(nn.Module):
         return torch.cat(outs, -1).to(x.dtype)
 
     def native(self, x: torch.Tensor) -> torch.Tensor:
-        return native.linear_int4(x, self.packed, self.scales, self.zeros, self.perm, self.bias)
+        return native.linear_int4(x, self.packed, self.scales, self.zeros, self.perm, self.bias, self.act)
 
     def storage(self) -> int:
         return self.packed.data_ptr()
@@ -101,7 +103,7 @@ class Int4Linear(nn.Module):
         permutation and bias presence (GPTQ's act order sorts by the input's Hessian diagonal, the
         same for q, k and v, so their permutations agree in practice)."""
         a = lins[0]
-        same = all(m.loaded and m.group_size == a.group_size and (m.zeros is None) == (a.zeros is None)
+        same = all(m.loaded and m.group_size == a.group_size and m.act == a.act and (m.zeros is None) == (a.zeros is None)
                    and (m.bias is None) == (a.bias is None) and m.in_features == a.in_features
                    and ((m.perm is None and a.perm is None) or (m.perm is not None and a.perm is not None
                                                                   and torch.equal(m.perm, a.perm)))
@@ -109,7 +111,7 @@ class Int4Linear(nn.Module):
         if not same:
             return None
         out = Int4Linear(sum(m.out_features for m in lins), a.in_features, a.bias is not None,
-                         a.bias.dtype if a.bias is not None else torch.float32, a.packed.device)
+                         a.bias.dtype if a.bias is not None else torch.float32, a.packed.device, a.act)
         out.packed = torch.cat([m.packed for m in lins])  # [ΣN, Kin/2]
         out.scales = torch.cat([m.scales for m in lins], 1)  # [Kin/G, ΣN]
         out.zeros = None if a.zeros is None else torch.cat([m.zeros for m in lins], 1)
