@@ -60,7 +60,9 @@ PAIRS = {"f32": ("F32", dict(dtype="float32")), "bf16": ("BF16", dict(dtype="bfl
          "int4": ("Q4_0", dict(int4=True, dtype="bfloat16")),
          # a GPTQ-format checkpoint with attention 4-bit too (`lynx-edge quantize --method rtn --attn`,
          # group 128), as published GPTQ checkpoints are: on a CPU its attention is read packed
-         "int4attn": ("Q4_0", dict(dtype="bfloat16"))}
+         "int4attn": ("Q4_0", dict(dtype="bfloat16")),
+         # the same with int8 activations (--int4-act q8): Q4_0 × Q8_0's own scheme, approximate
+         "int4attn-q8": ("Q4_0", dict(dtype="bfloat16", int4_act="q8"))}
 
 # The converter refuses byte-level BPE tokenizers whose pre-tokenizer hash it does not list (the
 # demo's own tokenizer). The demo's pre-tokenizer is ByteLevel with GPT-2's regex, X
@@ -269,12 +271,12 @@ def run(args) -> dict:
         f32 = to_gguf(src, path, work / f"{tag}-f32.gguf", "f32")
         ggufs = {"f32": f32, "bf16": to_gguf(src, path, work / f"{tag}-bf16.gguf", "bf16"),
                  "int4": quantize(bins, f32, work / f"{tag}-q4_0.gguf", max(threads))}
-        ggufs["int4attn"] = ggufs["int4"]
+        ggufs["int4attn"] = ggufs["int4attn-q8"] = ggufs["int4"]
         res["models"][model] = {"path": str(path), "checkpoint_bytes_bf16": ckpt_bytes(path),
                                 "gguf_bytes": {k: ggufs[k].stat().st_size for k in kinds}}
         for kind in kinds:
             ll_name, opts = PAIRS[kind]
-            src_k = lynx_4bit(path, work / f"{tag}-lynx-rtn-attn-g128") if kind == "int4attn" else path
+            src_k = lynx_4bit(path, work / f"{tag}-lynx-rtn-attn-g128") if kind.startswith("int4attn") else path
             eng = Engine.from_pretrained(src_k, device="cpu", max_num_seqs=args.batch, **opts)
             dt = str(next(p for p in eng.model.parameters() if p.is_floating_point()).dtype).replace("torch.", "")
             p1 = synthetic_prompts(eng, 1, 8)
@@ -356,7 +358,8 @@ def to_markdown(res: dict) -> str:
                "| ratio | target | met |" + (" previous run |" if res.get("previous") else ""),
                "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if res.get("previous") else "")]
         for r in (r for r in res["rows"] if r["model"] == model):
-            ours_name = {"int4": f"--int4 ({r['ours_dtype']})", "int4attn": f"4-bit ckpt + attn ({r['ours_dtype']})"
+            ours_name = {"int4": f"--int4 ({r['ours_dtype']})", "int4attn": f"4-bit ckpt + attn ({r['ours_dtype']})",
+                         "int4attn-q8": f"4-bit ckpt + attn, --int4-act q8 ({r['ours_dtype']})"
                          }.get(r["kind"], r["ours_dtype"])
             md.append(f"| {r['threads']} | {r['batch']} | {r['llama_type']} | {ours_name} | {r['lynx']} | "
                       f"{r['llama_tok_s']:.1f} ({min(r['llama_all']):.1f}–{max(r['llama_all']):.1f}) | "
@@ -371,7 +374,9 @@ def to_markdown(res: dict) -> str:
            "keeps the rest in the dtype shown. `4-bit ckpt + attn` is the checkpoint `lynx-edge quantize --method rtn "
            "--attn` writes (GPTQ format, group 128, experts and attention q/k/v/o 4-bit, as published GPTQ "
            "checkpoints are; embeddings, router and output matrix 16-bit): on a CPU its attention is read packed "
-           "(lynx_edge/quant/linear.py). Both read 4-bit experts, which dominate the bytes of the random model.",
+           "(lynx_edge/quant/linear.py). `--int4-act q8` quantises the activations to int8 in blocks of 32 for "
+           "integer dot products, as Q4_0 × Q8_0 does (approximate; without it lynx-edge's INT4 kernels keep fp32 "
+           "activations). Both read 4-bit experts, which dominate the bytes of the random model.",
            "- lynx-edge's decode-time CPU work runs in its native kernels (lynx_edge/kernels/cpu_native.c: "
            "experts, projections, attention) on torch's OpenMP pool at the thread count shown; "
            "what is left (norms, routing, sampling) is torch ops and Python per layer.",
@@ -389,9 +394,9 @@ def to_markdown(res: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="demo,random", help="demo and/or random (≥ 1 GB bf16 qwen3_moe)")
-    ap.add_argument("--bits", default="f32,bf16,int4,int4attn",
+    ap.add_argument("--bits", default="f32,bf16,int4,int4attn,int4attn-q8",
                     help="pairs: f32 (F32 vs fp32), bf16, int4 (Q4_0 vs --int4), int4attn (Q4_0 vs a lynx-edge "
-                         "4-bit checkpoint with 4-bit attention)")
+                         "4-bit checkpoint with 4-bit attention), int4attn-q8 (the same with --int4-act q8)")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("-r", "--rounds", type=int, default=5)
     ap.add_argument("-n", type=int, default=64, help="decode tokens at B=1 (llama-bench -n)")
