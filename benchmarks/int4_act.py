@@ -52,6 +52,12 @@ def quality(logits: list[torch.Tensor], windows, ref: list[torch.Tensor] | None)
     return {"ppl": math.exp(nll / n), "kl_vs_f32": kl / rows, "top1_agree_vs_f32": agree / rows}
 
 
+def weight_bytes(model) -> int:
+    """Parameters, buffers and INT4 expert blocks (Int4MoEExperts.packed, a plain object)."""
+    n = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+    return n + sum(m.packed.data.numel() for m in model.modules() if hasattr(getattr(m, "packed", None), "layout"))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="demo")
@@ -97,9 +103,10 @@ def main() -> None:
     rows = []
     for k in engines:
         q = quality(lg[k], windows, lg.get(ref_of.get(k, k)))
+        if k not in ref_of:
+            q["kl_vs_f32"] = q["top1_agree_vs_f32"] = None
         rows.append({"variant": k, **q, "ppl_change_pct": 100 * (q["ppl"] / quality(lg["16-bit"], windows, None)["ppl"] - 1),
-                     "weights_mb": sum(t.numel() * t.element_size() for t in
-                                       list(engines[k].model.parameters()) + list(engines[k].model.buffers())) / 1e6})
+                     "weights_mb": weight_bytes(engines[k].model) / 1e6})
     speed = {k: {1: [], 16: []} for k in engines}
     prompts = {b: synthetic_prompts(base, b, 16) for b in (1, 16)}
     for e in engines.values():  # warm-up
@@ -127,9 +134,10 @@ def main() -> None:
           "| variant | perplexity | vs 16-bit | KL vs f32 act | top-1 agree | weights MB | B=1 tok/s | B=16 tok/s |",
           "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        md.append(f"| {r['variant']} | {r['ppl']:.3f} | {r['ppl_change_pct']:+.2f}% | {r['kl_vs_f32']:.2e} | "
-                  f"{100 * r['top1_agree_vs_f32']:.2f}% | {r['weights_mb']:.1f} | {r['tok_s_b1']:.1f} | "
-                  f"{r['tok_s_b16']:.1f} |")
+        kl = "–" if r["kl_vs_f32"] is None else f"{r['kl_vs_f32']:.2e}"
+        top1 = "–" if r["top1_agree_vs_f32"] is None else f"{100 * r['top1_agree_vs_f32']:.2f}%"
+        md.append(f"| {r['variant']} | {r['ppl']:.3f} | {r['ppl_change_pct']:+.2f}% | {kl} | {top1} | "
+                  f"{r['weights_mb']:.1f} | {r['tok_s_b1']:.1f} | {r['tok_s_b16']:.1f} |")
     Path(args.out + ".md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
 
