@@ -323,6 +323,11 @@ def _cell(r: dict) -> str:
     return f"{r['model']}/{r['kind']}/{r['threads']}/{r['batch']}/{r['lynx']}"
 
 
+def _ours_name(r: dict) -> str:
+    return {"int4": f"--int4 ({r['ours_dtype']})", "int4attn": f"4-bit ckpt + attn ({r['ours_dtype']})",
+            "int4attn-q8": f"4-bit ckpt + attn, --int4-act q8 ({r['ours_dtype']})"}.get(r["kind"], r["ours_dtype"])
+
+
 def to_markdown(res: dict) -> str:
     md = ["# lynx-edge vs llama.cpp, CPU decode on the same checkpoints", "",
           f"Machine: {res['cpu']}, {res['cores']} logical cores, torch CPU capability **{res['cpu_capability']}**, "
@@ -339,7 +344,7 @@ def to_markdown(res: dict) -> str:
           "target from issue 16 (B=1: 4-bit ≥ 0.8, 16-bit ≥ 0.9; B=16 ≥ 1.0 at the same bits).", ""]
     met = [r for r in res["rows"] if r["ratio"] >= r["target"]]
     md += [f"**Targets met: {len(met)} of {len(res['rows'])} rows**" + (": " + "; ".join(
-        f"{r['model']} {r['llama_type']} B={r['batch']} LYNX {r['lynx']} {r['threads']}t ({r['ratio']:.2f}×)"
+        f"{r['model']} {r['llama_type']} vs {_ours_name(r)} B={r['batch']} LYNX {r['lynx']} {r['threads']}t ({r['ratio']:.2f}×)"
         for r in met) if met else "") + ". Ratio range per model: " + "; ".join(
         f"{m} {min(r['ratio'] for r in rs):.2f}–{max(r['ratio'] for r in rs):.2f}×"
         for m in res["models"] if (rs := [r for r in res["rows"] if r["model"] == m])) + ".", ""]
@@ -358,9 +363,7 @@ def to_markdown(res: dict) -> str:
                "| ratio | target | met |" + (" previous run |" if res.get("previous") else ""),
                "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if res.get("previous") else "")]
         for r in (r for r in res["rows"] if r["model"] == model):
-            ours_name = {"int4": f"--int4 ({r['ours_dtype']})", "int4attn": f"4-bit ckpt + attn ({r['ours_dtype']})",
-                         "int4attn-q8": f"4-bit ckpt + attn, --int4-act q8 ({r['ours_dtype']})"
-                         }.get(r["kind"], r["ours_dtype"])
+            ours_name = _ours_name(r)
             md.append(f"| {r['threads']} | {r['batch']} | {r['llama_type']} | {ours_name} | {r['lynx']} | "
                       f"{r['llama_tok_s']:.1f} ({min(r['llama_all']):.1f}–{max(r['llama_all']):.1f}) | "
                       f"{r['ours_tok_s']:.1f} ({min(r['ours_all']):.1f}–{max(r['ours_all']):.1f}) | {r['ratio']:.3f} | {r['target']} | "
