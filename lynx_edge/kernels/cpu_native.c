@@ -1080,3 +1080,116 @@ int lynx_rmsnorm(int fmt, const uint8_t *x, const uint8_t *w, float eps, long N,
     parallel(norm_item, &P, (N + ROW_BLOCK - 1) / ROW_BLOCK, N >= 64 ? nthreads : 1);
     return 0;
 }
+
+/* --- a whole decoder layer at decode, in two calls around the (Python) router ---------------------
+ *
+ * lynx_layer_attn: x -> RMSNorm -> fused q/k/v -> attention (cache write) -> o_proj -> + x = x1,
+ * then RMSNorm(x1) = h2 and the router's logits; lynx_layer_moe: the experts over h2 -> + x1.
+ * The routing decision itself stays in torch between the two (exact, LYNX or offload routers,
+ * whose weights are bit-equal to transformers'). Each step rounds where the module path does (a
+ * bf16 model: every projection's output, the attention output, the residual adds, the norms), so
+ * for bf16 this equals the module path bit for bit; it saves the ~40 Python/torch calls per layer
+ * around the same kernels (models/native_layer.py). Projections are dense fp32/bf16 or INT4. */
+
+typedef struct {
+    int kind; /* FMT_F32 / FMT_BF16 dense [N, K], FMT_INT4 packed (codes [N, K/2], scales, zeros, perm) */
+    const uint8_t *w;
+    const uint16_t *s;
+    const uint8_t *z;
+    const int32_t *perm;
+    const float *bias; /* fp32 [N] or NULL */
+    int N, K, G, q8;
+} lin_t;
+
+static int lin_run(const lin_t *l, const float *x, int T, float *out, int nthreads) {
+    if (l->kind == FMT_INT4)
+        return lynx_linear_int4(x, l->w, l->s, l->z, l->perm, l->bias, T, l->K, l->N, l->G, out, nthreads, l->q8);
+    lynx_linear(l->kind, x, l->w, l->bias, T, l->K, l->N, out, nthreads);
+    return 0;
+}
+
+static void round_bf16(float *v, long n) {
+    for (long j = 0; j < n; j++) v[j] = bf16_round(v[j]);
+}
+
+typedef struct {
+    int fmt; /* the model dtype: FMT_F32 or FMT_BF16 (residual stream, norm weights) */
+    int D, H, Hkv, hd, rd, window;
+    float eps1, eps2, eps_qk, scale;
+    const uint8_t *norm1, *norm2; /* [D] in the model dtype */
+    const float *qn, *kn;         /* q/k RMSNorm weights [hd] fp32, or NULL */
+    lin_t qkv, o, gate;
+} attn_layer_t;
+
+/* x [B, D] (model dtype) -> x1 [B, D] (model dtype), h2 [B, D] fp32 (RMSNorm(x1) in the model
+ * dtype's values), logits [B, E] fp32 (rounded as the model dtype). Caches kc/vc [Bmax, Hkv, S, hd]
+ * in cfmt. Returns 0; -1 for a shape the attention kernel does not take (nothing written), -2 out of
+ * memory. */
+int lynx_layer_attn(const attn_layer_t *L, const uint8_t *x, int B, const float *cos, const float *sin,
+                    const int64_t *pos, const int64_t *rows, uint8_t *kc, uint8_t *vc, int cfmt, long Bmax, long S,
+                    uint8_t *x1, float *h2, float *logits, int nthreads) {
+    const int D = L->D, bf = L->fmt == FMT_BF16, es = bf ? 2 : 4, nq = L->qkv.N, na = L->H * L->hd;
+    if (D > 4096) return -1;
+    uint8_t *h = malloc((size_t)B * D * es);
+    float *hf = malloc((size_t)B * D * sizeof(float)), *q = malloc((size_t)B * nq * sizeof(float));
+    float *a = malloc((size_t)B * na * sizeof(float)), *o = malloc((size_t)B * D * sizeof(float));
+    int rc = -2;
+    if (!h || !hf || !q || !a || !o) goto done;
+    lynx_rmsnorm(L->fmt, x, L->norm1, L->eps1, B, D, h, nthreads);
+    for (int b = 0; b < B; b++) load_row(h + (size_t)b * D * es, L->fmt, hf + (size_t)b * D, D);
+    if ((rc = lin_run(&L->qkv, hf, B, q, nthreads)) != 0) { rc = -2; goto done; }
+    if (bf) round_bf16(q, (long)B * nq);
+    rc = lynx_attn_decode(q, B, L->H, L->Hkv, L->hd, L->rd, L->qn, L->kn, L->eps_qk, L->scale, cos, sin, pos, rows,
+                          kc, vc, cfmt, Bmax, S, L->window, a, nthreads);
+    if (rc != 0) goto done;
+    if (bf) round_bf16(a, (long)B * na);
+    if (lin_run(&L->o, a, B, o, nthreads) != 0) { rc = -2; goto done; }
+    for (int b = 0; b < B; b++) { /* x1 = x + o in the model dtype (torch: fp32 sum, one rounding) */
+        load_row(x + (size_t)b * D * es, L->fmt, hf + (size_t)b * D, D);
+        float *r = hf + (size_t)b * D, *ob = o + (size_t)b * D;
+        if (bf) for (int j = 0; j < D; j++) r[j] += bf16_round(ob[j]);
+        else for (int j = 0; j < D; j++) r[j] += ob[j];
+        store_row(x1 + (size_t)b * D * es, L->fmt, r, D);
+    }
+    lynx_rmsnorm(L->fmt, x1, L->norm2, L->eps2, B, D, h, nthreads);
+    for (int b = 0; b < B; b++) load_row(h + (size_t)b * D * es, L->fmt, h2 + (size_t)b * D, D);
+    if (lin_run(&L->gate, h2, B, logits, nthreads) != 0) { rc = -2; goto done; }
+    if (bf) round_bf16(logits, (long)B * L->gate.N);
+    rc = 0;
+done:
+    free(h); free(hf); free(q); free(a); free(o);
+    return rc;
+}
+
+typedef struct {
+    int fmt; /* FMT_INT4 blocks, or FMT_F32 / FMT_BF16 stacked experts */
+    const uint8_t *data; /* int4: [E, nbytes] */
+    long E, nbytes;      /* dense: nbytes = bytes per weight */
+    const long *offs;    /* int4: part offsets [6] */
+    const int32_t *perm; /* int4 act order [E, D] or NULL */
+    const uint8_t *gu, *dn; /* dense: [E, 2I, D], [E, D, I] */
+    int sym, G, D, I, q8;
+} moe_layer_t;
+
+/* out [B, D] (model dtype fmt) = x1 + round(sum_k w[b, k] * expert_{ids[b, k]}(h2[b])); h2 fp32.
+ * Returns lynx_moe's code (0, -1 out of memory, -3 an expert id out of range: nothing written). */
+int lynx_layer_moe(const moe_layer_t *M, int fmt, const float *h2, const int64_t *ids, const float *w, int B, int K,
+                   const uint8_t *x1, uint8_t *out, int nthreads) {
+    const int D = M->D, bf = fmt == FMT_BF16, es = bf ? 2 : 4;
+    float *y = malloc((size_t)B * D * sizeof(float)), *r = malloc((size_t)D * sizeof(float));
+    int rc = -1;
+    if (!y || !r) goto done;
+    rc = lynx_moe(M->fmt, h2, ids, w, M->perm, M->data, M->E, M->nbytes, M->offs, M->gu, M->dn, M->sym, M->G, D, M->I,
+                  B, K, y, nthreads, NULL, NULL, NULL, NULL, 0, 0.0f, 0.0f, M->q8);
+    if (rc != 0) goto done;
+    for (int b = 0; b < B; b++) {
+        load_row(x1 + (size_t)b * D * es, fmt, r, D);
+        const float *yb = y + (size_t)b * D;
+        if (bf) for (int j = 0; j < D; j++) r[j] += bf16_round(yb[j]);
+        else for (int j = 0; j < D; j++) r[j] += yb[j];
+        store_row(out + (size_t)b * D * es, fmt, r, D);
+    }
+done:
+    free(y); free(r);
+    return rc;
+}

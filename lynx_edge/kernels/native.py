@@ -130,6 +130,10 @@ def lib() -> ctypes.CDLL | None:
     so.lynx_attn_decode.restype = i
     so.lynx_rmsnorm.argtypes = [i, p, p, f, L, i, p, i]
     so.lynx_rmsnorm.restype = i
+    so.lynx_layer_attn.argtypes = [p, p, i, p, p, p, p, p, p, i, L, L, p, p, p, i]
+    so.lynx_layer_attn.restype = i
+    so.lynx_layer_moe.argtypes = [p, i, p, p, p, i, i, p, p, i]
+    so.lynx_layer_moe.restype = i
     return so
 
 
@@ -311,5 +315,81 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor |
     return out if rc == 0 else None
 
 
-__all__ = ["attn_decode", "moe_oss", "rmsnorm", "build", "cache_dir", "dense_ok", "dequant_int4", "lib", "linear", "linear_int4",
-           "moe_dense", "moe_int4"]
+# --- a whole decoder layer at decode (lynx_layer_attn / lynx_layer_moe; models/native_layer.py) ---
+
+
+class Lin(ctypes.Structure):
+    """One projection for the layer calls: dense fp32/bf16 [N, K] or INT4 packed (lin_t in the C file)."""
+    _fields_ = [("kind", ctypes.c_int), ("w", ctypes.c_void_p), ("s", ctypes.c_void_p), ("z", ctypes.c_void_p),
+                ("perm", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("N", ctypes.c_int), ("K", ctypes.c_int),
+                ("G", ctypes.c_int), ("q8", ctypes.c_int)]
+
+
+class AttnLayer(ctypes.Structure):
+    """attn_layer_t: what lynx_layer_attn reads of one layer (pointers into its weights)."""
+    _fields_ = [("fmt", ctypes.c_int), ("D", ctypes.c_int), ("H", ctypes.c_int), ("Hkv", ctypes.c_int),
+                ("hd", ctypes.c_int), ("rd", ctypes.c_int), ("window", ctypes.c_int), ("eps1", ctypes.c_float),
+                ("eps2", ctypes.c_float), ("eps_qk", ctypes.c_float), ("scale", ctypes.c_float),
+                ("norm1", ctypes.c_void_p), ("norm2", ctypes.c_void_p), ("qn", ctypes.c_void_p),
+                ("kn", ctypes.c_void_p), ("qkv", Lin), ("o", Lin), ("gate", Lin)]
+
+
+class MoeLayer(ctypes.Structure):
+    """moe_layer_t: one layer's experts for lynx_layer_moe (INT4 blocks or stacked fp32/bf16)."""
+    _fields_ = [("fmt", ctypes.c_int), ("data", ctypes.c_void_p), ("E", ctypes.c_long), ("nbytes", ctypes.c_long),
+                ("offs", ctypes.c_void_p), ("perm", ctypes.c_void_p), ("gu", ctypes.c_void_p),
+                ("dn", ctypes.c_void_p), ("sym", ctypes.c_int), ("G", ctypes.c_int), ("D", ctypes.c_int),
+                ("I", ctypes.c_int), ("q8", ctypes.c_int)]
+
+
+def dense_lin(weight: torch.Tensor, bias32: torch.Tensor | None) -> Lin:
+    """A Lin over a contiguous CPU fp32/bf16 weight [N, K] (bias fp32 or None; the caller keeps them alive)."""
+    N, K = weight.shape
+    return Lin(_FMT[weight.dtype], weight.data_ptr(), None, None, None, None if bias32 is None else bias32.data_ptr(),
+               N, K, 0, 0)
+
+
+def int4_lin(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, perm: torch.Tensor | None,
+             bias32: torch.Tensor | None, act: str | None) -> Lin:
+    """A Lin over an INT4 linear's contiguous buffers (as linear_int4 takes them)."""
+    N, h = packed.shape
+    return Lin(FMT_INT4, packed.data_ptr(), scales.data_ptr(), None if zeros is None else zeros.data_ptr(),
+               None if perm is None else perm.data_ptr(), None if bias32 is None else bias32.data_ptr(), N, 2 * h,
+               2 * h // scales.shape[0], int((act or INT4_ACT) == "q8"))
+
+
+def layer_attn(plan: AttnLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
+               rows: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, n_logits: int):
+    """x [B, D] (model dtype, contiguous) → (x1 [B, D] model dtype, h2 [B, D] fp32, logits [B, E]
+    fp32), or None when the attention kernel does not take the shape (nothing written)."""
+    B, D = x.shape
+    x1 = torch.empty_like(x)
+    h2 = torch.empty(B, D, dtype=torch.float32)
+    logits = torch.empty(B, n_logits, dtype=torch.float32)
+    rc = lib().lynx_layer_attn(ctypes.byref(plan), x.data_ptr(), B, cos.data_ptr(), sin.data_ptr(), pos.data_ptr(),
+                               rows.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), _FMT[k_cache.dtype],
+                               k_cache.shape[0], k_cache.shape[2], x1.data_ptr(), h2.data_ptr(), logits.data_ptr(),
+                               torch.get_num_threads())
+    if rc == -2:
+        raise MemoryError("the native decode layer could not allocate its scratch buffers")
+    return (x1, h2, logits) if rc == 0 else None
+
+
+def layer_moe(plan: MoeLayer, h2: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, x1: torch.Tensor
+              ) -> torch.Tensor:
+    """x1 + the experts over h2 (fp32 [B, D]) for ids/weights [B, K] → [B, D] in x1's dtype."""
+    ids64, w32 = _as(ids, torch.int64), _as(weights, torch.float32)
+    out = torch.empty_like(x1)
+    rc = lib().lynx_layer_moe(ctypes.byref(plan), _FMT[x1.dtype], h2.data_ptr(), ids64.data_ptr(), w32.data_ptr(),
+                              ids64.shape[0], ids64.shape[1], x1.data_ptr(), out.data_ptr(), torch.get_num_threads())
+    if rc == -3:
+        bad = ids64[(ids64 < 0) | (ids64 >= plan.E)]
+        raise IndexError(f"expert id {int(bad[0])} out of range for {plan.E} experts")
+    if rc != 0:
+        raise MemoryError("the native MoE kernel could not allocate its scratch buffers")
+    return out
+
+
+__all__ = ["AttnLayer", "Lin", "MoeLayer", "attn_decode", "build", "cache_dir", "dense_lin", "dense_ok", "dequant_int4",
+           "int4_lin", "layer_attn", "layer_moe", "lib", "linear", "linear_int4", "moe_dense", "moe_int4", "moe_oss",
+           "rmsnorm"]

@@ -181,6 +181,16 @@ class AttnBatch:
     # KV write be a slice copy and decode / fresh prefill skip the mask (see Attention.attend).
     start: int | None = None
 
+    def native_step(self) -> tuple:
+        """(rows int64 [B], positions int64 [B], cos, sin fp32 [B, rd]) of a decode step, for the
+        native attention calls: made once per step, shared by every layer."""
+        if self.native is None:
+            B = self.positions.shape[0]
+            rows = torch.arange(self.rows.start, self.rows.stop) if isinstance(self.rows, slice) else self.rows
+            self.native = (rows.to(torch.int64), self.positions.reshape(B).to(torch.int64),
+                           self.cos.reshape(B, -1).float(), self.sin.reshape(B, -1).float())
+        return self.native
+
     def mask(self, window: int | None) -> torch.Tensor:
         if window not in self.masks:
             kv = torch.arange(self.kv_len, device=self.positions.device)
@@ -280,11 +290,7 @@ class Attention(nn.Module):
         qkv = fused.native(x.view(B, -1))
         if qkv is None:
             return None
-        step = ab.native  # per step, shared by every layer: rows, positions, cos, sin
-        if step is None:
-            rows = torch.arange(ab.rows.start, ab.rows.stop) if isinstance(ab.rows, slice) else ab.rows
-            step = ab.native = (rows.to(torch.int64), ab.positions.reshape(B).to(torch.int64),
-                                         ab.cos.reshape(B, -1).float(), ab.sin.reshape(B, -1).float())
+        step = ab.native_step()  # per step, shared by every layer: rows, positions, cos, sin
         head = self.qk_norm == "head"
         out = native.attn_decode(qkv, self.H, self.Hkv, self.hd, self.q_norm.weight if head else None,
                                  self.k_norm.weight if head else None, self.q_norm.eps if head else 0.0,

@@ -56,10 +56,30 @@ class DecoderLayer(nn.Module):
         self.mlp = family.mlp(cfg, i, ctx, dtype, device, experts)
         self.is_moe = isinstance(self.mlp, MoEBlock)
 
+    _native: "NativeLayer | bool | None" = None  # None: not tried yet; False: this layer runs the module path
+
     def forward(self, x, ab: AttnBatch, kv, is_decode: torch.Tensor):
+        if x.shape[1] == 1 and x.device.type == "cpu" and self._native is not False:
+            out = self._native_decode(x, ab, kv, is_decode)
+            if out is not None:
+                return out
         x = x + self.self_attn(self.input_layernorm(x), ab, kv)
         h = self.post_attention_layernorm(x)
         return x + (self.mlp(h, is_decode) if self.is_moe else self.mlp(h))
+
+
+    def _native_decode(self, x, ab: AttnBatch, kv, is_decode):
+        """The decode step in two native calls (native_layer.py), or None: the module path runs."""
+        from .native_layer import NATIVE_LAYERS, NativeLayer
+
+        if not NATIVE_LAYERS:
+            return None
+        nl = self._native
+        if nl is None or not nl.valid():
+            nl = self._native = NativeLayer.make(self) or False
+            if nl is False:
+                return None
+        return nl.forward(x, ab, kv, is_decode)
 
 
 class MoEForCausalLM(nn.Module):

@@ -1,0 +1,114 @@
+"""The whole-layer native decode step (models/native_layer.py) against the module path it replaces.
+
+Same kernels, same rounding points: a bf16 model's logits must be bit-equal over several decode
+steps, at one row and at several; fp32 at 2-8 rows too (the module path's projections are native
+there), and at one row within fp32 rounding (the module path runs torch's GEMM). Layers of other
+shapes must keep the module path."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_tiny
+
+from lynx_edge import Engine
+from lynx_edge.kernels import native
+from lynx_edge.models import native_layer
+from lynx_edge.models.native_layer import NativeLayer
+from lynx_edge.step import decode_step, prefill
+
+pytestmark = pytest.mark.skipif(native.lib() is None, reason="native kernels not built (no C compiler)")
+FIX = Path(__file__).parent / "fixtures"
+
+
+def _decode(eng: Engine, B: int, steps: int = 5) -> torch.Tensor:
+    """Logits [steps, B, V] of `steps` decode steps after B prompts of different lengths."""
+    kv = eng._cache(B)
+    for b in range(B):
+        prefill(eng.model, kv, b, [5 + b, 6, 7, 8, 9 + b][: 3 + b % 3], 0)
+    return torch.stack([decode_step(eng.model, kv, list(range(B)), torch.tensor([20 + t + b for b in range(B)]))
+                        for t in range(steps)])
+
+
+def _both(path, B: int, monkeypatch, **kw) -> tuple[torch.Tensor, torch.Tensor, Engine]:
+    """(native-layer logits, module-path logits, the native engine)."""
+    eng = Engine.from_pretrained(path, device="cpu", max_num_seqs=max(B, 1), **kw)
+    got = _decode(eng, B)
+    assert all(isinstance(layer._native, NativeLayer) for layer in eng.model.layers), "the native layer did not run"
+    monkeypatch.setattr(native_layer, "NATIVE_LAYERS", False)
+    ref_eng = Engine.from_pretrained(path, device="cpu", max_num_seqs=max(B, 1), **kw)
+    ref = _decode(ref_eng, B)
+    assert all(layer._native is None for layer in ref_eng.model.layers)
+    monkeypatch.setattr(native_layer, "NATIVE_LAYERS", True)
+    return got, ref, eng
+
+
+@pytest.fixture(scope="module")
+def q3(tmp_path_factory):
+    root = tmp_path_factory.mktemp("nl")
+    # D=128: the int8-activation (q8) kernels take it (width a multiple of 128)
+    return make_tiny(root / "q3", "qwen3_moe", hidden_size=128, moe_intermediate_size=128, head_dim=32)
+
+
+@pytest.mark.parametrize("B", [1, 3])
+def test_bf16_bit_equal_to_module_path(q3, B, monkeypatch):
+    got, ref, _ = _both(q3, B, monkeypatch, dtype="bfloat16")
+    assert torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("kw", [dict(int4=True, int4_group=32), dict(int4=True, int4_group=32, int4_act="q8")],
+                         ids=["int4", "int4-q8"])
+def test_int4_experts_bit_equal(q3, kw, monkeypatch):
+    got, ref, eng = _both(q3, 2, monkeypatch, dtype="bfloat16", **kw)
+    assert eng.model.layers[0]._native.moe_plan.q8 == (kw.get("int4_act") == "q8")
+    assert torch.equal(got, ref)
+
+
+def test_packed_4bit_attention_bit_equal(monkeypatch):
+    """A GPTQ act-order checkpoint: q/k/v/o kept packed (Int4Linear), experts INT4."""
+    got, ref, eng = _both(FIX / "gptq_actorder_tiny", 2, monkeypatch, dtype="bfloat16")
+    assert type(eng.model.layers[0].self_attn.q_proj).__name__ == "Int4Linear"
+    assert torch.equal(got, ref)
+
+
+def test_fp32(q3, monkeypatch):
+    got, ref, _ = _both(q3, 2, monkeypatch, dtype="float32")
+    assert torch.equal(got, ref)  # 2 rows: the module path's projections are native too
+    got, ref, _ = _both(q3, 1, monkeypatch, dtype="float32")
+    err = ((got - ref).abs().max() / ref.abs().max()).item()
+    assert err < 2e-6, err  # one row: torch's GEMM vs the native kernel (observed 5e-7 on the demo)
+
+
+def test_bug_is_caught_and_replaced_weights_rebuild_the_plan(q3, monkeypatch):
+    got, ref, eng = _both(q3, 1, monkeypatch, dtype="bfloat16")
+    plan = eng.model.layers[1]._native.attn_plan
+    plan.eps2 = 0.5  # a wrong epsilon in the second norm: the comparison must notice
+    assert not torch.equal(_decode(eng, 1), ref)
+    layer = eng.model.layers[1]
+    layer.post_attention_layernorm.weight.data = layer.post_attention_layernorm.weight.data.clone()  # new storage
+    assert torch.equal(_decode(eng, 1), ref)  # the stale plan was dropped, a new one built
+
+
+def test_other_shapes_keep_the_module_path(tmp_path, monkeypatch):
+    """OLMoE (its own attention) and Qwen2-MoE (a shared expert) run the module path; an offloaded
+    expert backend runs the attention half natively and its own expert call."""
+    for fam in ("olmoe", "qwen2_moe"):
+        eng = Engine.from_pretrained(make_tiny(tmp_path / fam, fam), device="cpu", dtype="bfloat16")
+        _decode(eng, 1, steps=2)
+        assert all(layer._native is False for layer in eng.model.layers), fam
+    path = make_tiny(tmp_path / "mx", "mixtral")
+    got, ref, eng = _both(path, 2, monkeypatch, dtype="float32", offload=True, expert_slots=4)
+    assert eng.model.layers[0]._native.moe_plan is None
+    assert torch.equal(got, ref)
+
+
+def test_lynx_routing_runs_through_the_native_layer(q3, monkeypatch):
+    """The router between the two calls is the engine's: LYNX on gives the module path's tokens."""
+    prompts = ["def f(x):", "import os", "class A:", "x = 1"]
+    outs = []
+    for flag in (True, False):
+        monkeypatch.setattr(native_layer, "NATIVE_LAYERS", flag)
+        eng = Engine.from_pretrained(q3, device="cpu", dtype="bfloat16", max_num_seqs=4, lynx="on")
+        outs.append(eng.generate_batch(prompts, max_new_tokens=6, ignore_eos=True))
+    assert outs[0] == outs[1]
