@@ -52,6 +52,14 @@ static inline float h2f(uint16_t h) { /* fp16 bits -> fp32, exactly (normal and 
 #endif
 }
 
+#if defined(__AVX2__)
+static inline float hsum256(__m256 t) { /* the sum of 8 lanes */
+    const __m128 v = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+    const __m128 w = _mm_add_ps(v, _mm_movehl_ps(v, v));
+    return _mm_cvtss_f32(_mm_add_ss(w, _mm_shuffle_ps(w, w, 1)));
+}
+#endif
+
 /* acc[t] = sum_g s_g * sum_j (q_j - z_g) * x_t[j] for one packed row q (Kin/2 bytes); s and z point
  * at this row's entry of group 0 (stride N between groups); xe[t] / xo[t] are token t's even / odd
  * input columns and xs[t][g] the sum of its inputs in group g. The vector paths compute
@@ -120,11 +128,7 @@ static inline __attribute__((always_inline)) void dot_rows_h(
                 corr[t] += sg * zg * xs[t][g];
             }
         }
-        for (t = 0; t < NT; t++) {
-            const __m128 v = _mm_add_ps(_mm256_castps256_ps128(tot[t]), _mm256_extractf128_ps(tot[t], 1));
-            const __m128 w = _mm_add_ps(v, _mm_movehl_ps(v, v));
-            acc[t] = _mm_cvtss_f32(_mm_add_ss(w, _mm_shuffle_ps(w, w, 1))) - corr[t];
-        }
+        for (t = 0; t < NT; t++) acc[t] = hsum256(tot[t]) - corr[t];
         return;
     }
 #endif
@@ -296,11 +300,7 @@ static inline __attribute__((always_inline)) void q8_rows(
                 tot[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_mul_ps(dv, sv), tot[t]);
             }
         }
-        for (t = 0; t < NT; t++) {
-            const __m128 v = _mm_add_ps(_mm256_castps256_ps128(tot[t]), _mm256_extractf128_ps(tot[t], 1));
-            const __m128 u = _mm_add_ps(v, _mm_movehl_ps(v, v));
-            acc[t] = _mm_cvtss_f32(_mm_add_ss(u, _mm_shuffle_ps(u, u, 1))) - corr[t];
-        }
+        for (t = 0; t < NT; t++) acc[t] = hsum256(tot[t]) - corr[t];
         return;
     }
 #else
