@@ -473,3 +473,30 @@ def test_int4_q8_moe_matches_emulation():
     assert _rel(y, ref.float()) < 3 * TOL_Q8, _rel(y, ref.float())
     exact = native.moe_int4(*args, act="f32")
     assert 1e-4 < _rel(y, exact) < 2e-2
+
+
+def test_attention_tokens_of_one_row_in_one_call_see_each_other():
+    """A mixed step packs a prompt chunk as one token per attention row, several in the same cache
+    row: every key is written before any token attends, so the later ones see the earlier ones
+    whichever thread runs them (the torch path's order), at any thread count."""
+    from lynx_edge.models.layers import AttnBatch
+
+    att, rope = _attn("qwen3_moe", torch.float32)
+    g = torch.Generator().manual_seed(2)
+    caches = tuple(torch.randn(2, 2, 12, 16, generator=g) for _ in range(2))
+    x = torch.randn(4, 1, 64, generator=g)
+    rows, pos = torch.tensor([1, 1, 1, 0]), torch.tensor([[3], [4], [5], [7]])  # a 3-token chunk of row 1
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            outs = {}
+            for native_on in (True, False):
+                att._native_decode = None if native_on else False
+                kv = tuple(c.clone() for c in caches)
+                ab = AttnBatch(positions=pos, rows=rows, kv_len=8)
+                ab.cos, ab.sin = rope.cos_sin(pos, torch.float32)
+                outs[native_on] = att(x, ab, kv)
+            assert _rel(outs[True], outs[False]) < 1e-6, (threads, _rel(outs[True], outs[False]))
+    finally:
+        torch.set_num_threads(before)

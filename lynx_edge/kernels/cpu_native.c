@@ -968,6 +968,19 @@ static inline void load_row(const uint8_t *src, int cfmt, float *v, int n) {
 #define MAX_HD 256   /* head dims and q heads per kv head the stack buffers hold (larger: torch) */
 #define MAX_GROUP 16
 
+/* the new key (normed, rotated) and value of (row b, kv head g) into the cache at its position */
+static void kv_write(const attn_t *A, int b, int g) {
+    const int hd = A->hd;
+    const long es = A->cfmt == FMT_F32 ? 4 : 2, width = (long)(A->H + 2 * A->Hkv) * hd;
+    const float *row = A->qkv + b * width, *cs = A->cos + (long)b * A->rd, *sn = A->sin + (long)b * A->rd;
+    const long base = ((long)A->rows[b] * A->Hkv + g) * A->S;
+    float kv[MAX_HD];
+    memcpy(kv, row + (long)(A->H + g) * hd, hd * sizeof(float));
+    norm_rope(kv, hd, A->kn, A->eps, cs, sn, A->rd);
+    store_row(A->kc + (base + A->pos[b]) * hd * es, A->cfmt, kv, hd);
+    store_row(A->vc + (base + A->pos[b]) * hd * es, A->cfmt, row + (long)(A->H + A->Hkv + g) * hd, hd);
+}
+
 static void attn_item(const void *arg, long item) {
     const attn_t *A = arg;
     const int b = (int)(item / A->Hkv), g = (int)(item % A->Hkv), hd = A->hd, G = A->H / A->Hkv;
@@ -977,13 +990,8 @@ static void attn_item(const void *arg, long item) {
     const float *row = A->qkv + b * width, *cs = A->cos + (long)b * A->rd, *sn = A->sin + (long)b * A->rd;
     const long base = ((long)A->rows[b] * A->Hkv + g) * A->S; /* this (row, kv head)'s [S, hd] */
     uint8_t *kc = A->kc + base * hd * es, *vc = A->vc + base * hd * es;
-    float kv[MAX_HD], q[MAX_GROUP * MAX_HD], o[MAX_GROUP * MAX_HD], vr[MAX_HD], acc[MAX_GROUP];
-    /* the new key (normed, rotated) and value into the cache at position p */
-    memcpy(kv, row + (long)(A->H + g) * hd, hd * sizeof(float));
-    norm_rope(kv, hd, A->kn, A->eps, cs, sn, A->rd);
-    store_row(kc + p * hd * es, A->cfmt, kv, hd);
-    store_row(vc + p * hd * es, A->cfmt, row + (long)(A->H + A->Hkv + g) * hd, hd);
-    /* the group's queries, normed, rotated and scaled */
+    float q[MAX_GROUP * MAX_HD], o[MAX_GROUP * MAX_HD], vr[MAX_HD], acc[MAX_GROUP];
+    /* the group's queries, normed, rotated and scaled (this step's keys are already cached) */
     for (int i = 0; i < G; i++) {
         float *qi = q + i * hd;
         memcpy(qi, row + (long)(g * G + i) * hd, hd * sizeof(float));
@@ -1031,6 +1039,10 @@ int lynx_attn_decode(const float *qkv, int B, int H, int Hkv, int hd, int rd, co
     if (!scores) return -2;
     attn_t A = {qkv, B, H, Hkv, hd, rd, window, cfmt, qn, kn, eps, scale, cos, sin, pos, rows, kc, vc, S, out,
                 scores, Lmax};
+    /* every key and value first: tokens of one row in one call (a mixed step's prompt chunk) attend
+     * to each other's, whichever thread runs them */
+    for (int b = 0; b < B; b++)
+        for (int g = 0; g < Hkv; g++) kv_write(&A, b, g);
     parallel(attn_item, &A, (long)B * Hkv, nthreads);
     free(scores);
     return 0;
