@@ -152,14 +152,17 @@ def _moe_plan(experts, keep: list, dt) -> tuple[native.MoeLayer | None, int]:
 
 
 def _key(layer) -> tuple:
-    """The storages the plan points into: a weight replaced (not written in place) rebuilds it."""
-    attn, mlp = layer.self_attn, layer.mlp
-    f = attn._fused()
-    ex = mlp.experts
-    exp = ex.gate_up.data_ptr() if type(ex) is StackedExperts else getattr(getattr(ex, "packed", None), "data", None)
-    return (None if f is None else f.storage(), attn.o_proj.storage(), mlp.gate.weight.data_ptr(),
-            layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
-            exp if isinstance(exp, int) or exp is None else exp.data_ptr(), id(ex))
+    """The modules and storages the plan points into: a module or weight replaced (not written in
+    place) rebuilds the plan. Plain attribute reads: this runs every layer of every decode step."""
+    m = layer._modules
+    attn, mlp = m["self_attn"], m["mlp"]
+    am, mm = attn._modules, mlp._modules
+    ex = mm["experts"]
+    exp = ex._parameters["gate_up"] if type(ex) is StackedExperts else getattr(getattr(ex, "packed", None), "data", None)
+    return (am["q_proj"], am["q_proj"].storage(), am["o_proj"], am["o_proj"].storage(), mm["gate"],
+            mm["gate"]._parameters["weight"].data_ptr(), m["input_layernorm"]._parameters["weight"].data_ptr(),
+            m["post_attention_layernorm"]._parameters["weight"].data_ptr(), ex,
+            None if exp is None else exp.data_ptr())
 
 
 __all__ = ["NativeLayer"]
