@@ -61,6 +61,8 @@ class NativeLayer:
     def __init__(self, layer, attn_plan, moe_plan, keep: list, key: tuple, max_rows: int, max_slots: int):
         self.layer, self.attn_plan, self.moe_plan, self.keep, self.key = layer, attn_plan, moe_plan, keep, key
         self.max_rows, self.max_slots = max_rows, max_slots
+        self.mlp = layer.mlp  # read once: nn.Module attribute lookups cost microseconds per step
+        self.n_experts = self.mlp.gate.weight.shape[0]
 
     @classmethod
     def make(cls, layer) -> "NativeLayer | None":
@@ -104,7 +106,7 @@ class NativeLayer:
     def forward(self, x: torch.Tensor, ab: AttnBatch, kv, is_decode: torch.Tensor) -> torch.Tensor | None:
         """x [B, 1, D] → the layer's output, or None (the module path runs: nothing was written)."""
         B = x.shape[0]
-        mlp = self.layer.mlp
+        mlp = self.mlp
         k_cache, v_cache = kv
         if (B > self.max_rows or ab.cos is None or k_cache.dtype != v_cache.dtype or k_cache.dtype not in DENSE_ROWS
                 or not (k_cache.is_contiguous() and v_cache.is_contiguous()) or not x.is_contiguous()):
@@ -112,7 +114,7 @@ class NativeLayer:
         step = ab.native_step()
         self.attn_plan.rd = step[2].shape[-1]  # RoPE dims per head (partial rotary: < hd)
         got = native.layer_attn(self.attn_plan, x.view(B, -1), step[2], step[3], step[1], step[0], k_cache, v_cache,
-                                mlp.gate.weight.shape[0])
+                                self.n_experts)
         if got is None:
             return None
         x1, h2, logits = got

@@ -14,6 +14,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..routing import RouterSpec
 from .layers import AttnBatch, DenseMLP, Linear, MoEBlock, RMSNorm, Rope, RoutingContext, _param, linear
+from . import native_layer
 
 
 def family_of(cfg: ModelConfig):
@@ -70,13 +71,11 @@ class DecoderLayer(nn.Module):
 
     def _native_decode(self, x, ab: AttnBatch, kv, is_decode):
         """The decode step in two native calls (native_layer.py), or None: the module path runs."""
-        from .native_layer import NATIVE_LAYERS, NativeLayer
-
-        if not NATIVE_LAYERS:
+        if not native_layer.NATIVE_LAYERS:
             return None
         nl = self._native
         if nl is None or not nl.valid():
-            nl = self._native = NativeLayer.make(self) or False
+            nl = self._native = native_layer.NativeLayer.make(self) or False
             if nl is False:
                 return None
         return nl.forward(x, ab, kv, is_decode)
