@@ -59,7 +59,7 @@ if triton is not None:
         """base^n, exact, by squaring: base an int scalar, n ≥ 0 int (scalar or tile) with
         base^n < 2^62. Six constexpr steps cover n < 64 (a loop bound the 3.6 interpreter takes);
         a square is skipped once the power passes LIMIT = √(int max): no higher bit of n is set."""
-        r = (n * 0 + 1).to(base.dtype)
+        r = base * 0 + (n * 0 + 1)  # base's dtype, n's shape; n may be a specialised Python int (Triton 3.7)
         p = base
         for b in tl.static_range(6):
             r = tl.where(((n >> b) & 1) != 0, r * p, r)
