@@ -107,9 +107,10 @@ def test_model_paths_use_the_kernels(monkeypatch):
     x, ids, w, gu, dn = _moe_problem(4, 2, 4, 64, 32, torch.bfloat16)
     layers.cpu_moe(x.bfloat16(), ids, w, gu, dn)
     layers.linear(x[:1].bfloat16(), gu[0])
-    layers.linear(x[:1], gu[0].float())  # fp32 at one row: torch's GEMV measured as fast
+    layers.linear(x[:1], gu[0].float())  # fp32 at one row: native too (one kernel for every decode batch)
     layers.linear(torch.randn(200, 64).bfloat16(), gu[0])  # prefill-sized: torch (fp32 GEMM, widened)
-    assert calls == ["moe", "linear"]
+    layers.linear(torch.randn(64, 64), gu[0].float())  # fp32 past 32 rows: torch's GEMM
+    assert calls == ["moe", "linear", "linear"]
 
 
 def test_disabled_or_no_compiler_falls_back(tmp_path):

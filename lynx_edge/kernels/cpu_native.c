@@ -7,7 +7,7 @@
  * with biases and its clamped SwiGLU). Plan (slots sorted expert-major), gather, gate/up rows with
  * the activation, down rows times the routing weight, then each token's K slots summed in slot
  * order (as moe_ref). Each active expert's weights are read once per call however many tokens
- * share it; up to four (INT4, MXFP4) or eight (dense) tokens share each loaded vector.
+ * share it; up to four tokens share each loaded vector.
  * lynx_linear: a dense projection for decode-sized T (bf16 weights widen exactly by a shift, so
  * bf16 costs half the bytes of fp32 on a CPU without native bf16 math); lynx_linear_int4 the same
  * for an INT4 linear read packed (GPTQ / AWQ attention).
@@ -361,41 +361,41 @@ static inline __attribute__((always_inline)) void dense_rows(const void *w, cons
     const float *wf = (const float *)w;
     const uint16_t *wb = (const uint16_t *)w;
 #if defined(__AVX512F__)
-    __m512 a[8];
-    for (t = 0; t < NT; t++) a[t] = _mm512_setzero_ps();
-    if (NT == 1) { /* one token: four independent sums, or the FMA latency chain bounds the row */
-        __m512 b1 = _mm512_setzero_ps(), b2 = _mm512_setzero_ps(), b3 = _mm512_setzero_ps();
-        for (; j + 64 <= Kin; j += 64) {
+    /* every token sums the same way whatever NT (1..4): four partial sums per 64 inputs (or the FMA
+     * latency chain bounds a one-token row), then 16 at a time, then one fixed reduction. So a
+     * token's result does not depend on which tokens share the call: decode is batch-invariant
+     * (a row's output alone equals it inside any batch). */
+    __m512 a[4][4], s[4];
+    for (t = 0; t < NT; t++) a[t][0] = a[t][1] = a[t][2] = a[t][3] = _mm512_setzero_ps();
+    for (; j + 64 <= Kin; j += 64) {
 #define W16(o) (FMT == FMT_F32 ? _mm512_loadu_ps(wf + j + (o)) \
                 : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(wb + j + (o)))), 16)))
-            const char *pf = (const char *)w + (long)j * (FMT == FMT_F32 ? 4 : 2) + PREFETCH;
-            _mm_prefetch(pf, _MM_HINT_T0);
-            _mm_prefetch(pf + 64, _MM_HINT_T0);
-            if (FMT == FMT_F32) { _mm_prefetch(pf + 128, _MM_HINT_T0); _mm_prefetch(pf + 192, _MM_HINT_T0); }
-            a[0] = _mm512_fmadd_ps(W16(0), _mm512_loadu_ps(x[0] + j), a[0]);
-            b1 = _mm512_fmadd_ps(W16(16), _mm512_loadu_ps(x[0] + j + 16), b1);
-            b2 = _mm512_fmadd_ps(W16(32), _mm512_loadu_ps(x[0] + j + 32), b2);
-            b3 = _mm512_fmadd_ps(W16(48), _mm512_loadu_ps(x[0] + j + 48), b3);
+        const char *pf = (const char *)w + (long)j * (FMT == FMT_F32 ? 4 : 2) + PREFETCH;
+        _mm_prefetch(pf, _MM_HINT_T0);
+        _mm_prefetch(pf + 64, _MM_HINT_T0);
+        if (FMT == FMT_F32) { _mm_prefetch(pf + 128, _MM_HINT_T0); _mm_prefetch(pf + 192, _MM_HINT_T0); }
+        const __m512 w0 = W16(0), w1 = W16(16), w2 = W16(32), w3 = W16(48);
 #undef W16
+        for (t = 0; t < NT; t++) {
+            a[t][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x[t] + j), a[t][0]);
+            a[t][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x[t] + j + 16), a[t][1]);
+            a[t][2] = _mm512_fmadd_ps(w2, _mm512_loadu_ps(x[t] + j + 32), a[t][2]);
+            a[t][3] = _mm512_fmadd_ps(w3, _mm512_loadu_ps(x[t] + j + 48), a[t][3]);
         }
-        a[0] = _mm512_add_ps(_mm512_add_ps(a[0], b1), _mm512_add_ps(b2, b3));
     }
+    for (t = 0; t < NT; t++) s[t] = _mm512_add_ps(_mm512_add_ps(a[t][0], a[t][1]), _mm512_add_ps(a[t][2], a[t][3]));
     for (; j + 16 <= Kin; j += 16) {
         const __m512 wv = FMT == FMT_F32 ? _mm512_loadu_ps(wf + j)
             : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(wb + j))), 16));
-        for (t = 0; t < NT; t++) a[t] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x[t] + j), a[t]);
+        for (t = 0; t < NT; t++) s[t] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x[t] + j), s[t]);
     }
-    t = 0;
-    if (NT >= 2) { /* four at a time (missing tokens as zero vectors) */
+    { /* one reduction for all: absent tokens are zero vectors, which add nothing to the others */
         const __m256 z = _mm256_setzero_ps();
-        for (; t < NT; t += 4) {
-            float r[4];
-            _mm_storeu_ps(r, sum4_256(fold512(a[t]), t + 1 < NT ? fold512(a[t + 1]) : z,
-                                      t + 2 < NT ? fold512(a[t + 2]) : z, t + 3 < NT ? fold512(a[t + 3]) : z));
-            for (int i = 0; i < 4 && t + i < NT; i++) acc[t + i] = r[i];
-        }
+        float r[4];
+        _mm_storeu_ps(r, sum4_256(fold512(s[0]), NT > 1 ? fold512(s[1]) : z, NT > 2 ? fold512(s[2]) : z,
+                                  NT > 3 ? fold512(s[3]) : z));
+        for (t = 0; t < NT; t++) acc[t] = r[t];
     }
-    for (; t < NT; t++) acc[t] = _mm512_reduce_add_ps(a[t]);
 #elif defined(__AVX2__) && defined(__FMA__)
     __m256 a[8];
     for (t = 0; t < NT; t++) a[t] = _mm256_setzero_ps();
@@ -435,28 +435,21 @@ static inline __attribute__((always_inline)) void dense_rows(const void *w, cons
     }
 }
 
-/* acc[0..n) for n tokens (rows x0 + t*ld), eight at a time (eight accumulators and a weight
- * vector fit the 16 AVX2 / 32 AVX-512 vector registers) */
+/* acc[0..n) for n tokens (rows x0 + t*ld), four at a time (four tokens' partial sums and the weight
+ * vectors fit the vector registers; each token sums the same way in any group: dense_rows) */
 static inline __attribute__((always_inline)) void dense_slots_f(const void *w, const int FMT, int Kin,
                                                                 const float *x0, long ld, int n, float *acc) {
     int t = 0;
-    const float *x[8];
-    for (; t + 8 <= n; t += 8) {
-        for (int i = 0; i < 8; i++) x[i] = x0 + (t + i) * ld;
-        dense_rows(w, FMT, Kin, x, 8, acc + t);
+    const float *x[4];
+    for (; t + 4 <= n; t += 4) {
+        for (int i = 0; i < 4; i++) x[i] = x0 + (t + i) * ld;
+        dense_rows(w, FMT, Kin, x, 4, acc + t);
     }
     const int r = n - t;
     for (int i = 0; i < r; i++) x[i] = x0 + (t + i) * ld;
-    switch (r) {
-    case 7: dense_rows(w, FMT, Kin, x, 7, acc + t); break;
-    case 6: dense_rows(w, FMT, Kin, x, 6, acc + t); break;
-    case 5: dense_rows(w, FMT, Kin, x, 5, acc + t); break;
-    case 4: dense_rows(w, FMT, Kin, x, 4, acc + t); break;
-    case 3: dense_rows(w, FMT, Kin, x, 3, acc + t); break;
-    case 2: dense_rows(w, FMT, Kin, x, 2, acc + t); break;
-    case 1: dense_rows(w, FMT, Kin, x, 1, acc + t); break;
-    default: break;
-    }
+    if (r == 3) dense_rows(w, FMT, Kin, x, 3, acc + t);
+    else if (r == 2) dense_rows(w, FMT, Kin, x, 2, acc + t);
+    else if (r == 1) dense_rows(w, FMT, Kin, x, 1, acc + t);
 }
 
 static void dense_slots(const void *w, int fmt, int Kin, const float *x0, long ld, int n, float *acc) {

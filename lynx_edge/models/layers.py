@@ -28,12 +28,14 @@ def _param(*shape: int, dtype, device) -> nn.Parameter:
 
 # CPU projections and experts by what measured fastest on this kind of machine
 # (benchmarks/results/cpu_native.md, AVX-512 without native bf16 math, 1-2 threads):
-# - fp32 weights: the native kernel at 2-8 rows (MKL's small-M path is slower there), torch's
-#   GEMM otherwise (a real blocked GEMM: 2-6x the native kernel from 32 rows up);
+# - fp32 weights: the native kernel up to 32 rows (MKL's small-M path is slower at 2-8 rows, level
+#   at 1 and 16; and one kernel for every decode-sized batch keeps decode batch-invariant: a row's
+#   logits alone equal its logits in any batch of ≤ 32), torch's GEMM beyond (a real blocked GEMM:
+#   2-6x the native kernel from 64 rows up);
 # - bf16 weights: torch widens bf16 slowly without native bf16 math, so the native kernel (which
 #   widens by a shift and reads half fp32's bytes) up to 128 rows, and past that torch's fp32 GEMM
 #   on the weight widened in row chunks (a bounded transient; 4-5x torch's bf16 GEMM at 512 rows).
-NATIVE_ROWS = {torch.bfloat16: (1, 128), torch.float32: (2, 8)}
+NATIVE_ROWS = {torch.bfloat16: (1, 128), torch.float32: (1, 32)}
 WIDEN_ROWS = 4096  # bf16 weight rows widened to fp32 at a time past NATIVE_ROWS (≤ 32 MiB at D=2048)
 
 

@@ -9,9 +9,9 @@ model that is most of the step, and it is serial when the kernels use two thread
     ctx.route         the routing decision, in torch as before (exact / LYNX / offload routers)
     lynx_layer_moe    x1 + experts(h2)                         (one call)
 
-with the same kernels and the same roundings as the module path: for a bf16 model the result is
-bit-equal to it (tests/test_native_layer.py); for fp32, projections at one row run the native kernel
-where the module path runs torch's GEMM (equal within fp32 rounding). The plan (pointers into the
+with the same kernels and the same roundings as the module path: the result is bit-equal to it
+(tests/test_native_layer.py), and, as the kernels sum each row the same way in any batch, a row's
+result does not depend on the batch it runs in. The plan (pointers into the
 layer's weights) is built on the first decode step and checked against the weights' storage each
 step. Layers of another shape — a family's own attention or norm, shared experts, a scorer, an
 offloaded or gpt-oss expert backend — and batches past the kernels' row limits run the module path.
@@ -29,7 +29,7 @@ from .layers import Attention, AttnBatch, Linear, MoEBlock, RMSNorm, StackedExpe
 
 # LYNX_EDGE_NATIVE_LAYER=0: every layer runs the module path (the kernels still run inside it)
 NATIVE_LAYERS = os.environ.get("LYNX_EDGE_NATIVE_LAYER", "1") != "0"
-DENSE_ROWS = {torch.bfloat16: 128, torch.float32: 8}  # rows up to which the module path's projections are native
+DENSE_ROWS = {torch.bfloat16: 128, torch.float32: 32}  # layers.NATIVE_ROWS: the module path's projections are native up to these
 INT4_ROWS = 32  # quant/linear.NATIVE_MAX_ROWS (models never import quant: duck-typed here)
 FP32_SLOTS = 512  # layers.NATIVE_SLOTS: fp32 experts run natively up to this many token-expert slots
 
