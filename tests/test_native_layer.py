@@ -126,3 +126,25 @@ def test_lynx_routing_runs_through_the_native_layer(q3, monkeypatch):
         eng = Engine.from_pretrained(q3, device="cpu", dtype="bfloat16", max_num_seqs=4, lynx="on")
         outs.append(eng.generate_batch(prompts, max_new_tokens=6, ignore_eos=True))
     assert outs[0] == outs[1]
+
+
+def test_equal_length_one_token_chunks(q3, monkeypatch):
+    """One-token prompt chunks of equal start run through the native layer with positions that are
+    an expanded (stride-0) view: the call must read each row's own position (it read past the one
+    element, so row 1's attention depended on stray memory)."""
+    from lynx_edge.step import prefill_rows
+
+    outs = []
+    for flag in (True, False):
+        monkeypatch.setattr(native_layer, "NATIVE_LAYERS", flag)
+        eng = Engine.from_pretrained(q3, device="cpu", dtype="float32", max_num_seqs=3)
+        kv = eng._cache(3)
+        prefill_rows(eng.model, kv, [0, 1, 2], [[5, 6, 7], [8, 9, 10], [11, 12, 13]], [0, 0, 0])
+        outs.append(prefill_rows(eng.model, kv, [0, 1, 2], [[20], [21], [22]], [3, 3, 3])[0])
+    assert torch.equal(outs[0], outs[1])
+    from lynx_edge.models.layers import AttnBatch
+
+    ab = AttnBatch(positions=torch.arange(3, 4)[None].expand(3, 1), rows=slice(0, 3), kv_len=4, start=3)
+    ab.cos = ab.sin = torch.zeros(3, 1, 1, 8)
+    step = ab.native_step()
+    assert all(t.is_contiguous() for t in step) and step[1].tolist() == [3, 3, 3]

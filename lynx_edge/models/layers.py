@@ -189,8 +189,10 @@ class AttnBatch:
         if self.native is None:
             B = self.positions.shape[0]
             rows = torch.arange(self.rows.start, self.rows.stop) if isinstance(self.rows, slice) else self.rows
-            self.native = (rows.to(torch.int64), self.positions.reshape(B).to(torch.int64),
-                           self.cos.reshape(B, -1).float(), self.sin.reshape(B, -1).float())
+            # contiguous: the native calls read raw pointers, and an equal-length prefill's positions
+            # are an expanded (stride-0) view whose reshape stays one
+            self.native = tuple(t.contiguous() for t in (rows.to(torch.int64), self.positions.reshape(B).to(torch.int64),
+                                                          self.cos.reshape(B, -1).float(), self.sin.reshape(B, -1).float()))
         return self.native
 
     def mask(self, window: int | None) -> torch.Tensor:
