@@ -446,7 +446,6 @@ def test_int4_q8_linear_matches_emulation(T, N, Kin, G, sym, act_order):
 
 
 def test_int4_q8_moe_matches_emulation():
-    from lynx_edge.quant.cpu_kernels import _offsets
     from lynx_edge.quant.int4 import Int4Experts
 
     g = torch.Generator().manual_seed(2)
@@ -467,7 +466,7 @@ def test_int4_q8_moe_matches_emulation():
             hgu = gue.double() @ _q8(x[t]).double()
             h = (F.silu(hgu[:I]) * hgu[I:]).float()
             ref[t] += float(w[t, k]) * (dne.double() @ _q8(h).double())
-    args = (x, ids, w, packed.data, _offsets(packed.layout), False, G, D, I)
+    args = (x, ids, w, packed.data, packed.layout.part_offsets, False, G, D, I)
     y = native.moe_int4(*args, act="q8")
     # h is rounded to int8 after fp32 sums in another order: a rare tie can move one step of one
     # input, hence a bound above TOL_Q8 (observed 8.9e-7)

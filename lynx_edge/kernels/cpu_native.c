@@ -176,6 +176,13 @@ static void dot_slots(const uint8_t *q, const uint16_t *s, const uint8_t *z, lon
     else if (r == 1) dot_rows(q, s, z, N, Kin, G, xe, xo, xs, 1, acc + t);
 }
 
+/* a row's even / odd input columns (through the act-order permutation perm when not NULL: code
+ * column j reads input perm[j]) into de / dd [h] */
+static inline void split_row(const float *xt, const int32_t *perm, long h, float *de, float *dd) {
+    if (perm) for (long j = 0; j < h; j++) { de[j] = xt[perm[2 * j]]; dd[j] = xt[perm[2 * j + 1]]; }
+    else for (long j = 0; j < h; j++) { de[j] = xt[2 * j]; dd[j] = xt[2 * j + 1]; }
+}
+
 /* sums [S, Kin/G]: per row of the even/odd inputs (row stride Kin/2), the sum over each group */
 static void group_sums(const float *xe, const float *xo, long S, int Kin, int G, float *sums) {
     const int H = G / 2, ng = Kin / G;
@@ -748,13 +755,7 @@ int lynx_moe(int fmt, const float *x, const int64_t *ids, const float *w, const 
             memcpy(xe + r * D, xt, D * sizeof(float));
             continue;
         }
-        float *de = xe + r * (D / 2), *dd = xo + r * (D / 2);
-        if (perm) {
-            const int32_t *p = perm + ids[order[r]] * D;
-            for (int j = 0; j < D / 2; j++) { de[j] = xt[p[2 * j]]; dd[j] = xt[p[2 * j + 1]]; }
-        } else {
-            for (int j = 0; j < D / 2; j++) { de[j] = xt[2 * j]; dd[j] = xt[2 * j + 1]; }
-        }
+        split_row(xt, perm ? perm + ids[order[r]] * D : NULL, D / 2, xe + r * (D / 2), xo + r * (D / 2));
     }
     if (q8x) quant_q8(xe, xo, S, D, G, xq, xq + S * (D / 2), xd, xd + S * (D / QB));
     else if (int4) group_sums(xe, xo, S, D, G, xsum);
@@ -852,12 +853,7 @@ int lynx_linear_int4(const float *x, const uint8_t *q, const uint16_t *s, const 
     int8_t *xq = q8 ? malloc(2L * T * h) : NULL;
     if (!xe || !xs || (q8 && !xq)) { free(xe); free(xs); free(xq); return -1; }
     float *xo = xe + (long)T * h;
-    for (long t = 0; t < T; t++) {
-        const float *xt = x + t * Kin;
-        float *de = xe + t * h, *dd = xo + t * h;
-        if (perm) for (long j = 0; j < h; j++) { de[j] = xt[perm[2 * j]]; dd[j] = xt[perm[2 * j + 1]]; }
-        else for (long j = 0; j < h; j++) { de[j] = xt[2 * j]; dd[j] = xt[2 * j + 1]; }
-    }
+    for (long t = 0; t < T; t++) split_row(x + t * Kin, perm, h, xe + t * h, xo + t * h);
     float *d = xs + (long)T * (Kin / G); /* q8: block scales after the group sums */
     if (q8) quant_q8(xe, xo, T, Kin, G, xq, xq + (long)T * h, d, xs);
     else group_sums(xe, xo, T, Kin, G, xs);
@@ -1117,6 +1113,20 @@ static void round_bf16(float *v, long n) {
     for (long j = 0; j < n; j++) v[j] = bf16_round(v[j]);
 }
 
+/* out [B, D] = x + y in the model dtype fmt, as torch adds a layer's output to the residual: y
+ * (fp32) first rounds to the model dtype, the sum is fp32 and rounds once. r: a scratch row [D]. */
+static void residual_add(const uint8_t *x, int fmt, const float *y, int B, int D, float *r, uint8_t *out) {
+    const int bf = fmt == FMT_BF16;
+    const size_t es = bf ? 2 : 4;
+    for (int b = 0; b < B; b++) {
+        load_row(x + (size_t)b * D * es, fmt, r, D);
+        const float *yb = y + (size_t)b * D;
+        if (bf) for (int j = 0; j < D; j++) r[j] += bf16_round(yb[j]);
+        else for (int j = 0; j < D; j++) r[j] += yb[j];
+        store_row(out + (size_t)b * D * es, fmt, r, D);
+    }
+}
+
 typedef struct {
     int fmt; /* the model dtype: FMT_F32 or FMT_BF16 (residual stream, norm weights) */
     int D, H, Hkv, hd, rd, window;
@@ -1149,13 +1159,7 @@ int lynx_layer_attn(const attn_layer_t *L, const uint8_t *x, int B, const float 
     if (rc != 0) goto done;
     if (bf) round_bf16(a, (long)B * na);
     if (lin_run(&L->o, a, B, o, nthreads) != 0) { rc = -2; goto done; }
-    for (int b = 0; b < B; b++) { /* x1 = x + o in the model dtype (torch: fp32 sum, one rounding) */
-        load_row(x + (size_t)b * D * es, L->fmt, hf + (size_t)b * D, D);
-        float *r = hf + (size_t)b * D, *ob = o + (size_t)b * D;
-        if (bf) for (int j = 0; j < D; j++) r[j] += bf16_round(ob[j]);
-        else for (int j = 0; j < D; j++) r[j] += ob[j];
-        store_row(x1 + (size_t)b * D * es, L->fmt, r, D);
-    }
+    residual_add(x, L->fmt, o, B, D, hf, x1);
     lynx_rmsnorm(L->fmt, x1, L->norm2, L->eps2, B, D, h, nthreads);
     for (int b = 0; b < B; b++) load_row(h + (size_t)b * D * es, L->fmt, h2 + (size_t)b * D, D);
     if (lin_run(&L->gate, h2, B, logits, nthreads) != 0) { rc = -2; goto done; }
@@ -1180,20 +1184,14 @@ typedef struct {
  * Returns lynx_moe's code (0, -1 out of memory, -3 an expert id out of range: nothing written). */
 int lynx_layer_moe(const moe_layer_t *M, int fmt, const float *h2, const int64_t *ids, const float *w, int B, int K,
                    const uint8_t *x1, uint8_t *out, int nthreads) {
-    const int D = M->D, bf = fmt == FMT_BF16, es = bf ? 2 : 4;
+    const int D = M->D;
     float *y = malloc((size_t)B * D * sizeof(float)), *r = malloc((size_t)D * sizeof(float));
     int rc = -1;
     if (!y || !r) goto done;
     rc = lynx_moe(M->fmt, h2, ids, w, M->perm, M->data, M->E, M->nbytes, M->offs, M->gu, M->dn, M->sym, M->G, D, M->I,
                   B, K, y, nthreads, NULL, NULL, NULL, NULL, 0, 0.0f, 0.0f, M->q8);
     if (rc != 0) goto done;
-    for (int b = 0; b < B; b++) {
-        load_row(x1 + (size_t)b * D * es, fmt, r, D);
-        const float *yb = y + (size_t)b * D;
-        if (bf) for (int j = 0; j < D; j++) r[j] += bf16_round(yb[j]);
-        else for (int j = 0; j < D; j++) r[j] += yb[j];
-        store_row(out + (size_t)b * D * es, fmt, r, D);
-    }
+    residual_add(x1, fmt, y, B, D, r, out);
 done:
     free(y); free(r);
     return rc;

@@ -179,12 +179,17 @@ def _call_moe(fmt, x, ids, w, perm, data, E, nbytes, offs, gu, dn, sym, G, D, I,
         n = min(step, T - t0)  # row slices of contiguous tensors: contiguous, pointers offset
         rc = so.lynx_moe(fmt, x32[t0].data_ptr(), ids64[t0].data_ptr(), w32[t0].data_ptr(), perm, data, E, nbytes,
                          offs, gu, dn, sym, G, D, I, n, K, out[t0].data_ptr(), torch.get_num_threads(), *oss, int(q8))
-        if rc == -3:
-            bad = ids64[(ids64 < 0) | (ids64 >= E)]
-            raise IndexError(f"expert id {int(bad[0])} out of range for {E} experts")
-        if rc != 0:
-            raise MemoryError("the native MoE kernel could not allocate its scratch buffers")
+        _check_moe(rc, ids64, E)
     return out
+
+
+def _check_moe(rc: int, ids64: torch.Tensor, E: int) -> None:
+    """lynx_moe's return code → nothing (0), IndexError naming the bad id (-3), MemoryError."""
+    if rc == -3:
+        bad = ids64[(ids64 < 0) | (ids64 >= E)]
+        raise IndexError(f"expert id {int(bad[0])} out of range for {E} experts")
+    if rc != 0:
+        raise MemoryError("the native MoE kernel could not allocate its scratch buffers")
 
 
 def moe_int4(x, ids, weights, data: torch.Tensor, offs, sym: bool, G: int, D: int, I: int,
@@ -382,11 +387,7 @@ def layer_moe(plan: MoeLayer, h2: torch.Tensor, ids: torch.Tensor, weights: torc
     out = torch.empty_like(x1)
     rc = lib().lynx_layer_moe(ctypes.byref(plan), _FMT[x1.dtype], h2.data_ptr(), ids64.data_ptr(), w32.data_ptr(),
                               ids64.shape[0], ids64.shape[1], x1.data_ptr(), out.data_ptr(), torch.get_num_threads())
-    if rc == -3:
-        bad = ids64[(ids64 < 0) | (ids64 >= plan.E)]
-        raise IndexError(f"expert id {int(bad[0])} out of range for {plan.E} experts")
-    if rc != 0:
-        raise MemoryError("the native MoE kernel could not allocate its scratch buffers")
+    _check_moe(rc, ids64, plan.E)
     return out
 
 

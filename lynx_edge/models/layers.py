@@ -74,6 +74,14 @@ class Linear(nn.Module):
     def storage(self) -> int:
         return self.weight.data_ptr()
 
+    def native_lin(self):
+        """(native.Lin, tensors it points into, rows up to which the module path runs it natively)
+        for the whole-layer decode call (native_layer.py), or None when the kernel does not take it."""
+        if not native.dense_ok(self.weight) or self.weight.dtype not in NATIVE_ROWS:
+            return None
+        b32 = None if self.bias is None else self.bias.detach().float().contiguous()
+        return native.dense_lin(self.weight, b32), [b32], NATIVE_ROWS[self.weight.dtype][1]
+
     @staticmethod
     def fuse(lins: list["Linear"]) -> "Linear | None":
         """One Linear over the rows of all of lins (one GEMM instead of several), with their weights

@@ -21,38 +21,20 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
 import torch
 
 from ..kernels import native
-from .layers import Attention, AttnBatch, Linear, MoEBlock, RMSNorm, StackedExperts
+from .layers import NATIVE_ROWS, NATIVE_SLOTS, Attention, AttnBatch, MoEBlock, RMSNorm, StackedExperts
 
 # LYNX_EDGE_NATIVE_LAYER=0: every layer runs the module path (the kernels still run inside it)
 NATIVE_LAYERS = os.environ.get("LYNX_EDGE_NATIVE_LAYER", "1") != "0"
-DENSE_ROWS = {torch.bfloat16: 128, torch.float32: 32}  # layers.NATIVE_ROWS: the module path's projections are native up to these
-INT4_ROWS = 32  # quant/linear.NATIVE_MAX_ROWS (models never import quant: duck-typed here)
-FP32_SLOTS = 512  # layers.NATIVE_SLOTS: fp32 experts run natively up to this many token-expert slots
 
 
-def _is_int4_linear(m) -> bool:
-    return hasattr(m, "packed") and hasattr(m, "scales") and getattr(m, "loaded", False)
-
-
-def _lin(m, keep: list):
-    """A native.Lin for a Linear or an INT4 linear (None when neither fits); keep collects the
-    tensors the plan points into."""
-    b = m.bias
-    b32 = None if b is None else b.detach().float().contiguous()
-    if b32 is not None:
-        keep.append(b32)
-    if type(m) is Linear:
-        return native.dense_lin(m.weight, b32) if native.dense_ok(m.weight) else None
-    if _is_int4_linear(m):
-        parts = [m.packed, m.scales, m.zeros, m.perm]
-        if not all(t is None or (t.device.type == "cpu" and t.is_contiguous()) for t in parts):
-            return None
-        return native.int4_lin(m.packed, m.scales, m.zeros, m.perm, b32, m.act)
-    return None
+def _lin(m):
+    """(native.Lin, tensors it points into, max rows) from a projection's own `native_lin` (Linear,
+    quant/linear.Int4Linear), or None for any other module."""
+    f = getattr(m, "native_lin", None)
+    return None if f is None else f()
 
 
 class NativeLayer:
@@ -70,7 +52,7 @@ class NativeLayer:
             return None
         n1, n2, attn, mlp = layer.input_layernorm, layer.post_attention_layernorm, layer.self_attn, layer.mlp
         dt = n1.weight.dtype
-        if type(n1) is not RMSNorm or type(n2) is not RMSNorm or dt not in DENSE_ROWS or n2.weight.dtype != dt:
+        if type(n1) is not RMSNorm or type(n2) is not RMSNorm or dt not in NATIVE_ROWS or n2.weight.dtype != dt:
             return None
         if not (native.dense_ok(n1.weight) and native.dense_ok(n2.weight)) or n1.weight.shape[0] > 4096:
             return None
@@ -82,12 +64,12 @@ class NativeLayer:
         if head and (type(attn.q_norm) is not RMSNorm or type(attn.k_norm) is not RMSNorm):
             return None
         fused = attn._fused()
-        keep: list = []
-        lins = [None if fused is None else _lin(fused, keep), _lin(attn.o_proj, keep), _lin(mlp.gate, keep)]
-        if any(x is None for x in lins) or mlp.gate.weight.dtype != dt:
+        got = [None if fused is None else _lin(fused), _lin(attn.o_proj), _lin(mlp.gate)]
+        if any(g is None for g in got) or mlp.gate.weight.dtype != dt:
             return None
-        int4 = any(_is_int4_linear(m) for m in (fused, attn.o_proj))
-        max_rows = min(DENSE_ROWS[dt], INT4_ROWS) if int4 else DENSE_ROWS[dt]
+        lins = [g[0] for g in got]
+        keep: list = [t for g in got for t in g[1] if t is not None]
+        max_rows = min(g[2] for g in got)  # where the module path's projections all run natively too
         qn = kn = None
         if head:
             qn, kn = attn.q_norm.weight.detach().float().contiguous(), attn.k_norm.weight.detach().float().contiguous()
@@ -108,7 +90,7 @@ class NativeLayer:
         B = x.shape[0]
         mlp = self.mlp
         k_cache, v_cache = kv
-        if (B > self.max_rows or ab.cos is None or k_cache.dtype != v_cache.dtype or k_cache.dtype not in DENSE_ROWS
+        if (B > self.max_rows or ab.cos is None or k_cache.dtype != v_cache.dtype or k_cache.dtype not in NATIVE_ROWS
                 or not (k_cache.is_contiguous() and v_cache.is_contiguous()) or not x.is_contiguous()):
             return None
         step = ab.native_step()
@@ -133,14 +115,12 @@ def _moe_plan(experts, keep: list, dt) -> tuple[native.MoeLayer | None, int]:
         E, two_i, D = experts.gate_up.shape
         plan = native.MoeLayer(native._FMT[experts.gate_up.dtype], None, E, experts.gate_up.element_size(), None, None,
                                experts.gate_up.data_ptr(), experts.down.data_ptr(), 0, 0, D, two_i // 2, 0)
-        return plan, (FP32_SLOTS if experts.gate_up.dtype == torch.float32 else 1 << 30)
+        return plan, (NATIVE_SLOTS if experts.gate_up.dtype == torch.float32 else 1 << 30)
     packed = getattr(experts, "packed", None)
     layout = getattr(packed, "layout", None)
     if layout is None or packed.data.device.type != "cpu" or not packed.data.is_contiguous():
         return None, 0
-    parts = layout.parts()
-    offs = np.array([parts[n][0] if n in parts else 0 for n in ("gu_q", "gu_s", "gu_z", "dn_q", "dn_s", "dn_z")],
-                    dtype=np.int64)
+    offs = layout.part_offsets
     perm = experts.x_perm
     if perm is not None:
         perm = perm.to(torch.int32).contiguous()

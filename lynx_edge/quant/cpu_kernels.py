@@ -256,14 +256,6 @@ def available() -> bool:
 _NO_PERM = np.zeros((0, 0), np.int32)
 
 
-@functools.lru_cache(maxsize=None)
-def _offsets(layout) -> np.ndarray:
-    """Byte offsets of gu_q, gu_s, gu_z, dn_q, dn_s, dn_z in an expert block (zeros: 0 when sym)."""
-    parts = layout.parts()
-    return np.array([parts[n][0] if n in parts else 0 for n in ("gu_q", "gu_s", "gu_z", "dn_q", "dn_s", "dn_z")],
-                    dtype=np.int64)
-
-
 def moe_int4_blocks(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, data: torch.Tensor, layout,
                     x_perm: torch.Tensor | None = None, kernel: str | None = None, act: str | None = None
                     ) -> torch.Tensor:
@@ -277,13 +269,13 @@ def moe_int4_blocks(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, d
     if kernel == "native" and not use_native:
         raise RuntimeError("the native CPU kernels are not available (no C compiler, or LYNX_EDGE_NATIVE=0)")
     if use_native:
-        return native.moe_int4(x, ids, weights, data, _offsets(layout), layout.sym, layout.group_size,
+        return native.moe_int4(x, ids, weights, data, layout.part_offsets, layout.sym, layout.group_size,
                                layout.hidden, layout.inter, x_perm, act).to(x.dtype)
     x32 = x.detach().to(torch.float32).contiguous()
     ids64 = ids.to(torch.int64).contiguous()
     w32 = weights.detach().to(torch.float32).contiguous()
     perm = _NO_PERM if x_perm is None else x_perm.to(torch.int32).contiguous().numpy()
-    out = _moe_nb(x32.numpy(), ids64.numpy(), w32.numpy(), perm, data.numpy(), _offsets(layout),
+    out = _moe_nb(x32.numpy(), ids64.numpy(), w32.numpy(), perm, data.numpy(), layout.part_offsets,
                   layout.sym, layout.group_size, layout.hidden, layout.inter)
     return torch.from_numpy(out).to(x.dtype)
 

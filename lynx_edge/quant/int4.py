@@ -25,9 +25,11 @@ K top-k, I expert intermediate, G group size.
 """
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from lynx_edge.kernels.moe_gemm import moe_ref_lazy
@@ -152,6 +154,14 @@ class Int4Layout:
             out[name] = (off, shape, dt)
             off += _align(shape[0] * shape[1] * dt.itemsize)
         return out
+
+    @functools.cached_property
+    def part_offsets(self) -> np.ndarray:
+        """int64 [6]: byte offsets of gu_q, gu_s, gu_z, dn_q, dn_s, dn_z (zeros: 0 when sym), as the
+        native / numba kernels take them; built once per layout."""
+        parts = self.parts()
+        return np.array([parts[n][0] if n in parts else 0 for n in ("gu_q", "gu_s", "gu_z", "dn_q", "dn_s", "dn_z")],
+                        dtype=np.int64)
 
     @property
     def nbytes(self) -> int:

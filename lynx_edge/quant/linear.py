@@ -60,9 +60,10 @@ class Int4Linear(nn.Module):
             raise ValueError(f"4-bit weight is [{ql.scales.shape[1]}, {n_in}], expected "
                              f"[{self.out_features}, {self.in_features}]")
         p = ql.packed
-        self.packed = (p if p.dtype == torch.uint8 else p.contiguous().view(torch.uint8)).contiguous().clone()
-        self.scales = ql.scales.to(torch.float16).contiguous().clone()
-        self.zeros = None if ql.sym else ql.zeros.to(torch.uint8).contiguous().clone()
+        own = lambda t: t.clone(memory_format=torch.contiguous_format)  # noqa: E731  (one copy, off the mmap)
+        self.packed = own(p) if p.dtype == torch.uint8 else own(p).view(torch.uint8)
+        self.scales = own(ql.scales.to(torch.float16))
+        self.zeros = None if ql.sym else own(ql.zeros.to(torch.uint8))
         self.perm = None if ql.perm is None else ql.perm.to(torch.int32).contiguous()
         self.loaded = True
 
@@ -95,6 +96,16 @@ class Int4Linear(nn.Module):
 
     def storage(self) -> int:
         return self.packed.data_ptr()
+
+    def native_lin(self):
+        """(native.Lin, tensors it points into, rows up to which forward runs it) for the whole-layer
+        decode call (models/native_layer.py), or None before the load or on views (a fused q/k/v's
+        parts: the fused module is the one the layer call reads)."""
+        if not self.loaded or not all(t is None or t.is_contiguous() for t in (self.packed, self.scales, self.zeros)):
+            return None
+        b32 = None if self.bias is None else self.bias.detach().float().contiguous()
+        return (native.int4_lin(self.packed, self.scales, self.zeros, self.perm, b32, self.act), [b32],
+                NATIVE_MAX_ROWS)
 
     @staticmethod
     def fuse(lins: list["Int4Linear"]) -> "Int4Linear | None":
