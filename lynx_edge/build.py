@@ -4,8 +4,8 @@
 
 1. Placement is decided from config.json, the checkpoint's tensor names and the options alone:
    the dtype, where non-expert weights live (the device), and for every MoE layer its expert
-   backend — resident 16-bit (`StackedExperts`), resident INT4 (`Int4MoEExperts`), or the
-   offload store (`OffloadedExperts` over a pinned host store) — and the INT4 layout (RTN groups
+   backend — resident 16-bit (`StackedExperts`), resident INT4 (`Int4MoEExperts`), resident FP8
+   (`Fp8MoEExperts`: an FP8 checkpoint on a CPU with the native kernels), or the offload store (`OffloadedExperts` over a pinned host store) — and the INT4 layout (RTN groups
    for `int4=True`, the checkpoint's own group/symmetry for GPTQ and AWQ).
 2. The model is built with those backends, non-expert parameters allocated empty on the device,
    experts as empty INT4 blocks or store buffers: no 16-bit expert is ever materialised.
@@ -88,11 +88,11 @@ class Placement:
 
     device: str
     dtype: str
-    experts: str  # bf16 | fp16 | fp32 | int4
+    experts: str  # bf16 | fp16 | fp32 | int4 | fp8
     where: str  # device | host (offload)
     int4_group: int | None = None
     int4_sym: bool | None = None
-    quant_method: str | None = None  # gptq | awq for a 4-bit checkpoint
+    quant_method: str | None = None  # gptq | awq for a 4-bit checkpoint, fp8 for a block-scaled FP8 one
     dense_layers: tuple[int, ...] = ()  # mixed layers kept 16-bit (a 4-bit checkpoint with 16-bit experts)
     packed_linears: int = 0  # 4-bit non-expert linears read packed (CPU: quant/linear.Int4Linear)
     int4_act: str | None = None  # CPU INT4 kernels' activations: f32 | q8 (None: not an INT4 CPU model)
@@ -113,8 +113,9 @@ def load_model(model_dir: Path, cfg: ModelConfig, opts: LoadOptions, progress: P
     act = int4_act(opts.int4_act)
     D, I = cfg.hidden_size, cfg.moe_intermediate_size
     storage = expert_storage(ckpt, family)
-    int4 = qc is not None or opts.int4
-    if qc is not None:
+    fp8 = qc is not None and qc.method == "fp8"  # 8-bit: kept 8-bit or dequantised, never INT4 unless asked
+    int4 = (qc is not None and not fp8) or opts.int4
+    if qc is not None and not fp8:
         group, sym = qc.group_size, qc.sym
     elif opts.int4:
         from .quant.experts import group_size_for
@@ -123,14 +124,16 @@ def load_model(model_dir: Path, cfg: ModelConfig, opts: LoadOptions, progress: P
     else:
         group = sym = None
     mixed = tuple(i for i in cfg.moe_layer_ids if qc is not None and storage.get(i, set()) >= {"dense", "quant"})
-    name = "int4" if int4 else {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dt]
+    fp8_block = qc.weight_block if fp8 and not int4 and not opts.offload and _fp8_native(dev, D, I, qc) else None
+    name = "int4" if int4 else "fp8" if fp8_block else \
+        {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dt]
     placement = Placement(dev.type, str(dt).replace("torch.", ""), name, "host" if opts.offload else "device",
                           group, sym, qc.method if qc is not None else None, mixed if not opts.offload else ())
     _check_memory(cfg, opts, dev, dt, qc, ckpt.total_bytes)
     rt = None
     if opts.offload:
         rt = _offload_runtime(cfg, opts, dt, dev, name, group, sym, mixed)
-    experts = _backends(cfg, dt, dev, int4, group, sym, mixed, rt, act)
+    experts = _backends(cfg, dt, dev, int4, group, sym, mixed, rt, act, fp8_block)
     model = MoEForCausalLM(cfg, dt, dev, experts=experts)
     if qc is not None:
         placement.packed_linears = _keep_linears_packed(model, ckpt, family, dev, act)
@@ -155,6 +158,15 @@ def int4_act(value: str | None) -> str:
     if act not in native.INT4_ACTS:
         raise ConfigError(f"int4 activations {act!r} not supported; use one of {', '.join(native.INT4_ACTS)}")
     return act
+
+
+def _fp8_native(dev, D: int, I: int, qc) -> bool:
+    """An FP8 checkpoint's experts stay 8-bit (quant/fp8.Fp8MoEExperts): on a CPU with the native
+    kernels and whole scale blocks; elsewhere they are dequantised at load (a GPU: bf16)."""
+    from .kernels import native
+    from .quant.fp8 import experts_fit
+
+    return dev.type == "cpu" and experts_fit(D, I, qc.weight_block) and native.lib() is not None
 
 
 def _keep_linears_packed(model, ckpt: Checkpoint, family, dev, act: str | None = None) -> int:
@@ -197,7 +209,8 @@ def _check_memory(cfg: ModelConfig, opts: LoadOptions, dev, dt, qc, file_bytes: 
     plan.check()
 
 
-def _backends(cfg: ModelConfig, dt, dev, int4: bool, group, sym, mixed, rt, act: str | None = None):
+def _backends(cfg: ModelConfig, dt, dev, int4: bool, group, sym, mixed, rt, act: str | None = None,
+              fp8_block: tuple[int, int] | None = None):
     """layer → its expert backend (a load sink), chosen once here."""
     D, I, E = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
     own = getattr(FAMILIES[cfg.model_type], "experts", None)  # a family with its own expert math (gpt-oss)
@@ -213,6 +226,10 @@ def _backends(cfg: ModelConfig, dt, dev, int4: bool, group, sym, mixed, rt, act:
             from .quant.experts import Int4MoEExperts
 
             return Int4MoEExperts.empty(E, D, I, group, sym, dev, act)
+        if fp8_block is not None:
+            from .quant.fp8 import Fp8MoEExperts
+
+            return Fp8MoEExperts(E, D, I, fp8_block, dev)
         return StackedExperts(E, D, I, dt, dev)
 
     return make

@@ -10,7 +10,10 @@ in file order and sends
   - 4-bit linears (GPTQ / AWQ: qweight, qzeros, scales[, g_idx]) to
     `block.experts.load_quant_part(e, part, QuantLinear)` for experts; attention / shared-expert /
     dense-MLP ones to `module.load_quant(QuantLinear)` where the build kept them packed (a CPU with
-    the native kernels: quant/linear.Int4Linear), else dequantised into the 16-bit parameter.
+    the native kernels: quant/linear.Int4Linear), else dequantised into the 16-bit parameter;
+  - FP8 weights (`<name>.weight` e4m3 beside `<name>.weight_scale_inv`, quant/fp8.py) to
+    `load_fp8_part(e, part, w, scale)` where the expert sink keeps them 8-bit, else dequantised
+    (fp32, exact) and sent on as a 16-bit tensor would be.
 Names understood: on-disk per-expert (`experts.{e}.w1/w2/w3`, `experts.{e}.gate_proj/up_proj/
 down_proj`) and transformers' fused (`experts.gate_up_proj` [E, 2I, D], `experts.down_proj`
 [E, D, I]). Missing or wrong-shape tensors raise LoadError naming them.
@@ -24,6 +27,7 @@ from typing import Callable
 import torch
 
 from .checkpoint import Checkpoint, LoadError, TensorRef
+from .quant import fp8
 
 ProgressFn = Callable[[int, int], None]  # (bytes done, bytes total)
 
@@ -86,9 +90,15 @@ class _Units:
     def __init__(self, ckpt: Checkpoint, family, params: dict, experts: dict, packed: dict):
         self.order: list[tuple] = []
         quant: dict[tuple, dict[str, str]] = {}
+        self.scales: dict[str, str] = {}  # FP8: checkpoint name of a weight → its weight_scale_inv
         for name in ckpt.names():
             n = internal_name(name, family.RENAMES)
             if _ignored(n, family):
+                continue
+            if name.endswith(fp8.SCALE_SUFFIX):
+                self.scales[name[: -len(fp8.SCALE_SUFFIX)]] = name
+                continue
+            if name.endswith(fp8.IGNORED_SUFFIXES):
                 continue
             m, own = _EXPERT_RE.match(n), _OWN_RE.match(n)
             if own and hasattr(experts.get(own.group(1)), "load_tensor"):  # e.g. gpt-oss: biases, MXFP4
@@ -123,6 +133,7 @@ def load_weights(model, ckpt: Checkpoint, family, quant=None, progress: Progress
     experts = {f"layers.{i}.mlp.experts": model.layers[i].mlp.experts for i in model.cfg.moe_layer_ids}
     packed = {n: m for n, m in model.named_modules() if hasattr(m, "load_quant")}  # 4-bit linears kept packed
     units = _Units(ckpt, family, params, experts, packed)
+    get = _Reader(ckpt, units.scales, quant)
     total, done = ckpt.total_bytes or 1, 0
     filled: set[str] = set()
     got: dict[str, set] = defaultdict(set)  # expert prefix → {(e, part)}
@@ -130,26 +141,33 @@ def load_weights(model, ckpt: Checkpoint, family, quant=None, progress: Progress
         kind = u[0]
         if kind == "param":
             _, n, name = u
-            _copy(params[n], ckpt.get(name), ckpt.refs[name])
+            _copy(params[n], get(name), ckpt.refs[name])
             filled.add(n)
             names = [name]
         elif kind == "expert":
             _, prefix, e, part, name = u
-            _check_expert(experts[prefix], e, name, ckpt)
-            experts[prefix].load_part(e, part, _shaped(experts[prefix], part, ckpt.get(name), ckpt.refs[name]))
+            sink = experts[prefix]
+            _check_expert(sink, e, name, ckpt)
+            if name in units.scales and hasattr(sink, "load_fp8_part"):  # kept 8-bit (quant/fp8.py)
+                try:
+                    sink.load_fp8_part(e, part, ckpt.get(name), ckpt.get(units.scales[name]))
+                except ValueError as exc:
+                    raise LoadError(f"{ckpt.refs[name].file.name}: tensor {name}: {exc}") from None
+            else:
+                sink.load_part(e, part, _shaped(sink, part, get(name), ckpt.refs[name]))
             got[prefix].add((e, part))
             names = [name]
         elif kind == "own":
             _, prefix, suffix, name = u
             names = [name]
             try:
-                got[prefix] |= experts[prefix].load_tensor(suffix, ckpt.get(name))
+                got[prefix] |= experts[prefix].load_tensor(suffix, get(name))
             except ValueError as exc:
                 raise LoadError(f"{ckpt.refs[name].file.name}: tensor {name}: {exc}") from None
         elif kind == "fused":
             _, prefix, which, name = u
             names = [name]
-            _load_fused(experts.get(prefix), prefix, which, ckpt.get(name), ckpt.refs[name], got)
+            _load_fused(experts.get(prefix), prefix, which, get(name), ckpt.refs[name], got)
         else:  # 4-bit linears
             tensors = units.quant[u]
             names = list(tensors.values())
@@ -171,7 +189,8 @@ def load_weights(model, ckpt: Checkpoint, family, quant=None, progress: Progress
                 n = u[1] + ".weight"
                 _copy(params[n], ql.dequant(params[n].dtype), ckpt.refs[tensors["qweight"]])
                 filled.add(n)
-        done += sum(ckpt.refs[x].nbytes for x in names)
+        done += sum(ckpt.refs[x].nbytes for x in names) + sum(ckpt.refs[units.scales[x]].nbytes
+                                                             for x in names if x in units.scales)
         if progress:
             progress(done, total)
     _check_complete(model, params, filled, experts, got, ckpt)
@@ -182,6 +201,35 @@ def load_weights(model, ckpt: Checkpoint, family, quant=None, progress: Progress
         finish = getattr(sink, "finish_load", None)
         if finish is not None:
             finish()
+
+
+class _Reader:
+    """name → the tensor as a 16-bit sink takes it: the mmap view, or for an FP8 weight its exact
+    dequantisation (fp32, one tensor at a time: the transient is one projection)."""
+
+    def __init__(self, ckpt: Checkpoint, scales: dict[str, str], quant):
+        self.ckpt, self.scales, self.quant = ckpt, scales, quant
+
+    def __call__(self, name: str) -> torch.Tensor:
+        t, ref = self.ckpt.get(name), self.ckpt.refs[name]
+        scale = self.scales.get(name)
+        if scale is None:
+            if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+                raise LoadError(f"{ref.file.name}: tensor {name} is FP8 but has no {name}{fp8.SCALE_SUFFIX} beside it")
+            return t
+        block = getattr(self.quant, "weight_block", None)
+        if block is None:
+            raise LoadError(f"{self.ckpt.dir}: tensor {name} has a block scale ({scale}) but the checkpoint has no "
+                            "FP8 quantization_config (quant_method fp8, weight_block_size)")
+        if t.dtype not in (torch.float8_e4m3fn, torch.uint8):
+            raise LoadError(f"{ref.file.name}: tensor {name} is {str(t.dtype).replace('torch.', '')}, expected "
+                            "float8_e4m3fn beside its weight_scale_inv")
+        s = self.ckpt.get(scale)
+        try:
+            fp8.check_scale(t, s, block, name)
+        except ValueError as exc:
+            raise LoadError(f"{ref.file.name}: {exc}") from None
+        return fp8.dequant(t, s, block)
 
 
 def _quant_linear(ckpt: Checkpoint, tensors: dict[str, str], quant, key):

@@ -11,7 +11,7 @@ from urllib.parse import urlparse
 from .config import ModelConfig
 from .hub import ALIASES, ModelNotFound, resolve_model
 
-_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "int4": 0.5}
+_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "fp8": 1, "int4": 0.5}
 
 
 def bytes_per_param(dtype: str | None) -> float:
@@ -100,7 +100,7 @@ def read_quant(where: str | Path, cfg: ModelConfig):
     from .quant.formats import read_quant_config
 
     qc = read_quant_config(Path(where), cfg.raw)
-    return None if qc is None else QuantInfo(qc.method, qc.bits, qc.group_size, qc.sym)
+    return None if qc is None else QuantInfo(qc.method, qc.bits, qc.group_size, qc.sym, qc.weight_block)
 
 
 def checkpoint_bytes(where: str | Path) -> int | None:

@@ -255,7 +255,9 @@ def test_gptq_checkpoint_experts_are_int4(memlock):
 @pytest.mark.parametrize("qc,field", [
     ({"quant_method": "gptq", "bits": 8, "group_size": 128}, "bits = 8"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 100}, "group_size = 100"),
-    ({"quant_method": "fp8"}, "quant_method = 'fp8'"),
+    ({"quant_method": "fp8"}, "weight_block_size = None"),
+    ({"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [128, 128]}, "fmt = 'e5m2'"),
+    ({"quant_method": "bitsandbytes"}, "quant_method = 'bitsandbytes'"),
 ])
 def test_bad_quantization_config_is_one_line(tmp_path, qc, field):
     c = json.loads((QWEN3 / "config.json").read_text())
@@ -263,6 +265,22 @@ def test_bad_quantization_config_is_one_line(tmp_path, qc, field):
     r = info(tmp_path)
     lines = r.stderr.strip().splitlines()
     assert r.exit_code == 1 and len(lines) == 1 and field in lines[0] and "quantization_config" in lines[0]
+
+
+def test_fp8_checkpoint_info(tmp_path, memlock):
+    """Qwen3-30B-A3B-FP8's config (the real one plus its FP8 block): `info` on a CPU plans the
+    experts at one byte per weight plus block scales and says so."""
+    c = json.loads((QWEN3 / "config.json").read_text())
+    qc = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
+    (tmp_path / "config.json").write_text(json.dumps({**c, "quantization_config": qc}))
+    r = info(tmp_path, "--device", "cpu", "-o", "json")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    D, I = c["hidden_size"], c["moe_intermediate_size"]
+    assert out["memory"]["expert_format"] == "fp8"
+    assert out["memory"]["expert_bytes"] == 3 * D * I + 4 * (2 * I // 128 * D // 128 + D // 128 * I // 128)
+    assert out["params"]["expert_bytes_per_expert"] == out["params"]["params_per_expert"]
+    assert "experts FP8" in out["config"]["quantization"]
 
 
 def test_awq_checkpoint_is_planned_as_int4(memlock):

@@ -71,6 +71,17 @@ def test_packed_4bit_attention_bit_equal(monkeypatch):
     assert torch.equal(got, ref)
 
 
+def test_fp8_experts_bit_equal(q3, tmp_path, monkeypatch):
+    """An FP8 checkpoint's experts (Fp8MoEExperts) through the native layer's MoE call."""
+    from lynx_edge.quant.fp8 import Fp8MoEExperts, write_checkpoint
+
+    path = write_checkpoint(q3, tmp_path / "fp8", (64, 32))
+    got, ref, eng = _both(path, 2, monkeypatch, dtype="bfloat16")
+    assert type(eng.model.layers[0].mlp.experts) is Fp8MoEExperts
+    assert eng.model.layers[0]._native.moe_plan.fmt == native.FMT_FP8
+    assert torch.equal(got, ref)
+
+
 @pytest.mark.parametrize("B", [1, 2])
 def test_fp32_bit_equal(q3, B, monkeypatch):
     got, ref, _ = _both(q3, B, monkeypatch, dtype="float32")

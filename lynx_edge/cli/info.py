@@ -40,9 +40,12 @@ def info(
     opts = OffloadOptions(gpu_budget_gib=gpu_budget, batch=batch, ctx=ctx)
     plan = plan_memory(cfg, device=dev, dtype=dt, offload=offload, int4=int4, quant=quant, ctx=ctx, batch=batch,
                        opts=opts, profile=prof, file_bytes=checkpoint_bytes(where))
-    counts = param_counts(cfg, "int4" if quant else None)
+    expert_fmt = None if quant is None else "fp8" if quant.method == "fp8" else "int4"
+    counts = param_counts(cfg, expert_fmt)
     config = describe(cfg)
-    if quant:
+    if expert_fmt == "fp8":
+        config["quantization"] = f"fp8 e4m3, {quant.weight_block[0]}×{quant.weight_block[1]} blocks: experts FP8"
+    elif quant:
         config["quantization"] = f"{quant.method} {quant.bits}-bit, group {quant.group_size}, " \
                                  f"{'symmetric' if quant.sym else 'asymmetric'}: experts INT4"
     if output is TableJson.json:
@@ -56,6 +59,6 @@ def info(
         "non-expert": ui.fmt_count(counts["non_expert"]),
         "one expert": f"{ui.fmt_count(counts['params_per_expert'])} params, "
                       f"{ui.fmt_bytes(counts['expert_bytes_per_expert'])} at "
-                      f"{'int4' if quant else cfg.torch_dtype or 'bfloat16'}",
+                      f"{expert_fmt or cfg.torch_dtype or 'bfloat16'}",
     })
     ui.plan_table(plan.report())

@@ -3,8 +3,8 @@
  * (-march=native) the first time it is needed and caches the library; without a compiler the
  * numba (INT4) and torch paths run.
  *
- * lynx_moe: a whole MoE layer over INT4 blocks, stacked fp32/bf16 experts or MXFP4 codes (gpt-oss,
- * with biases and its clamped SwiGLU). Plan (slots sorted expert-major), gather, gate/up rows with
+ * lynx_moe: a whole MoE layer over INT4 blocks, stacked fp32/bf16 experts, block-scaled FP8 (e4m3)
+ * codes, or MXFP4 codes (gpt-oss, with biases and its clamped SwiGLU). Plan (slots sorted expert-major), gather, gate/up rows with
  * the activation, down rows times the routing weight, then each token's K slots summed in slot
  * order (as moe_ref). Each active expert's weights are read once per call however many tokens
  * share it; up to four tokens share each loaded vector.
@@ -359,7 +359,7 @@ static inline __m256 fold512(__m512 v) {
 
 /* --- 16/32-bit rows --------------------------------------------------------------------------- */
 
-enum { FMT_INT4 = 0, FMT_F32 = 1, FMT_BF16 = 2, FMT_MXFP4 = 3 };
+enum { FMT_INT4 = 0, FMT_F32 = 1, FMT_BF16 = 2, FMT_MXFP4 = 3, FMT_FP8 = 4 };
 
 /* acc[t] = sum_j w[j] * x_t[j] over one row w (fp32 or bf16: bf16 widens exactly by a shift) */
 static inline __attribute__((always_inline)) void dense_rows(const void *w, const int FMT, int Kin,
@@ -554,6 +554,106 @@ static void mx_slots(const uint8_t *q, const uint8_t *sc, int Kin, const float *
     else if (r == 1) mx_rows(q, sc, Kin, xe, xo, 1, acc + t);
 }
 
+/* --- FP8 rows (e4m3fn codes with one fp32 scale per block of bk inputs: Qwen3 / DeepSeek "fp8") -- */
+
+/* An e4m3fn byte as fp16 bits: sign to bit 15, the 4 exponent and 3 mantissa bits to bits 13..7.
+ * As fp16 that is the e4m3 value times 2^-8 for normal and subnormal codes alike (both formats
+ * put a subnormal's mantissa below an exponent field of 0, and 15 - 7 = 8), so the hardware's
+ * exact fp16 → fp32 conversion decodes it and the 2^8 goes into the block scale (exact). The
+ * sign-extending widen puts the sign in bits 15 and 14; the mask clears bit 14. NaN codes
+ * (0x7f/0xff) decode as 480: weights never hold them. */
+#define F8_UNIT 256.0f
+static inline uint16_t f8_h(uint8_t b) { return (uint16_t)(((int16_t)(int8_t)b * 128) & 0xBFFF); }
+
+/* acc[t] = sum over blocks of bk inputs: s_b * sum_j e4m3(q_j) * x_t[j], for one row of Kin code
+ * bytes q and Kin/bk fp32 scales sc (bk a multiple of 32). Each token sums the same way whatever
+ * NT (batch-invariant, as dense_rows). */
+static inline __attribute__((always_inline)) void f8_rows(const uint8_t *q, const float *sc, int Kin, int bk,
+                                                          const float *const *x, const int NT, float *acc) {
+    const int nb = Kin / bk;
+    int t;
+#if defined(__AVX512F__)
+    const __m256i keep = _mm256_set1_epi16((short)0xBFFF);
+#define F8X16(p) _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16( \
+                     _mm_loadu_si128((const __m128i *)(p))), 7), keep))
+    __m512 tot[4];
+    for (t = 0; t < NT; t++) tot[t] = _mm512_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *qb = q + (long)b * bk;
+        const float *xb[4];
+        __m512 p0[4], p1[4];
+        for (t = 0; t < NT; t++) { xb[t] = x[t] + (long)b * bk; p0[t] = p1[t] = _mm512_setzero_ps(); }
+        for (int j = 0; j < bk; j += 32) {
+            _mm_prefetch((const char *)qb + j + PREFETCH, _MM_HINT_T0);
+            const __m512 w0 = F8X16(qb + j), w1 = F8X16(qb + j + 16);
+            for (t = 0; t < NT; t++) {
+                p0[t] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xb[t] + j), p0[t]);
+                p1[t] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xb[t] + j + 16), p1[t]);
+            }
+        }
+        const __m512 sv = _mm512_set1_ps(sc[b] * F8_UNIT);
+        for (t = 0; t < NT; t++) tot[t] = _mm512_fmadd_ps(sv, _mm512_add_ps(p0[t], p1[t]), tot[t]);
+    }
+#undef F8X16
+    for (t = 0; t < NT; t++) acc[t] = _mm512_reduce_add_ps(tot[t]);
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+    const __m128i keep = _mm_set1_epi16((short)0xBFFF);
+#define F8X8(p) _mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16( \
+                    _mm_loadl_epi64((const __m128i *)(p))), 7), keep))
+    __m256 tot[4];
+    for (t = 0; t < NT; t++) tot[t] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *qb = q + (long)b * bk;
+        const float *xb[4];
+        __m256 p0[4], p1[4];
+        for (t = 0; t < NT; t++) { xb[t] = x[t] + (long)b * bk; p0[t] = p1[t] = _mm256_setzero_ps(); }
+        for (int j = 0; j < bk; j += 16) {
+            const __m256 w0 = F8X8(qb + j), w1 = F8X8(qb + j + 8);
+            for (t = 0; t < NT; t++) {
+                p0[t] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xb[t] + j), p0[t]);
+                p1[t] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xb[t] + j + 8), p1[t]);
+            }
+        }
+        const __m256 sv = _mm256_set1_ps(sc[b] * F8_UNIT);
+        for (t = 0; t < NT; t++) tot[t] = _mm256_fmadd_ps(sv, _mm256_add_ps(p0[t], p1[t]), tot[t]);
+    }
+#undef F8X8
+    for (t = 0; t < NT; t += 4) {
+        const __m256 z = _mm256_setzero_ps();
+        float r[4];
+        _mm_storeu_ps(r, sum4_256(tot[t], t + 1 < NT ? tot[t + 1] : z, t + 2 < NT ? tot[t + 2] : z,
+                                  t + 3 < NT ? tot[t + 3] : z));
+        for (int i = 0; i < 4 && t + i < NT; i++) acc[t + i] = r[i];
+    }
+#else
+    for (t = 0; t < NT; t++) { /* eight partial sums per block, as vector lanes would */
+        float a = 0.0f;
+        for (int b = 0; b < nb; b++) {
+            float lane[8] = {0};
+            for (int j = 0; j < bk; j++) lane[j & 7] += h2f(f8_h(q[(long)b * bk + j])) * x[t][(long)b * bk + j];
+            float p = 0.0f;
+            for (int l = 0; l < 8; l++) p += lane[l];
+            a += sc[b] * F8_UNIT * p;
+        }
+        acc[t] = a;
+    }
+#endif
+}
+
+static void f8_slots(const uint8_t *q, const float *sc, int Kin, int bk, const float *x0, long ld, int n, float *acc) {
+    const float *x[4];
+    int t = 0;
+    for (; t + 4 <= n; t += 4) {
+        for (int i = 0; i < 4; i++) x[i] = x0 + (t + i) * ld;
+        f8_rows(q, sc, Kin, bk, x, 4, acc + t);
+    }
+    const int r = n - t;
+    for (int i = 0; i < r; i++) x[i] = x0 + (t + i) * ld;
+    if (r == 3) f8_rows(q, sc, Kin, bk, x, 3, acc + t);
+    else if (r == 2) f8_rows(q, sc, Kin, bk, x, 2, acc + t);
+    else if (r == 1) f8_rows(q, sc, Kin, bk, x, 1, acc + t);
+}
+
 /* --- one MoE layer ---------------------------------------------------------------------------- */
 
 typedef struct {
@@ -577,6 +677,9 @@ typedef struct {
      * group sums xz/hz; NULL where the fp32 rows run */
     const int8_t *xqe, *xqo, *hqe, *hqo;
     const float *xd, *xz, *hd, *hz;
+    /* fp8: gu [E, 2I, D] / dn [E, D, I] e4m3 codes, fp32 scales [E, 2I/bn, D/bk] / [E, D/bn, I/bk] in
+     * gus / dns (read as float), one per block of bn rows × bk inputs */
+    int bn, bk;
 } layer_t;
 
 /* h_i of expert e from its gate and up rows' products (bias added first where there is one) */
@@ -609,6 +712,20 @@ static void gate_up_item(const void *arg, long item) {
                 mx_slots(gu + (long)(I + i) * (D / 2), gs + (long)(I + i) * (D / 32), D, xe, xo, D / 2, m, up);
                 float *dst = ((i & 1) ? L->ho : L->he) + (r0 + c) * (I / 2) + i / 2;
                 for (int t = 0; t < m; t++) dst[(long)t * (I / 2)] = activate(L, e, i, gate[t], up[t]);
+            }
+        return;
+    }
+    if (L->fmt == FMT_FP8) {
+        const int nk = D / L->bk;
+        const uint8_t *gu = L->gu + e * 2L * I * D;
+        const float *gs = (const float *)L->gus + e * (2L * I / L->bn) * nk;
+        for (int i = i0; i < I && i < i0 + ROW_BLOCK; i++)
+            for (int64_t c = 0; c < n; c += 64) {
+                const int m = (int)(n - c < 64 ? n - c : 64);
+                const float *x = L->xe + (r0 + c) * D;
+                f8_slots(gu + (long)i * D, gs + (long)(i / L->bn) * nk, D, L->bk, x, D, m, gate);
+                f8_slots(gu + (long)(I + i) * D, gs + (long)((I + i) / L->bn) * nk, D, L->bk, x, D, m, up);
+                for (int t = 0; t < m; t++) L->he[(r0 + c + t) * I + i] = activate(L, e, i, gate[t], up[t]);
             }
         return;
     }
@@ -677,6 +794,10 @@ static void down_item(const void *arg, long item) {
             else if (int4)
                 dot_slots(q + (long)d * (I / 2), s + d, z ? z + d : NULL, D, I, L->G, L->he + (r0 + c) * (I / 2),
                           L->ho + (r0 + c) * (I / 2), I / 2, L->hsum + (r0 + c) * (I / L->G), m, acc);
+            else if (L->fmt == FMT_FP8)
+                f8_slots(L->dn + (e * (long)D + d) * I,
+                         (const float *)L->dns + (e * (long)(D / L->bn) + d / L->bn) * (I / L->bk), I, L->bk,
+                         L->he + (r0 + c) * I, I, m, acc);
             else
                 dense_slots(L->dn + (e * (long)D * I + (long)d * I) * es, L->fmt, I, L->he + (r0 + c) * I, I, m, acc);
             for (int t = 0; t < m; t++) {
@@ -714,14 +835,16 @@ static void parallel(void (*fn)(const void *, long), const void *arg, long n_ite
  * fmt FMT_INT4: data [E, nbytes] blocks with offs [6], perm [E, D] int32 or NULL (act order), sym, G.
  * fmt FMT_F32 / FMT_BF16: gu [E, 2I, D] and dn [E, D, I] contiguous (data, offs, perm unused).
  * fmt FMT_MXFP4: gu [E, 2I, D/2] and dn [E, D, I/2] code bytes, gus / dns their e8m0 scales.
+ * fmt FMT_FP8: gu [E, 2I, D] and dn [E, D, I] e4m3fn codes, gus / dns fp32 scales [E, 2I/bn, D/bk] and
+ * [E, D/bn, I/bk] (bn | I and D, bk | D and I, bk % 32 == 0: the caller checks).
  * gub [E, 2I] / dnb [E, D] fp32 biases or NULL; act_kind 1: gpt-oss's clamped SwiGLU.
  * Returns 0; -1 when out of memory; -3 for an expert id outside [0, E). */
 int lynx_moe(int fmt, const float *x, const int64_t *ids, const float *w, const int32_t *perm, const uint8_t *data,
              long E, long nbytes, const long *offs, const uint8_t *gu, const uint8_t *dn, int sym, int G, int D, int I,
              int T, int K, float *out, int nthreads, const uint8_t *gus, const uint8_t *dns, const float *gub,
-             const float *dnb, int act_kind, float limit, float alpha, int q8) {
+             const float *dnb, int act_kind, float limit, float alpha, int q8, int bn, int bk) {
     const long S = (long)T * K;
-    const int dense = fmt == FMT_F32 || fmt == FMT_BF16, int4 = fmt == FMT_INT4;
+    const int dense = fmt == FMT_F32 || fmt == FMT_BF16 || fmt == FMT_FP8, int4 = fmt == FMT_INT4;
     const int q8x = int4 && q8 && D % 128 == 0, q8h = int4 && q8 && I % 128 == 0;
     for (long i = 0; i < S; i++)
         if (ids[i] < 0 || ids[i] >= E) return -3; /* nothing written: the caller names the bad id */
@@ -762,7 +885,7 @@ int lynx_moe(int fmt, const float *x, const int64_t *ids, const float *w, const 
     layer_t L = {fmt, data, nbytes, offs, gu, dn, sym, G, D, I, T, K, ids, cnt, order, act, w, xe, xo, he, ho, y,
                  xsum, hsum, gus, dns, gub, dnb, act_kind, limit, alpha,
                  xq, q8x ? xq + S * (D / 2) : NULL, hq, q8h ? hq + S * (I / 2) : NULL,
-                 xd, q8x ? xd + S * (D / QB) : NULL, hd, q8h ? hd + S * (I / QB) : NULL};
+                 xd, q8x ? xd + S * (D / QB) : NULL, hd, q8h ? hd + S * (I / QB) : NULL, bn, bk};
     parallel(gate_up_item, &L, A * ((I + ROW_BLOCK - 1) / ROW_BLOCK), nthreads);
     if (q8h) quant_q8(he, ho, S, I, G, hq, hq + S * (I / 2), hd, hd + S * (I / QB));
     else if (int4) group_sums(he, ho, S, I, G, hsum);
@@ -1178,6 +1301,8 @@ typedef struct {
     const int32_t *perm; /* int4 act order [E, D] or NULL */
     const uint8_t *gu, *dn; /* dense: [E, 2I, D], [E, D, I] */
     int sym, G, D, I, q8;
+    const uint8_t *gus, *dns; /* fp8: the block scales (fp32) */
+    int bn, bk;
 } moe_layer_t;
 
 /* out [B, D] (model dtype fmt) = x1 + round(sum_k w[b, k] * expert_{ids[b, k]}(h2[b])); h2 fp32.
@@ -1189,7 +1314,7 @@ int lynx_layer_moe(const moe_layer_t *M, int fmt, const float *h2, const int64_t
     int rc = -1;
     if (!y || !r) goto done;
     rc = lynx_moe(M->fmt, h2, ids, w, M->perm, M->data, M->E, M->nbytes, M->offs, M->gu, M->dn, M->sym, M->G, D, M->I,
-                  B, K, y, nthreads, NULL, NULL, NULL, NULL, 0, 0.0f, 0.0f, M->q8);
+                  B, K, y, nthreads, M->gus, M->dns, NULL, NULL, 0, 0.0f, 0.0f, M->q8, M->bn, M->bk);
     if (rc != 0) goto done;
     residual_add(x1, fmt, y, B, D, r, out);
 done:

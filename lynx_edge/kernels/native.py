@@ -117,7 +117,7 @@ def lib() -> ctypes.CDLL | None:
         return None
     p, i, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
     so.lynx_moe.argtypes = [i, p, p, p, p, p, L, L, p, p, p, i, i, i, i, i, i, p, i, p, p, p, p, i, ctypes.c_float,
-                            ctypes.c_float, i]
+                            ctypes.c_float, i, i, i]
     so.lynx_moe.restype = i
     so.lynx_linear.argtypes = [i, p, p, p, i, i, i, p, i]
     so.lynx_linear.restype = None
@@ -137,7 +137,7 @@ def lib() -> ctypes.CDLL | None:
     return so
 
 
-FMT_INT4, FMT_F32, FMT_BF16, FMT_MXFP4 = 0, 1, 2, 3
+FMT_INT4, FMT_F32, FMT_BF16, FMT_MXFP4, FMT_FP8 = 0, 1, 2, 3, 4
 # INT4 weights against "f32" activations (exact to fp32 rounding of the dequantised weight) or
 # "q8" (int8 activations in blocks of 32, integer dot products: llama.cpp's Q4_0 × Q8_0 scheme,
 # approximate; see q8_rows in the C file). LYNX_EDGE_INT4_ACT sets the default; Engine option
@@ -169,7 +169,7 @@ def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _call_moe(fmt, x, ids, w, perm, data, E, nbytes, offs, gu, dn, sym, G, D, I, oss=(None, None, None, None, 0, 0.0, 0.0),
-              q8: bool = False) -> torch.Tensor:
+              q8: bool = False, blocks: tuple[int, int] = (0, 0)) -> torch.Tensor:
     so = lib()
     x32, ids64, w32 = _as(x, torch.float32), _as(ids, torch.int64), _as(w, torch.float32)
     T, K = ids64.shape
@@ -178,7 +178,7 @@ def _call_moe(fmt, x, ids, w, perm, data, E, nbytes, offs, gu, dn, sym, G, D, I,
     for t0 in range(0, T, step):
         n = min(step, T - t0)  # row slices of contiguous tensors: contiguous, pointers offset
         rc = so.lynx_moe(fmt, x32[t0].data_ptr(), ids64[t0].data_ptr(), w32[t0].data_ptr(), perm, data, E, nbytes,
-                         offs, gu, dn, sym, G, D, I, n, K, out[t0].data_ptr(), torch.get_num_threads(), *oss, int(q8))
+                         offs, gu, dn, sym, G, D, I, n, K, out[t0].data_ptr(), torch.get_num_threads(), *oss, int(q8), *blocks)
         _check_moe(rc, ids64, E)
     return out
 
@@ -210,6 +210,19 @@ def moe_dense(x, ids, weights, gate_up: torch.Tensor, down: torch.Tensor) -> tor
     E, two_i, D = gate_up.shape
     out = _call_moe(_FMT[gate_up.dtype], x, ids, weights, None, None, E, gate_up.element_size(), None,
                     gate_up.data_ptr(), down.data_ptr(), 0, 0, D, two_i // 2)
+    return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+
+def moe_fp8(x, ids, weights, gate_up: torch.Tensor, gate_up_scales: torch.Tensor, down: torch.Tensor,
+            down_scales: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """moe_ref's result over block-scaled FP8 experts read in place — e4m3fn codes gate_up
+    [E, 2I, D], down [E, D, I] (float8_e4m3fn or their uint8 bytes) with fp32 scales
+    [E, 2I/bn, D/bk], [E, D/bn, I/bk], block = (bn, bk) — → [T, D] in x's dtype; products and
+    sums in fp32 (each block's sum times its scale), h = silu(gate)·up in fp32."""
+    E, two_i, D = gate_up.shape
+    gs, ds = _as(gate_up_scales, torch.float32), _as(down_scales, torch.float32)
+    out = _call_moe(FMT_FP8, x, ids, weights, None, None, E, 1, None, gate_up.data_ptr(), down.data_ptr(), 0, 0,
+                    D, two_i // 2, (gs.data_ptr(), ds.data_ptr(), None, None, 0, 0.0, 0.0), blocks=tuple(block))
     return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
@@ -340,11 +353,13 @@ class AttnLayer(ctypes.Structure):
 
 
 class MoeLayer(ctypes.Structure):
-    """moe_layer_t: one layer's experts for lynx_layer_moe (INT4 blocks or stacked fp32/bf16)."""
+    """moe_layer_t: one layer's experts for lynx_layer_moe (INT4 blocks, stacked fp32/bf16, or FP8
+    codes with their block scales gus/dns and block (bn, bk))."""
     _fields_ = [("fmt", ctypes.c_int), ("data", ctypes.c_void_p), ("E", ctypes.c_long), ("nbytes", ctypes.c_long),
                 ("offs", ctypes.c_void_p), ("perm", ctypes.c_void_p), ("gu", ctypes.c_void_p),
                 ("dn", ctypes.c_void_p), ("sym", ctypes.c_int), ("G", ctypes.c_int), ("D", ctypes.c_int),
-                ("I", ctypes.c_int), ("q8", ctypes.c_int)]
+                ("I", ctypes.c_int), ("q8", ctypes.c_int), ("gus", ctypes.c_void_p), ("dns", ctypes.c_void_p),
+                ("bn", ctypes.c_int), ("bk", ctypes.c_int)]
 
 
 def dense_lin(weight: torch.Tensor, bias32: torch.Tensor | None) -> Lin:

@@ -111,6 +111,9 @@ class NativeLayer:
 
 def _moe_plan(experts, keep: list, dt) -> tuple[native.MoeLayer | None, int]:
     """(the MoE call's plan, max token-expert slots) for resident experts on a CPU; (None, 0) else."""
+    own = getattr(experts, "native_moe", None)  # a backend that describes itself (FP8)
+    if own is not None:
+        return own()
     if type(experts) is StackedExperts and native.dense_ok(experts.gate_up, experts.down):
         E, two_i, D = experts.gate_up.shape
         plan = native.MoeLayer(native._FMT[experts.gate_up.dtype], None, E, experts.gate_up.element_size(), None, None,
@@ -140,7 +143,8 @@ def _key(layer) -> tuple:
     attn, mlp = m["self_attn"], m["mlp"]
     am, mm = attn._modules, mlp._modules
     ex = mm["experts"]
-    exp = ex._parameters["gate_up"] if type(ex) is StackedExperts else getattr(getattr(ex, "packed", None), "data", None)
+    exp = ex._parameters["gate_up"] if type(ex) is StackedExperts else getattr(getattr(ex, "packed", ex), "data", None) \
+        if not hasattr(ex, "native_moe") else ex.gate_up
     return (am["q_proj"], am["q_proj"].storage(), am["o_proj"], am["o_proj"].storage(), mm["gate"],
             mm["gate"]._parameters["weight"].data_ptr(), m["input_layernorm"]._parameters["weight"].data_ptr(),
             m["post_attention_layernorm"]._parameters["weight"].data_ptr(), ex,

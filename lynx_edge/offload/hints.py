@@ -8,6 +8,7 @@ import math
 import torch
 
 from ..kv_cache import KVCache
+from .memory import four_bit
 
 GIB = 2**30
 
@@ -28,7 +29,7 @@ def _ok(plan, key: str) -> bool:
 
 
 def gpu_hint(plan, r, cfg, args: dict) -> str:
-    four = args["int4"] or args["quant"] is not None
+    four = args["int4"] or four_bit(args["quant"])
     tips: list[str] = []
     if not args["offload"]:
         alts = ([("--int4", dict(int4=True))] if not four else []) + [("--offload", dict(offload=True))] + \
@@ -51,7 +52,7 @@ def gpu_hint(plan, r, cfg, args: dict) -> str:
 
 
 def host_hint(plan, r, cfg, args: dict) -> str:
-    four = args["int4"] or args["quant"] is not None
+    four = args["int4"] or four_bit(args["quant"])
     wide = plan.device == "cpu" and args["dtype"] == torch.float32  # a CPU model widened to fp32
     alts = ([("--int4", dict(int4=True))] if not four else []) + \
            ([("--dtype bfloat16", dict(dtype=torch.bfloat16))] if wide else []) + \

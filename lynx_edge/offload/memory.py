@@ -19,6 +19,8 @@ import torch
 
 from ..config import ConfigError, ModelConfig
 from ..kv_cache import KVCache
+from ..quant.fp8 import Fp8MoEExperts
+from ..quant.fp8 import experts_fit as fp8_experts_fit
 from .options import OffloadOptions
 from .profile import Profile, load_profile
 
@@ -42,10 +44,16 @@ class QuantInfo:
     (+ a zero per group when asymmetric). quant.formats.QuantConfig has the same fields and can
     be passed as is (modelinfo.read_quant converts one)."""
 
-    method: str = "gptq"  # gptq | awq
+    method: str = "gptq"  # gptq | awq | mxfp4 | fp8
     bits: int = 4
     group_size: int = 128
     sym: bool = True
+    weight_block: tuple[int, int] | None = None  # fp8: (bn, bk), one fp32 scale per block
+
+
+def four_bit(quant) -> bool:
+    """Whether a checkpoint's quantization (QuantInfo / QuantConfig, or None) stores 4-bit experts."""
+    return quant is not None and quant.bits == 4
 
 
 @dataclass
@@ -74,10 +82,10 @@ class Resource:
 @dataclass
 class MemoryPlan:
     model_type: str
-    mode: str  # plain | int4 | offload | offload+int4 | gptq-4bit[+offload] | awq-4bit[+offload]
+    mode: str  # plain | int4 | offload | offload+int4 | gptq-4bit[+offload] | awq-4bit[+offload] | fp8[+int4][+offload]
     device: str  # cpu | cuda
     dtype: str  # non-expert weights and KV
-    expert_format: str  # bf16 | fp16 | fp32 | int4
+    expert_format: str  # bf16 | fp16 | fp32 | int4 | fp8
     expert_bytes: int  # one expert block
     total_experts: int  # L·E
     expert_slots: int | None  # offload on CUDA: experts cached on the device
@@ -277,10 +285,14 @@ def build(cfg: ModelConfig, *, device, dtype, offload, int4, quant, ctx, batch, 
     if ctx < 1 or batch < 1:
         raise ConfigError(f"ctx ({ctx}) and batch ({batch}) must be ≥ 1")
     m = machine_for(dev, profile, opts)
-    four = quant is not None or int4
-    group, sym = (quant.group_size, quant.sym) if quant else (opts.int4_group, True)
-    fmt, eb = expert_block_bytes(cfg, dtype, four, group, sym, offload)
+    four = four_bit(quant) or int4
+    group, sym = (quant.group_size, quant.sym) if four_bit(quant) else (opts.int4_group, True)
     D, I, E, K = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.top_k
+    fp8 = quant is not None and quant.method == "fp8"
+    if fp8 and not four and not offload and dev == "cpu" and fp8_experts_fit(D, I, quant.weight_block):
+        fmt, eb = "fp8", Fp8MoEExperts.nbytes(D, I, quant.weight_block)  # read 8-bit by the native kernel
+    else:  # an FP8 checkpoint elsewhere: experts dequantised at load, as 16-bit (or --int4) ones
+        fmt, eb = expert_block_bytes(cfg, dtype, four, group, sym, offload)
     L = len(cfg.moe_layer_ids)
     total, experts = L * E, L * E * eb
     elem = dtype.itemsize
@@ -288,8 +300,11 @@ def build(cfg: ModelConfig, *, device, dtype, offload, int4, quant, ctx, batch, 
     layer16 = E * 3 * D * I * ckpt_elem  # one layer's experts as they stream from a float checkpoint
     ne = non_expert_bytes(cfg, elem)  # a 4-bit checkpoint's quantized non-expert linears: dequantized
     kv = KVCache.bytes_needed(cfg, batch, ctx, dtype)
-    mode = (f"{quant.method}-4bit" if quant else "int4" if int4 else "plain") if not offload else \
-        (f"{quant.method}-4bit+offload" if quant else "offload+int4" if int4 else "offload")
+    if fp8:
+        mode = "fp8" + ("+int4" if int4 else "") + ("+offload" if offload else "")
+    else:
+        mode = (f"{quant.method}-4bit" if quant else "int4" if int4 else "plain") if not offload else \
+            (f"{quant.method}-4bit+offload" if quant else "offload+int4" if int4 else "offload")
     resources, notes, slots = [], [], None
     pow2 = L * next_pow2(E * eb) + next_pow2(opts.staging_slots * eb) if dev == "cuda" and offload else None
     state = batch * KVCache.state_bytes(cfg, dtype)  # linear-attention / conv state: per row, not per token
@@ -351,7 +366,11 @@ def build(cfg: ModelConfig, *, device, dtype, offload, int4, quant, ctx, batch, 
     resources.append(Resource("page_cache", "page cache (reclaimable)", fb, fb, None, "info",
                               note="the checkpoint's mmap: file-backed, the OS drops it under pressure; "
                                    "not counted in host RAM" + ("" if file_bytes is not None else " (estimated)")))
-    if quant is not None:
+    if fp8:
+        notes.append(f"fp8 checkpoint (e4m3, {quant.weight_block[0]}×{quant.weight_block[1]} blocks): experts "
+                     + ("read 8-bit by the native CPU kernel" if fmt == "fp8" else f"dequantized at load to {fmt}")
+                     + f"; the other FP8 linears are dequantized at load to {_name(dtype)}")
+    elif quant is not None:
         where = ("on a CPU with the native kernels they stay 4-bit (quant/linear.py), so this is an upper "
                  "bound" if dev == "cpu" else "they are dequantized at load")
         notes.append(f"{quant.method} checkpoint: experts stay 4-bit (g{quant.group_size}, "
@@ -371,7 +390,9 @@ def _pinned(need: int, limit: int | None) -> Resource:
 
 
 def _file_estimate(cfg: ModelConfig, ckpt_elem: int, quant: QuantInfo | None, eb: int, total: int) -> int:
-    experts = total * eb if quant else total * 3 * cfg.hidden_size * cfg.moe_intermediate_size * ckpt_elem
+    per_expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    experts = total * per_expert if quant is not None and quant.method == "fp8" else total * eb if quant \
+        else total * per_expert * ckpt_elem
     return non_expert_bytes(cfg, ckpt_elem) + experts
 
 

@@ -59,6 +59,7 @@ class QuantConfig:
     modules_to_not_convert: tuple[str, ...] = ()  # AWQ: substrings of module names left 16-bit
     dynamic_skip: tuple[str, ...] = ()  # gptqmodel `dynamic` "-:" regexes (re.match) left 16-bit
     lm_head: bool = False  # gptqmodel: lm_head quantized too
+    weight_block: tuple[int, int] | None = None  # fp8: weight_block_size (bn, bk), one fp32 scale per block
 
     def is_quantized(self, module: str) -> bool:
         """Whether the config says `module` (e.g. "model.layers.0.mlp.gate") is stored 4-bit:
@@ -112,8 +113,11 @@ def read_quant_config(model_dir: str | Path, config: dict) -> QuantConfig | None
     method = str(qc.get("quant_method", "gptq" if path.endswith("quantize_config.json") else "")).lower()
     if method == "mxfp4":  # gpt-oss as published: e2m1 experts, one e8m0 scale per 32 (its family reads them)
         return QuantConfig("mxfp4", 4, 32, True, False, "mxfp4", tuple(qc.get("modules_to_not_convert") or ()))
+    if method == "fp8":
+        return _fp8_config(qc, bad)
     if method not in ("gptq", "awq"):
-        raise bad("quant_method", "is not supported; lynx-edge reads 4-bit GPTQ, AWQ (GEMM) and MXFP4 (gpt-oss) checkpoints")
+        raise bad("quant_method", "is not supported; lynx-edge reads 4-bit GPTQ, AWQ (GEMM), MXFP4 (gpt-oss) "
+                                  "and block-scaled FP8 checkpoints")
     bits_key = "w_bit" if "w_bit" in qc and "bits" not in qc else "bits"
     if qc.get(bits_key) != 4:
         raise bad(bits_key, "is not supported; lynx-edge reads 4-bit GPTQ/AWQ only")
@@ -125,6 +129,22 @@ def read_quant_config(model_dir: str | Path, config: dict) -> QuantConfig | None
     if method == "awq":
         return _awq_config(qc, bad, G)
     return _gptq_config(qc, bad, G, f"{path}: {pre}")
+
+
+def _fp8_config(qc: dict, bad) -> QuantConfig:
+    """Block-scaled FP8 (transformers' FineGrainedFP8 / DeepSeek-V3 / Qwen3-*-FP8): e4m3 weights
+    with `weight_scale_inv` per weight_block_size block (quant/fp8.py). The activation scheme does
+    not matter here: weights are dequantised or read 8-bit, activations stay fp32/16-bit."""
+    if str(qc.get("fmt", "e4m3")).lower() not in ("e4m3", "float8_e4m3fn"):
+        raise bad("fmt", "is not supported; FP8 checkpoints are read as e4m3")
+    block = qc.get("weight_block_size")
+    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise bad("weight_block_size", "is not supported; FP8 checkpoints need a [rows, cols] block of positive "
+                                       "integers (per-tensor FP8 scales are not read)")
+    skip = qc.get("modules_to_not_convert") or []
+    if not isinstance(skip, list) or not all(isinstance(s, str) for s in skip):
+        raise bad("modules_to_not_convert", "must be a list of module names")
+    return QuantConfig("fp8", 8, int(block[1]), True, False, "fp8", tuple(skip), weight_block=(int(block[0]), int(block[1])))
 
 
 def _awq_config(qc: dict, bad, G: int) -> QuantConfig:

@@ -1,0 +1,199 @@
+"""Block-scaled FP8 checkpoints (quant_method "fp8": Qwen3-*-FP8, DeepSeek-V3) and FP8 experts.
+
+A linear W [out, in] is stored as `<name>.weight` float8_e4m3fn [out, in] and
+`<name>.weight_scale_inv` fp32 [⌈out/bn⌉, ⌈in/bk⌉], weight_block_size = [bn, bk] (128 × 128 as
+published): W[o, i] = e4m3(weight[o, i]) · scale_inv[o // bn, i // bk]. ("_inv" is the writer's
+name for what dequantisation multiplies by, as transformers' FP8 integration and DeepSeek's
+weight_dequant read it.) Non-linear tensors (norms, the router, embeddings, lm_head) stay 16-bit.
+
+`dequant` is the exact reference (e4m3 → fp32 is exact; one fp32 rounding for the product) that
+every non-expert FP8 linear goes through at load, into the model dtype. Experts: on a CPU with
+the native kernels, `Fp8MoEExperts` keeps them 8-bit — one byte per weight, half of bf16 — and
+the native MoE kernel reads the codes in place (kernels/cpu_native.c f8_rows); elsewhere (a GPU,
+the offload store, `--int4`) they are dequantised per projection as they stream in, like any
+16-bit expert. Glossary: E experts, D hidden, I expert intermediate, (bn, bk) the scale block.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+from torch import nn
+
+FP8 = torch.float8_e4m3fn
+E4M3_MAX = 448.0  # the largest finite e4m3fn value
+SCALE_SUFFIX = "_scale_inv"  # <name>.weight → <name>.weight_scale_inv
+# per-tensor activation scales of "static" activation schemes: weight-only compute does not use them
+IGNORED_SUFFIXES = (".input_scale", ".activation_scale")
+
+
+def _expand(scale: torch.Tensor, shape: tuple[int, int], block: tuple[int, int]) -> torch.Tensor:
+    bn, bk = block
+    n, k = shape
+    return scale.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+
+
+def check_scale(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], name: str) -> None:
+    """ValueError (one line) when scale's shape is not [⌈out/bn⌉, ⌈in/bk⌉] for w [out, in]."""
+    bn, bk = block
+    want = (-(-w.shape[0] // bn), -(-w.shape[1] // bk)) if w.dim() == 2 else None
+    if want is None or tuple(scale.shape) != want:
+        raise ValueError(f"{name}: weight {tuple(w.shape)} with scale {tuple(scale.shape)} does not match "
+                         f"weight_block_size {list(block)} (expected scale {want})")
+
+
+def dequant(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """w [out, in] float8_e4m3fn (or its uint8 bytes), scale [⌈out/bn⌉, ⌈in/bk⌉] → fp32 [out, in]."""
+    w = w.view(FP8) if w.dtype == torch.uint8 else w
+    return w.float() * _expand(scale.float(), tuple(w.shape), block)
+
+
+def quantize(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [out, in] → (codes float8_e4m3fn [out, in], scale fp32 [⌈out/bn⌉, ⌈in/bk⌉]) with each block's
+    absolute max at 448, as the published checkpoints were written (tests and benchmarks write
+    FP8 checkpoints with it)."""
+    bn, bk = block
+    n, k = w.shape
+    wf = w.float()
+    pad = torch.zeros(-(-n // bn) * bn, -(-k // bk) * bk)
+    pad[:n, :k] = wf
+    amax = pad.view(pad.shape[0] // bn, bn, pad.shape[1] // bk, bk).abs().amax(dim=(1, 3))
+    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    codes = (wf / _expand(scale, (n, k), block)).clamp(-E4M3_MAX, E4M3_MAX).to(FP8)
+    return codes, scale
+
+
+def _quantized_here(name: str, t: torch.Tensor) -> bool:
+    """Which tensors a published FP8 checkpoint stores FP8: every 2-D projection weight inside the
+    decoder layers (attention, experts, shared experts, dense MLPs) but not the router."""
+    return (t.dim() == 2 and name.endswith("_proj.weight") or re.search(r"\.experts\.\d+\.w[123]\.weight$", name)
+            is not None) and ".layers." in name
+
+
+def write_checkpoint(src: str | Path, dst: str | Path, block: tuple[int, int] = (128, 128)) -> Path:
+    """A 16/32-bit safetensors checkpoint → the same model as a block-scaled FP8 checkpoint in the
+    published layout (Qwen/Qwen3-30B-A3B-FP8: projection weights e4m3 + weight_scale_inv fp32,
+    everything else as it was, config.json's quantization_config). For tests and benchmarks: the
+    hub's FP8 checkpoints are what users load."""
+    import json
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    src, dst = Path(src), Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name != "model.safetensors.index.json":
+            shutil.copy2(f, dst / f.name)
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(src.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as fh:
+            for name in fh.keys():
+                t = fh.get_tensor(name)
+                if _quantized_here(name, t):
+                    out[name], out[name + SCALE_SUFFIX] = quantize(t, block)
+                else:
+                    out[name] = t.to(torch.bfloat16) if t.is_floating_point() else t
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                  "weight_block_size": list(block)}
+    cfg["torch_dtype"] = "bfloat16"
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    return dst
+
+
+def experts_fit(D: int, I: int, block: tuple[int, int]) -> bool:
+    """Whether the native kernel reads experts of this shape in place: whole scale blocks over every
+    projection's rows (bn | I, bn | D) and inputs (bk | D, bk | I), bk a multiple of 32."""
+    bn, bk = block
+    return bn > 0 and bk > 0 and bk % 32 == 0 and I % bn == 0 and D % bn == 0 and D % bk == 0 and I % bk == 0
+
+
+class Fp8MoEExperts(nn.Module):
+    """Experts of one layer as block-scaled FP8, read in place on a CPU (one byte per weight).
+        gate_up        [E, 2I, D] float8_e4m3fn   gate rows then up rows, as StackedExperts
+        gate_up_scale  [E, 2I/bn, D/bk] fp32
+        down           [E, D, I] float8_e4m3fn
+        down_scale     [E, D/bn, I/bk] fp32
+    The load sink for an FP8 checkpoint's experts (`load_fp8_part`); the forward is the native
+    kernel (native.moe_fp8), or the torch reference on the experts in use where it is not built."""
+
+    def __init__(self, E: int, D: int, I: int, block: tuple[int, int], device="cpu"):
+        super().__init__()
+        if not experts_fit(D, I, block):
+            raise ValueError(f"FP8 experts D={D}, I={I} do not fit whole {list(block)} blocks")
+        bn, bk = block
+        self.num_experts, self.hidden, self.inter, self.block = E, D, I, (bn, bk)
+        self.gate_up = torch.empty(E, 2 * I, D, dtype=FP8, device=device)
+        self.gate_up_scale = torch.empty(E, 2 * I // bn, D // bk, dtype=torch.float32, device=device)
+        self.down = torch.empty(E, D, I, dtype=FP8, device=device)
+        self.down_scale = torch.empty(E, D // bn, I // bk, dtype=torch.float32, device=device)
+
+    @staticmethod
+    def nbytes(D: int, I: int, block: tuple[int, int]) -> int:
+        """Bytes per expert: codes plus scales."""
+        bn, bk = block
+        return 3 * D * I + 4 * (2 * I // bn * (D // bk) + D // bn * (I // bk))
+
+    def extra_repr(self) -> str:
+        return f"E={self.num_experts}, D={self.hidden}, I={self.inter}, fp8 e4m3 block={list(self.block)}"
+
+    def load_fp8_part(self, e: int, part: str, w: torch.Tensor, scale: torch.Tensor) -> None:
+        """One projection as the checkpoint stores it: w [out, in] e4m3, scale [out/bn, in/bk]."""
+        bn, _ = self.block
+        I = self.inter
+        if w.dtype not in (FP8, torch.uint8):
+            raise ValueError(f"stored {str(w.dtype).replace('torch.', '')}, expected float8_e4m3fn beside its "
+                             "weight_scale_inv")
+        check_scale(w, scale, self.block, f"expert {e} {part}")
+        if part == "down":
+            codes, scales = self.down[e], self.down_scale[e]
+        else:
+            rows = slice(0, I) if part == "gate" else slice(I, 2 * I)
+            codes, scales = self.gate_up[e, rows], self.gate_up_scale[e, rows.start // bn: rows.stop // bn]
+        if tuple(w.shape) != tuple(codes.shape):
+            raise ValueError(f"expert {e} {part}: shape {tuple(w.shape)}, expected {tuple(codes.shape)}")
+        codes.copy_(w.view(FP8) if w.dtype == torch.uint8 else w)
+        scales.copy_(scale)
+
+    def load_part(self, e: int, part: str, w: torch.Tensor) -> None:
+        raise ValueError(f"expert {e} {part} is stored {w.dtype} in a layer of FP8 experts "
+                         "(no weight_scale_inv beside it); mixed FP8/16-bit expert layers are not supported")
+
+    def dequantized(self, experts: torch.Tensor | slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up [n, 2I, D], down [n, D, I]) fp32 of the experts selected: the reference weights."""
+        gu, gs = self.gate_up[experts], self.gate_up_scale[experts]
+        dn, ds = self.down[experts], self.down_scale[experts]
+        bn, bk = self.block
+        return (gu.float() * gs.repeat_interleave(bn, 1).repeat_interleave(bk, 2),
+                dn.float() * ds.repeat_interleave(bn, 1).repeat_interleave(bk, 2))
+
+    def native_moe(self):
+        """(native.MoeLayer, max slots) for the native decode layer (models/native_layer.py), or
+        (None, 0) where the kernels are not built."""
+        from ..kernels import native
+
+        if native.lib() is None or self.gate_up.device.type != "cpu":
+            return None, 0
+        plan = native.MoeLayer(native.FMT_FP8, None, self.num_experts, 1, None, None, self.gate_up.data_ptr(),
+                               self.down.data_ptr(), 0, 0, self.hidden, self.inter, 0, self.gate_up_scale.data_ptr(),
+                               self.down_scale.data_ptr(), *self.block)
+        return plan, 1 << 30
+
+    def forward(self, x, ids, weights):  # x [N, D], ids/weights [N, K] → [N, D] in x's dtype
+        from ..kernels import native
+
+        if x.device.type == "cpu" and native.lib() is not None:
+            return native.moe_fp8(x, ids, weights, self.gate_up, self.gate_up_scale, self.down, self.down_scale,
+                                  self.block)
+        from ..kernels.moe_gemm import moe_ref
+
+        used, local = torch.unique(ids, return_inverse=True)  # only the experts in use are widened
+        gu, dn = self.dequantized(used)
+        return moe_ref(x.float(), local, weights.float(), gu, dn).to(x.dtype)
+
+
+__all__ = ["E4M3_MAX", "FP8", "Fp8MoEExperts", "check_scale", "dequant", "experts_fit", "quantize", "write_checkpoint"]

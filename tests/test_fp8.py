@@ -1,0 +1,218 @@
+"""Block-scaled FP8 checkpoints (quant_method "fp8", the layout of Qwen/Qwen3-30B-A3B-FP8):
+the format helpers against torch's own e4m3 decoding, the config reader, loading through every
+expert backend against a float reference with the same (dequantised) weights, bad files, and the
+memory plan of the real Qwen3-30B-A3B-FP8 config.
+
+The float reference: the FP8 checkpoint with every FP8 weight replaced by its exact fp32
+dequantisation (quant/fp8.dequant: e4m3 → fp32 is exact, times the block scale), loaded as a
+plain fp32 model. The kernel tests are in tests/test_cpu_native.py (test_fp8_*).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from conftest import make_tiny
+from lynx_edge.checkpoint import LoadError
+from lynx_edge.config import ConfigError
+from lynx_edge.kernels import native
+from lynx_edge.quant import fp8
+from lynx_edge.quant.formats import read_quant_config
+
+FIX = Path(__file__).parent / "fixtures"
+PROMPT = [5, 17, 42, 99, 3, 125, 7, 8, 120, 64, 33, 2]
+BLOCK = (64, 32)  # whole blocks over the tiny model's D = 128, I = 64 (the hub's are 128 × 128)
+
+
+@pytest.fixture(scope="module")
+def fp8_model(tmp_path_factory) -> tuple[Path, Path]:
+    """(FP8 checkpoint, its float reference)."""
+    root = tmp_path_factory.mktemp("fp8")
+    src = make_tiny(root / "src", "qwen3_moe", hidden_size=128, moe_intermediate_size=64, head_dim=32)
+    q = fp8.write_checkpoint(src, root / "fp8", BLOCK)
+    return q, float_reference(q, root / "ref")
+
+
+def float_reference(src: Path, dst: Path) -> Path:
+    cfg = json.loads((src / "config.json").read_text())
+    block = tuple(cfg["quantization_config"]["weight_block_size"])
+    tensors = {}
+    with safe_open(str(src / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+        for k in names:
+            if k.endswith(fp8.SCALE_SUFFIX):
+                continue
+            t = f.get_tensor(k)
+            tensors[k] = fp8.dequant(t, f.get_tensor(k + fp8.SCALE_SUFFIX), block) if k + fp8.SCALE_SUFFIX in names \
+                else t.float()
+    dst.mkdir(parents=True)
+    save_file(tensors, str(dst / "model.safetensors"))
+    cfg.pop("quantization_config")
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def _engine(path: Path, **kw):
+    from lynx_edge import Engine
+    from lynx_edge.build import LoadOptions, load_model
+    from lynx_edge.config import ModelConfig
+
+    cfg = ModelConfig.from_file(path / "config.json")
+    eng = Engine.__new__(Engine)
+    eng.model, eng.cfg, eng.kv, eng.ctx = load_model(path, cfg, LoadOptions(device="cpu", dtype="float32", **kw)), cfg, None, 256
+    eng._session = []
+    return eng
+
+
+def _logits(eng) -> torch.Tensor:
+    """Prefill logits for every prompt position, then 4 greedy decode steps' logits."""
+    from lynx_edge.step import decode_step, prefill
+
+    kv = eng._cache(1)
+    logits = prefill(eng.model, kv, 0, PROMPT, 0, logits_for="all")[0]
+    out, tok = [logits], logits[-1].argmax(-1, keepdim=True)
+    for _ in range(4):
+        step = decode_step(eng.model, kv, [0], tok)
+        out.append(step)
+        tok = step.argmax(-1)
+    return torch.cat([o.reshape(-1, o.shape[-1]) for o in out])
+
+
+# ------------------------------------------------------------------------------------------ format
+def test_dequant_decodes_every_code_as_torch_does():
+    """Every finite e4m3 byte (normals, subnormals, ±0) decodes as torch's float8_e4m3fn → fp32,
+    times its block's scale; blocks that do not divide the shape are cut at the edge."""
+    codes = torch.tensor([b for b in range(256) if b not in (0x7F, 0xFF)], dtype=torch.uint8)
+    w = codes[torch.arange(5 * 70) % len(codes)].view(5, 70)
+    scale = torch.tensor([[2.0, 0.5, 3.0], [0.25, 4.0, 1.0]])  # ⌈5/4⌉ × ⌈70/32⌉
+    got = fp8.dequant(w, scale, (4, 32))
+    want = w.view(fp8.FP8).float() * scale.repeat_interleave(4, 0)[:5].repeat_interleave(32, 1)[:, :70]
+    assert torch.equal(got, want)
+    assert got[0, 1].item() == 2.0 * 2.0**-9  # 0x01: the smallest subnormal
+
+
+def test_quantize_round_trip_is_within_e4m3_precision():
+    w = torch.randn(200, 300) * torch.linspace(0.01, 3, 300)
+    codes, scale = fp8.quantize(w, (128, 128))
+    assert codes.dtype == fp8.FP8 and scale.shape == (2, 3)
+    back = fp8.dequant(codes, scale, (128, 128))
+    blockmax = fp8._expand(scale * fp8.E4M3_MAX, (200, 300), (128, 128))
+    assert ((back - w).abs() <= w.abs() * 2**-4 + blockmax * 2**-10).all()  # 3 mantissa bits, subnormal floor
+    assert torch.isclose(back.abs().amax(), w.abs().amax(), rtol=1e-6)  # each block's max maps to 448 exactly
+
+
+def test_config_reader(tmp_path):
+    base = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
+    qc = read_quant_config(tmp_path, {"quantization_config": base})
+    assert (qc.method, qc.bits, qc.weight_block) == ("fp8", 8, (128, 128))
+    for bad, field in [({"fmt": "e5m2"}, "fmt"), ({"weight_block_size": None}, "weight_block_size"),
+                       ({"weight_block_size": [128]}, "weight_block_size"),
+                       ({"modules_to_not_convert": "lm_head"}, "modules_to_not_convert")]:
+        with pytest.raises(ValueError, match=field):
+            read_quant_config(tmp_path, {"quantization_config": {**base, **bad}})
+
+
+# ------------------------------------------------------------------------------------------- loads
+@pytest.mark.skipif(native.lib() is None, reason="native kernels not built")
+def test_fp8_experts_stay_8bit_on_a_cpu_and_match_the_float_reference(fp8_model):
+    q, ref_dir = fp8_model
+    ref = _logits(_engine(ref_dir))
+    eng = _engine(q)
+    experts = eng.model.layers[0].mlp.experts
+    assert type(experts) is fp8.Fp8MoEExperts and experts.gate_up.dtype == fp8.FP8
+    assert eng.model.placement.experts == "fp8" and eng.model.placement.quant_method == "fp8"
+    got = _logits(eng)
+    err = (got - ref).abs().max().item()
+    assert err < 2e-6, err  # observed 1.8e-7 (logits ~0.8): the kernel's block sums vs fp32 GEMMs, same weights
+    experts.down_scale[:, 0].mul_(1.01)  # bug injection: one block row of every down projection 1% off
+    assert (_logits(eng) - ref).abs().max().item() > 10 * 2e-6
+
+
+@pytest.mark.parametrize("how", ["dequantised", "int4", "offload"])
+def test_fp8_checkpoint_through_the_other_backends(fp8_model, how, monkeypatch):
+    """Without the native kernels (and on a GPU) experts are dequantised at load into the 16-bit
+    backend: the float reference's logits. --int4 re-quantises the dequantised weights (RTN, as
+    from a 16-bit checkpoint); offload stores them in the host store's format."""
+    from lynx_edge import build
+    from lynx_edge.models.layers import StackedExperts
+
+    q, ref_dir = fp8_model
+    if how == "dequantised":
+        monkeypatch.setattr(build, "_fp8_native", lambda *a: False)
+        eng = _engine(q)
+        assert type(eng.model.layers[0].mlp.experts) is StackedExperts and eng.model.placement.experts == "fp32"
+        assert (_logits(eng) - _logits(_engine(ref_dir))).abs().max().item() <= 1e-6  # observed 0.0: same weights
+    elif how == "int4":
+        got, want = _logits(_engine(q, int4=True)), _logits(_engine(ref_dir, int4=True))
+        assert (got - want).abs().max().item() <= 1e-6  # observed 0.0: the same RTN of the same weights
+    else:
+        got, want = _logits(_engine(q, offload=True)), _logits(_engine(ref_dir, offload=True))
+        assert (got - want).abs().max().item() <= 1e-6  # observed 0.0
+
+
+def _rewrite(src: Path, dst: Path, edit) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    with safe_open(str(src / "model.safetensors"), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    edit(tensors)
+    save_file(tensors, str(dst / "model.safetensors"))
+    return dst
+
+
+@pytest.mark.parametrize("case,match", [
+    ("no_scale", "has no .*weight_scale_inv"),
+    ("bad_scale", r"does not match weight_block_size"),
+    ("expert_no_scale", "has no .*weight_scale_inv|stored float8"),
+    ("no_config", "no FP8 quantization_config"),
+])
+def test_bad_fp8_files_are_one_line_errors(fp8_model, tmp_path, case, match):
+    q, _ = fp8_model
+    attn = "model.layers.1.self_attn.q_proj.weight"
+    expert = "model.layers.0.mlp.experts.3.up_proj.weight"
+
+    def edit(t):
+        if case == "no_scale":
+            del t[attn + fp8.SCALE_SUFFIX]
+        elif case == "bad_scale":
+            t[attn + fp8.SCALE_SUFFIX] = t[attn + fp8.SCALE_SUFFIX][:, :1].contiguous()
+        elif case == "expert_no_scale":
+            del t[expert + fp8.SCALE_SUFFIX]
+    d = _rewrite(q, tmp_path / case, edit)
+    if case == "no_config":
+        cfg = json.loads((d / "config.json").read_text())
+        cfg.pop("quantization_config")
+        (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises((LoadError, ConfigError), match=match) as exc:
+        _engine(d)
+    assert "\n" not in str(exc.value)
+
+
+# -------------------------------------------------------------------------------------------- plan
+def test_plan_of_qwen3_30b_a3b_fp8():
+    """The published Qwen3-30B-A3B-FP8 (its config plus the FP8 block): on a CPU the experts are
+    counted at one byte per weight plus fp32 block scales; on a GPU dequantised to bf16; --int4 as
+    from a 16-bit checkpoint."""
+    from lynx_edge.config import ModelConfig
+    from lynx_edge.offload.memory import QuantInfo, plan_memory
+
+    raw = json.loads((FIX / "qwen3-30b-a3b" / "config.json").read_text())
+    cfg = ModelConfig.from_dict(raw)
+    quant = QuantInfo("fp8", 8, 128, True, (128, 128))
+    D, I, E, L = raw["hidden_size"], raw["moe_intermediate_size"], raw["num_experts"], raw["num_hidden_layers"]
+    per_expert = 3 * D * I + 4 * (2 * I // 128 * (D // 128) + D // 128 * (I // 128))
+    cpu = plan_memory(cfg, device="cpu", dtype=torch.bfloat16, offload=False, int4=False, quant=quant, ctx=4096)
+    assert (cpu.expert_format, cpu.expert_bytes, cpu.mode) == ("fp8", per_expert, "fp8")
+    assert cpu.report()["resources"][0]["parts"]["all experts"] == L * E * per_expert  # 28.5 GiB of 30.5B params
+    gpu = plan_memory(cfg, device="cuda", dtype=torch.bfloat16, offload=True, int4=False, quant=quant, ctx=4096,
+                      profile="rtx4090-24gb")
+    assert gpu.expert_format == "bf16" and gpu.mode == "fp8+offload"
+    four = plan_memory(cfg, device="cpu", dtype=torch.bfloat16, offload=False, int4=True, quant=quant, ctx=4096)
+    assert four.expert_format == "int4" and four.mode == "fp8+int4"
+    assert any("fp8 checkpoint" in n for n in cpu.notes)
