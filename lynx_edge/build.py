@@ -94,7 +94,7 @@ class Placement:
     int4_sym: bool | None = None
     quant_method: str | None = None  # gptq | awq for a 4-bit checkpoint, fp8 for a block-scaled FP8 one
     dense_layers: tuple[int, ...] = ()  # mixed layers kept 16-bit (a 4-bit checkpoint with 16-bit experts)
-    packed_linears: int = 0  # 4-bit non-expert linears read packed (CPU: quant/linear.Int4Linear)
+    packed_linears: int = 0  # 4-bit / FP8 non-expert linears read packed (CPU: Int4Linear, Fp8Linear)
     int4_act: str | None = None  # CPU INT4 kernels' activations: f32 | q8 (None: not an INT4 CPU model)
 
 
@@ -136,7 +136,7 @@ def load_model(model_dir: Path, cfg: ModelConfig, opts: LoadOptions, progress: P
     experts = _backends(cfg, dt, dev, int4, group, sym, mixed, rt, act, fp8_block)
     model = MoEForCausalLM(cfg, dt, dev, experts=experts)
     if qc is not None:
-        placement.packed_linears = _keep_linears_packed(model, ckpt, family, dev, act)
+        placement.packed_linears = _keep_linears_packed(model, ckpt, family, dev, act, qc)
     if int4 and dev.type == "cpu":
         placement.int4_act = act
     load_weights(model, ckpt, family, qc, progress)
@@ -169,19 +169,22 @@ def _fp8_native(dev, D: int, I: int, qc) -> bool:
     return dev.type == "cpu" and experts_fit(D, I, qc.weight_block) and native.lib() is not None
 
 
-def _keep_linears_packed(model, ckpt: Checkpoint, family, dev, act: str | None = None) -> int:
+def _keep_linears_packed(model, ckpt: Checkpoint, family, dev, act: str | None = None, qc=None) -> int:
     """On a CPU with the native kernels, the checkpoint's 4-bit attention / shared-expert / dense
-    linears become Int4Linear (read packed each step: a quarter of bf16's bytes and memory) instead
-    of being widened at load; elsewhere they stay 16-bit Linears. → how many were kept packed."""
+    linears become Int4Linear (read packed each step: a quarter of bf16's bytes and memory), and an
+    FP8 checkpoint's become Fp8Linear (8-bit: half), instead of being widened at load; elsewhere
+    they stay 16-bit Linears. → how many were kept packed."""
     from .kernels import native
-    from .loader import packed_linears
+    from .loader import fp8_linears, packed_linears
     from .models.layers import Linear
+    from .quant.fp8 import Fp8Linear, linear_fits
     from .quant.linear import Int4Linear
 
     if dev.type != "cpu" or native.lib() is None:
         return 0
+    fp8 = qc is not None and qc.method == "fp8"
     n = 0
-    for name in sorted(packed_linears(ckpt, family)):
+    for name in sorted(fp8_linears(ckpt, family) if fp8 else packed_linears(ckpt, family)):
         parent, _, leaf = name.rpartition(".")
         try:
             owner = model.get_submodule(parent)
@@ -191,7 +194,11 @@ def _keep_linears_packed(model, ckpt: Checkpoint, family, dev, act: str | None =
         if type(old) is not Linear:
             continue
         out_f, in_f = old.weight.shape
-        setattr(owner, leaf, Int4Linear(out_f, in_f, old.bias is not None, old.weight.dtype, dev, act))
+        if fp8 and not linear_fits(in_f, qc.weight_block):
+            continue
+        new = Fp8Linear(out_f, in_f, old.bias is not None, old.weight.dtype, dev, qc.weight_block) if fp8 else \
+            Int4Linear(out_f, in_f, old.bias is not None, old.weight.dtype, dev, act)
+        setattr(owner, leaf, new)
         n += 1
     return n
 

@@ -79,6 +79,21 @@ def packed_linears(ckpt: Checkpoint, family) -> set[str]:
     return out
 
 
+def fp8_scales(ckpt: Checkpoint) -> dict[str, str]:
+    """Checkpoint name of each FP8 weight → the name of its block scales (`<weight>_scale_inv`)."""
+    return {n[: -len(fp8.SCALE_SUFFIX)]: n for n in ckpt.names() if n.endswith(fp8.SCALE_SUFFIX)}
+
+
+def fp8_linears(ckpt: Checkpoint, family) -> set[str]:
+    """Internal module names of the non-expert linears the checkpoint stores FP8 (weight_scale_inv)."""
+    out = set()
+    for w in fp8_scales(ckpt):
+        n = internal_name(w, family.RENAMES)
+        if n.endswith(".weight") and not _ignored(n, family) and not _EXPERT_RE.match(n):
+            out.add(n[: -len(".weight")])
+    return out
+
+
 def _layer_of(name: str) -> int:
     m = _LAYER_RE.match(name)
     return int(m.group(1)) if m else -1
@@ -90,15 +105,13 @@ class _Units:
     def __init__(self, ckpt: Checkpoint, family, params: dict, experts: dict, packed: dict):
         self.order: list[tuple] = []
         quant: dict[tuple, dict[str, str]] = {}
-        self.scales: dict[str, str] = {}  # FP8: checkpoint name of a weight → its weight_scale_inv
+        self.scales = fp8_scales(ckpt)  # FP8: checkpoint name of a weight → its weight_scale_inv
         for name in ckpt.names():
             n = internal_name(name, family.RENAMES)
-            if _ignored(n, family):
+            if _ignored(n, family) or name.endswith((fp8.SCALE_SUFFIX, *fp8.IGNORED_SUFFIXES)):
                 continue
-            if name.endswith(fp8.SCALE_SUFFIX):
-                self.scales[name[: -len(fp8.SCALE_SUFFIX)]] = name
-                continue
-            if name.endswith(fp8.IGNORED_SUFFIXES):
+            if name in self.scales and n.endswith(".weight") and hasattr(packed.get(n[:-7]), "load_fp8"):
+                self.order.append(("fp8linear", n[:-7], name))  # kept 8-bit (quant/fp8.Fp8Linear)
                 continue
             m, own = _EXPERT_RE.match(n), _OWN_RE.match(n)
             if own and hasattr(experts.get(own.group(1)), "load_tensor"):  # e.g. gpt-oss: biases, MXFP4
@@ -131,7 +144,8 @@ def load_weights(model, ckpt: Checkpoint, family, quant=None, progress: Progress
     QuantConfig (lynx_edge.quant.formats) when it has 4-bit linears, else None."""
     params = dict(model.named_parameters())
     experts = {f"layers.{i}.mlp.experts": model.layers[i].mlp.experts for i in model.cfg.moe_layer_ids}
-    packed = {n: m for n, m in model.named_modules() if hasattr(m, "load_quant")}  # 4-bit linears kept packed
+    # 4-bit linears kept packed, FP8 ones kept 8-bit (a CPU with the native kernels)
+    packed = {n: m for n, m in model.named_modules() if hasattr(m, "load_quant") or hasattr(m, "load_fp8")}
     units = _Units(ckpt, family, params, experts, packed)
     get = _Reader(ckpt, units.scales, quant)
     total, done = ckpt.total_bytes or 1, 0
@@ -157,6 +171,13 @@ def load_weights(model, ckpt: Checkpoint, family, quant=None, progress: Progress
                 sink.load_part(e, part, _shaped(sink, part, get(name), ckpt.refs[name]))
             got[prefix].add((e, part))
             names = [name]
+        elif kind == "fp8linear":
+            _, mod, name = u
+            names = [name]
+            try:
+                packed[mod].load_fp8(ckpt.get(name), ckpt.get(units.scales[name]))
+            except ValueError as exc:
+                raise LoadError(f"{ckpt.refs[name].file.name}: tensor {name}: {exc}") from None
         elif kind == "own":
             _, prefix, suffix, name = u
             names = [name]
@@ -196,7 +217,7 @@ def load_weights(model, ckpt: Checkpoint, family, quant=None, progress: Progress
     _check_complete(model, params, filled, experts, got, ckpt)
     for name, m in packed.items():
         if not m.loaded:
-            raise LoadError(f"{ckpt.dir}: missing tensor {name}.qweight")
+            raise LoadError(f"{ckpt.dir}: missing tensor {name}.{'weight' if hasattr(m, 'load_fp8') else 'qweight'}")
     for sink in experts.values():
         finish = getattr(sink, "finish_load", None)
         if finish is not None:
@@ -297,5 +318,5 @@ def _check_complete(model, params, filled, experts, got, ckpt: Checkpoint) -> No
             raise LoadError(f"{ckpt.dir}: missing tensor {name!r}")
 
 
-__all__ = ["Checkpoint", "LoadError", "ProgressFn", "expert_storage", "internal_name", "load_weights",
-           "packed_linears"]
+__all__ = ["Checkpoint", "LoadError", "ProgressFn", "expert_storage", "fp8_linears", "fp8_scales", "internal_name",
+           "load_weights", "packed_linears"]

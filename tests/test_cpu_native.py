@@ -554,3 +554,24 @@ def test_fp8_moe_bugs_are_caught():
         m.gate_up.copy_(keep[0])
         m.down_scale.copy_(keep[1])
     assert _rel(m(x, ids, w), ref) < TOL_MOE
+
+
+@pytest.mark.parametrize("T,N,Kin,block,bias", [(1, 72, 256, (64, 32), False), (5, 130, 128, (128, 128), True),
+                                               (32, 64, 512, (16, 64), True)])
+def test_fp8_linear_matches_reference(T, N, Kin, block, bias):
+    """native.linear_fp8 (rows not a multiple of bn: the last scale row is partial) against the
+    widened fp32 path on the same decoded weight; a scale off by one block row is caught."""
+    from lynx_edge.quant.fp8 import Fp8Linear, quantize
+
+    g = torch.Generator().manual_seed(1)
+    lin = Fp8Linear(N, Kin, bias, torch.float32, "cpu", block)
+    lin.load_fp8(*quantize(torch.randn(N, Kin, generator=g) / Kin**0.5, block))
+    if bias:
+        lin.bias.data.normal_(generator=g)
+    x = torch.randn(T, Kin, generator=g)
+    ref = lin.widened(x)
+    y = lin.native(x)
+    assert _rel(y, ref) < TOL_LIN, _rel(y, ref)
+    assert torch.equal(torch.cat([lin.native(x[t:t + 1]) for t in range(T)]), y)  # batch-invariant
+    lin.weight_scale_inv[0].mul_(1.01)
+    assert _rel(lin.native(x), ref) > 100 * TOL_LIN

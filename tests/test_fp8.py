@@ -120,13 +120,25 @@ def test_config_reader(tmp_path):
 # ------------------------------------------------------------------------------------------- loads
 @pytest.mark.skipif(native.lib() is None, reason="native kernels not built")
 def test_fp8_experts_stay_8bit_on_a_cpu_and_match_the_float_reference(fp8_model):
+    """Experts (Fp8MoEExperts) and q/k/v/o (Fp8Linear, q/k/v fused into one) read 8-bit by the native
+    kernels; prefill past NATIVE_MAX_ROWS widens the linears' row chunks instead."""
+    from lynx_edge.step import prefill
+
     q, ref_dir = fp8_model
-    ref = _logits(_engine(ref_dir))
+    ref_eng = _engine(ref_dir)
+    ref = _logits(ref_eng)
+    long = PROMPT * 4  # 48 rows: the widened prefill path
+    ref_long = prefill(ref_eng.model, ref_eng._cache(1), 0, long, 0, logits_for="all")[0]
     eng = _engine(q)
-    experts = eng.model.layers[0].mlp.experts
+    experts, attn = eng.model.layers[0].mlp.experts, eng.model.layers[0].self_attn
     assert type(experts) is fp8.Fp8MoEExperts and experts.gate_up.dtype == fp8.FP8
+    assert type(attn.q_proj) is fp8.Fp8Linear and type(attn.o_proj) is fp8.Fp8Linear
     assert eng.model.placement.experts == "fp8" and eng.model.placement.quant_method == "fp8"
+    assert eng.model.placement.packed_linears == 8  # q, k, v, o of both layers
     got = _logits(eng)
+    assert type(attn._fused()) is fp8.Fp8Linear
+    long_err = (prefill(eng.model, eng._cache(1), 0, long, 0, logits_for="all")[0] - ref_long).abs().max().item()
+    assert long_err < 2e-6, long_err
     err = (got - ref).abs().max().item()
     assert err < 2e-6, err  # observed 1.8e-7 (logits ~0.8): the kernel's block sums vs fp32 GEMMs, same weights
     experts.down_scale[:, 0].mul_(1.01)  # bug injection: one block row of every down projection 1% off
@@ -138,14 +150,14 @@ def test_fp8_checkpoint_through_the_other_backends(fp8_model, how, monkeypatch):
     """Without the native kernels (and on a GPU) experts are dequantised at load into the 16-bit
     backend: the float reference's logits. --int4 re-quantises the dequantised weights (RTN, as
     from a 16-bit checkpoint); offload stores them in the host store's format."""
-    from lynx_edge import build
     from lynx_edge.models.layers import StackedExperts
 
     q, ref_dir = fp8_model
-    if how == "dequantised":
-        monkeypatch.setattr(build, "_fp8_native", lambda *a: False)
+    if how == "dequantised":  # as without a C compiler
+        monkeypatch.setattr(native, "lib", lambda: None)
         eng = _engine(q)
         assert type(eng.model.layers[0].mlp.experts) is StackedExperts and eng.model.placement.experts == "fp32"
+        assert type(eng.model.layers[0].self_attn.q_proj).__name__ == "Linear"
         assert (_logits(eng) - _logits(_engine(ref_dir))).abs().max().item() <= 1e-6  # observed 0.0: same weights
     elif how == "int4":
         got, want = _logits(_engine(q, int4=True)), _logits(_engine(ref_dir, int4=True))

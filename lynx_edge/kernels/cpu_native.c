@@ -1017,6 +1017,36 @@ void lynx_dequant_int4(const uint8_t *q, const uint16_t *s, const uint8_t *z, in
     parallel(dequant_item, &P, (N + ROW_BLOCK - 1) / ROW_BLOCK, nthreads);
 }
 
+typedef struct {
+    int T, Kin, N, bn, bk;
+    const uint8_t *q;
+    const float *s, *x, *bias;
+    float *out;
+} f8linear_t;
+
+static void f8linear_item(const void *arg, long item) {
+    const f8linear_t *P = arg;
+    float acc[64];
+    const int nk = P->Kin / P->bk;
+    for (int n = (int)item * ROW_BLOCK; n < P->N && n < (item + 1) * ROW_BLOCK; n++)
+        for (int c = 0; c < P->T; c += 64) {
+            const int m = P->T - c < 64 ? P->T - c : 64;
+            f8_slots(P->q + (long)n * P->Kin, P->s + (long)(n / P->bn) * nk, P->Kin, P->bk, P->x + (long)c * P->Kin,
+                     P->Kin, m, acc);
+            const float b = P->bias ? P->bias[n] : 0.0f;
+            for (int t = 0; t < m; t++) P->out[(long)(c + t) * P->N + n] = acc[t] + b;
+        }
+}
+
+/* out [T, N] = x [T, Kin] fp32 @ W^T (+ bias [N] fp32 or NULL) for one block-scaled FP8 linear W
+ * [N, Kin] read in place (an FP8 checkpoint's attention): e4m3 codes q [N, Kin], fp32 scales s
+ * [ceil(N/bn), Kin/bk] (bk | Kin, bk % 32 == 0: the caller checks). */
+void lynx_linear_fp8(const float *x, const uint8_t *q, const float *s, int bn, int bk, const float *bias, int T,
+                     int Kin, int N, float *out, int nthreads) {
+    f8linear_t P = {T, Kin, N, bn, bk, q, s, x, bias, out};
+    parallel(f8linear_item, &P, (N + ROW_BLOCK - 1) / ROW_BLOCK, nthreads);
+}
+
 /* --- decode attention ------------------------------------------------------------------------- */
 
 /* One decode token per row after the fused q/k/v projection: q/k RMSNorm per head (optional),
@@ -1213,19 +1243,24 @@ int lynx_rmsnorm(int fmt, const uint8_t *x, const uint8_t *w, float eps, long N,
  * whose weights are bit-equal to transformers'). Each step rounds where the module path does (a
  * bf16 model: every projection's output, the attention output, the residual adds, the norms), so
  * for bf16 this equals the module path bit for bit; it saves the ~40 Python/torch calls per layer
- * around the same kernels (models/native_layer.py). Projections are dense fp32/bf16 or INT4. */
+ * around the same kernels (models/native_layer.py). Projections are dense fp32/bf16, INT4 or FP8. */
 
 typedef struct {
-    int kind; /* FMT_F32 / FMT_BF16 dense [N, K], FMT_INT4 packed (codes [N, K/2], scales, zeros, perm) */
+    int kind; /* FMT_F32 / FMT_BF16 dense [N, K], FMT_INT4 packed (codes [N, K/2], scales, zeros, perm),
+               * FMT_FP8 codes [N, K] with fp32 block scales s [ceil(N/bn), K/G] */
     const uint8_t *w;
     const uint16_t *s;
     const uint8_t *z;
     const int32_t *perm;
     const float *bias; /* fp32 [N] or NULL */
-    int N, K, G, q8;
+    int N, K, G, q8, bn;
 } lin_t;
 
 static int lin_run(const lin_t *l, const float *x, int T, float *out, int nthreads) {
+    if (l->kind == FMT_FP8) {
+        lynx_linear_fp8(x, l->w, (const float *)l->s, l->bn, l->G, l->bias, T, l->K, l->N, out, nthreads);
+        return 0;
+    }
     if (l->kind == FMT_INT4)
         return lynx_linear_int4(x, l->w, l->s, l->z, l->perm, l->bias, T, l->K, l->N, l->G, out, nthreads, l->q8);
     lynx_linear(l->kind, x, l->w, l->bias, T, l->K, l->N, out, nthreads);

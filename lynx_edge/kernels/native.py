@@ -123,6 +123,8 @@ def lib() -> ctypes.CDLL | None:
     so.lynx_linear.restype = None
     so.lynx_linear_int4.argtypes = [p, p, p, p, p, p, i, i, i, i, p, i, i]
     so.lynx_linear_int4.restype = i
+    so.lynx_linear_fp8.argtypes = [p, p, p, i, i, p, i, i, i, p, i]
+    so.lynx_linear_fp8.restype = None
     so.lynx_dequant_int4.argtypes = [p, p, p, i, i, i, p, i]
     so.lynx_dequant_int4.restype = None
     f = ctypes.c_float
@@ -282,6 +284,30 @@ def linear_int4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zer
     return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
+def linear_fp8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ Wᵀ (+ bias) for a block-scaled FP8 linear W [N, Kin] read in place — e4m3 codes [N, Kin],
+    fp32 scales [⌈N/bn⌉, Kin/bk] — with fp32 products and sums → [..., N] in x's dtype."""
+    N, Kin = codes.shape
+    x2 = _as(x.reshape(-1, Kin), torch.float32)
+    b = None if bias is None else _as(bias, torch.float32)
+    s = _as(scale, torch.float32)
+    out = torch.empty(x2.shape[0], N, dtype=torch.float32)
+    if x2.shape[0]:
+        lib().lynx_linear_fp8(x2.data_ptr(), codes.data_ptr(), s.data_ptr(), block[0], block[1],
+                              None if b is None else b.data_ptr(), x2.shape[0], Kin, N, out.data_ptr(),
+                              torch.get_num_threads())
+    out = out.view(*x.shape[:-1], N)
+    return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+
+def fp8_lin(codes: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], bias32: torch.Tensor | None) -> Lin:
+    """A Lin over an FP8 linear's codes [N, K] and fp32 block scales (contiguous)."""
+    N, K = codes.shape
+    return Lin(FMT_FP8, codes.data_ptr(), scale.data_ptr(), None, None, None if bias32 is None else bias32.data_ptr(),
+               N, K, block[1], 0, block[0])
+
+
 def dequant_int4(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None) -> torch.Tensor:
     """int4.dequant's result (fp32 [N, Kin], code order), exact, for packed [N, Kin/2] uint8,
     fp16 scales and uint8 zeros [Kin/G, N] (None: symmetric)."""
@@ -337,10 +363,11 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor |
 
 
 class Lin(ctypes.Structure):
-    """One projection for the layer calls: dense fp32/bf16 [N, K] or INT4 packed (lin_t in the C file)."""
+    """One projection for the layer calls: dense fp32/bf16 [N, K], INT4 packed, or FP8 codes with
+    block scales (G = bk, bn) (lin_t in the C file)."""
     _fields_ = [("kind", ctypes.c_int), ("w", ctypes.c_void_p), ("s", ctypes.c_void_p), ("z", ctypes.c_void_p),
                 ("perm", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("N", ctypes.c_int), ("K", ctypes.c_int),
-                ("G", ctypes.c_int), ("q8", ctypes.c_int)]
+                ("G", ctypes.c_int), ("q8", ctypes.c_int), ("bn", ctypes.c_int)]
 
 
 class AttnLayer(ctypes.Structure):

@@ -19,6 +19,7 @@ import re
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 FP8 = torch.float8_e4m3fn
@@ -105,11 +106,112 @@ def write_checkpoint(src: str | Path, dst: str | Path, block: tuple[int, int] = 
     return dst
 
 
+def linear_fits(in_f: int, block: tuple[int, int]) -> bool:
+    """Whether the native FP8 linear reads a weight with in_f inputs: whole bk blocks, bk % 32 == 0."""
+    return block[0] > 0 and block[1] > 0 and block[1] % 32 == 0 and in_f % block[1] == 0
+
+
 def experts_fit(D: int, I: int, block: tuple[int, int]) -> bool:
     """Whether the native kernel reads experts of this shape in place: whole scale blocks over every
     projection's rows (bn | I, bn | D) and inputs (bk | D, bk | I), bk a multiple of 32."""
     bn, bk = block
     return bn > 0 and bk > 0 and bk % 32 == 0 and I % bn == 0 and D % bn == 0 and D % bk == 0 and I % bk == 0
+
+
+# rows up to which the native kernel runs a linear; past them (prefill) WIDEN_ROWS output rows at
+# a time are dequantised to fp32 and torch's GEMM runs (compute-bound there)
+NATIVE_MAX_ROWS = 32
+WIDEN_ROWS = 1024
+
+
+class Fp8Linear(nn.Module):
+    """y = x Wᵀ (+ b) for an FP8 checkpoint's attention / dense linear W [out, in], kept 8-bit on a
+    CPU with the native kernels (half of bf16's bytes and memory; chosen at build,
+    build._keep_linears_packed). `weight` float8_e4m3fn [out, in], `weight_scale_inv` fp32
+    [⌈out/bn⌉, in/bk], both filled by the loader (`load_fp8`)."""
+
+    def __init__(self, out_f: int, in_f: int, bias: bool, dtype, device, block: tuple[int, int]):
+        super().__init__()
+        self.out_features, self.in_features, self.block = out_f, in_f, tuple(block)
+        self.register_buffer("weight", torch.empty(out_f, in_f, dtype=FP8, device=device))
+        bn, bk = self.block
+        self.register_buffer("weight_scale_inv", torch.empty(-(-out_f // bn), in_f // bk, device=device))
+        self.bias = nn.Parameter(torch.empty(out_f, dtype=dtype, device=device), requires_grad=False) if bias else None
+        self.loaded = False
+
+    def extra_repr(self) -> str:
+        return f"out={self.out_features}, in={self.in_features}, fp8 e4m3 block={list(self.block)}"
+
+    def load_fp8(self, w: torch.Tensor, scale: torch.Tensor) -> None:
+        if w.dtype not in (FP8, torch.uint8) or tuple(w.shape) != (self.out_features, self.in_features):
+            raise ValueError(f"weight is {str(w.dtype).replace('torch.', '')} {list(w.shape)}, expected float8_e4m3fn "
+                             f"[{self.out_features}, {self.in_features}]")
+        check_scale(w, scale, self.block, "weight")
+        self.weight.copy_(w.view(FP8) if w.dtype == torch.uint8 else w)
+        self.weight_scale_inv.copy_(scale)
+        self.loaded = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() // self.in_features <= NATIVE_MAX_ROWS:
+            return self.native(x)
+        return self.widened(x)
+
+    def widened(self, x: torch.Tensor) -> torch.Tensor:
+        """WIDEN_ROWS output rows at a time dequantised to fp32 (exact), one fp32 GEMM each → x's
+        dtype: prefill, and the reference the kernel is tested against."""
+        xf, bn = x.float(), self.block[0]
+        step = max(bn, WIDEN_ROWS // bn * bn)  # whole scale blocks per chunk
+        outs = []
+        for n in range(0, self.out_features, step):
+            w = dequant(self.weight[n:n + step], self.weight_scale_inv[n // bn:(n + step) // bn + 1], self.block)
+            outs.append(F.linear(xf, w, None if self.bias is None else self.bias[n:n + step].float()))
+        return torch.cat(outs, -1).to(x.dtype)
+
+    def native(self, x: torch.Tensor) -> torch.Tensor:
+        from ..kernels import native
+
+        return native.linear_fp8(x, self.weight, self.weight_scale_inv, self.block, self.bias)
+
+    def storage(self) -> int:
+        return self.weight.data_ptr()
+
+    def native_lin(self):
+        """(native.Lin, tensors it points into, rows up to which forward runs it) for the whole-layer
+        decode call (models/native_layer.py); None before the load or on views of a fused q/k/v."""
+        from ..kernels import native
+
+        if not self.loaded or not (self.weight.is_contiguous() and self.weight_scale_inv.is_contiguous()):
+            return None
+        b32 = None if self.bias is None else self.bias.detach().float().contiguous()
+        return native.fp8_lin(self.weight, self.weight_scale_inv, self.block, b32), [b32], NATIVE_MAX_ROWS
+
+    @staticmethod
+    def fuse(lins: list["Fp8Linear"]) -> "Fp8Linear | None":
+        """One Fp8Linear over the output rows of all of lins (q, k, v: one kernel call), theirs
+        turned into views of it; None unless each part but the last is whole scale-block rows and
+        block, inputs and bias presence agree."""
+        a = lins[0]
+        bn = a.block[0]
+        if not all(m.loaded and m.block == a.block and m.in_features == a.in_features
+                   and (m.bias is None) == (a.bias is None) for m in lins) \
+                or any(m.out_features % bn for m in lins[:-1]):
+            return None
+        out = Fp8Linear(sum(m.out_features for m in lins), a.in_features, a.bias is not None,
+                        a.bias.dtype if a.bias is not None else torch.float32, a.weight.device, a.block)
+        out.weight = torch.cat([m.weight for m in lins])
+        out.weight_scale_inv = torch.cat([m.weight_scale_inv for m in lins])
+        if a.bias is not None:
+            out.bias.data = torch.cat([m.bias.data for m in lins])
+        out.loaded = True
+        at = 0
+        for m in lins:  # views of the fused buffers: the separate copies are freed
+            n = m.out_features
+            m.weight = out.weight[at:at + n]
+            m.weight_scale_inv = out.weight_scale_inv[at // bn:at // bn + m.weight_scale_inv.shape[0]]
+            if m.bias is not None:
+                m.bias.data = out.bias.data[at:at + n]
+            at += n
+        return out
 
 
 class Fp8MoEExperts(nn.Module):
@@ -196,4 +298,4 @@ class Fp8MoEExperts(nn.Module):
         return moe_ref(x.float(), local, weights.float(), gu, dn).to(x.dtype)
 
 
-__all__ = ["E4M3_MAX", "FP8", "Fp8MoEExperts", "check_scale", "dequant", "experts_fit", "quantize", "write_checkpoint"]
+__all__ = ["E4M3_MAX", "FP8", "Fp8Linear", "Fp8MoEExperts", "linear_fits", "check_scale", "dequant", "experts_fit", "quantize", "write_checkpoint"]
