@@ -1,7 +1,8 @@
-"""Peak memory and speed of loading a checkpoint, per mode: plain, int4, offload, offload+int4, gptq.
+"""Peak memory and speed of loading a checkpoint, per mode: plain, int4, offload, offload+int4, gptq,
+fp8 (an FP8 checkpoint: experts and attention kept 8-bit on a CPU) and fp8-int4 (the same, --int4).
 
-Writes a random qwen3_moe checkpoint (bf16, per-expert names as published checkpoints have them)
-and a GPTQ (RTN-packed) copy of it, then loads each mode in a fresh subprocess with
+Writes a random qwen3_moe checkpoint (bf16, per-expert names as published checkpoints have them),
+a GPTQ (RTN-packed) copy and a block-scaled FP8 copy (quant/fp8.write_checkpoint) of it, then loads each mode in a fresh subprocess with
 lynx_edge.build.load_model under lynx_edge.rss.RssWatch, and records per mode: peak and final
 anonymous memory (what the process allocated) and file-backed memory (the checkpoint's page
 cache through the mmap, reclaimable) over the pre-load baseline, the final resident footprint of
@@ -24,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-MODES = ("plain", "int4", "offload", "offload-int4", "gptq", "gptq-offload")
+MODES = ("plain", "int4", "offload", "offload-int4", "gptq", "gptq-offload", "fp8", "fp8-int4")
 
 
 def write_checkpoint(path: Path, layers: int, experts: int, hidden: int, inter: int, vocab: int = 4096,
@@ -105,9 +106,12 @@ def footprint(model) -> int:
             seen.add(t.data_ptr())
             total += t.numel() * t.element_size()
     for i in model.cfg.moe_layer_ids:
-        packed = getattr(model.layers[i].mlp.experts, "packed", None)
+        ex = model.layers[i].mlp.experts
+        packed = getattr(ex, "packed", None)
         if packed is not None:
             total += packed.data.numel()
+        if hasattr(ex, "load_fp8_part"):  # FP8 experts: codes and block scales
+            total += sum(t.numel() * t.element_size() for t in (ex.gate_up, ex.gate_up_scale, ex.down, ex.down_scale))
     rt = getattr(model, "offload", None)
     if rt is not None:
         total += rt.store.host_bytes() + rt.pool.numel()
@@ -131,7 +135,7 @@ def child(mode: str, ckpt: Path, dtype: str | None, threads: int) -> dict:
     import lynx_edge.quant.experts  # noqa: F401
 
     cfg = ModelConfig.from_file(ckpt / "config.json")
-    opts = LoadOptions(device="cpu", dtype=dtype, offload="offload" in mode, int4=mode in ("int4", "offload-int4"),
+    opts = LoadOptions(device="cpu", dtype=dtype, offload="offload" in mode, int4=mode.endswith("int4"),
                        offload_options=dict(profile="cpu-only") if "offload" in mode else None)
     t0 = time.perf_counter()
     with RssWatch() as w:
@@ -152,10 +156,14 @@ def run(args) -> dict:
     modes = args.modes.split(",")
     if any(m.startswith("gptq") for m in modes) and not (work / "gptq" / "config.json").is_file():
         write_gptq(src, work / "gptq")
+    if any(m.startswith("fp8") for m in modes) and not (work / "fp8" / "config.json").is_file():
+        from lynx_edge.quant.fp8 import write_checkpoint as write_fp8
+
+        write_fp8(src, work / "fp8", (128, 128))
     layer16 = args.experts * 3 * args.hidden * args.inter * 2  # one layer's bf16 experts
     rows = []
     for mode in modes:
-        ck = work / ("gptq" if mode.startswith("gptq") else "bf16")
+        ck = work / ("gptq" if mode.startswith("gptq") else "fp8" if mode.startswith("fp8") else "bf16")
         cmd = [sys.executable, __file__, "--child", mode, "--dir", str(ck), "--threads", str(args.threads)]
         if args.dtype:
             cmd += ["--dtype", args.dtype]
@@ -213,8 +221,7 @@ def main() -> None:
     res = run(args)
     out = Path(args.out) if args.out else Path(__file__).parent / "results" / "load_memory.json"
     out.write_text(json.dumps(res, indent=1) + "\n")
-    if not args.out:
-        out.with_suffix(".md").write_text(to_markdown(res))
+    out.with_suffix(".md").write_text(to_markdown(res))
 
 
 if __name__ == "__main__":

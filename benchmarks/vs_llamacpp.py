@@ -16,6 +16,9 @@ llama-quantize makes Q4_0. Pairs compared (same weights, same thread count):
                    the model bf16; Q4_0 also quantises attention and embeddings), and vs the
                    checkpoint `lynx-edge quantize --method rtn --attn` writes (experts and
                    attention 4-bit, group 128: what a published GPTQ checkpoint holds)
+    8-bit:         llama.cpp Q8_0 vs the FP8 checkpoint quant/fp8.write_checkpoint makes of the
+                   same weights (experts and attention e4m3 with 128×128 block scales, as
+                   Qwen/Qwen3-30B-A3B-FP8 is published), read 8-bit by lynx-edge's native kernels
 
 Measured the same way on both sides, tools alternating within every round (so drifting
 background load hits them alike), medians over rounds:
@@ -53,7 +56,8 @@ PACKAGE = "llama-cpp-python"
 TARGETS = ("llama-bench", "llama-batched-bench", "llama-quantize")
 RANDOM = dict(layers=8, experts=32, hidden=1024, inter=768)  # 1.29 GB bf16 (experts 1.21 GB)
 # issue 16's targets: lynx-edge / llama.cpp at the same bits
-TARGET = {("B1", "16bit"): 0.9, ("B1", "4bit"): 0.8, ("Bn", "16bit"): 1.0, ("Bn", "4bit"): 1.0}
+TARGET = {("B1", "16bit"): 0.9, ("B1", "4bit"): 0.8, ("Bn", "16bit"): 1.0, ("Bn", "4bit"): 1.0,
+          ("B1", "8bit"): 0.9, ("Bn", "8bit"): 1.0}  # 8-bit: issue 16 names none; the 16-bit ones
 PAIRS = {"f32": ("F32", dict(dtype="float32")), "bf16": ("BF16", dict(dtype="bfloat16")),
          # bf16 around the 4-bit experts: Q4_0 quantises attention too, and on a CPU the native bf16
          # projections beat fp32 ones (half the bytes; benchmarks/results/cpu_native.md)
@@ -62,7 +66,10 @@ PAIRS = {"f32": ("F32", dict(dtype="float32")), "bf16": ("BF16", dict(dtype="bfl
          # group 128), as published GPTQ checkpoints are: on a CPU its attention is read packed
          "int4attn": ("Q4_0", dict(dtype="bfloat16")),
          # the same with int8 activations (--int4-act q8): Q4_0 × Q8_0's own scheme, approximate
-         "int4attn-q8": ("Q4_0", dict(dtype="bfloat16", int4_act="q8"))}
+         "int4attn-q8": ("Q4_0", dict(dtype="bfloat16", int4_act="q8")),
+         # 8-bit: an FP8 checkpoint as published (Qwen3-*-FP8: e4m3 experts and attention, 128×128
+         # block scales; quant/fp8.write_checkpoint from the same weights) vs Q8_0 (int8 per 32)
+         "fp8": ("Q8_0", dict(dtype="bfloat16"))}
 
 # The converter refuses byte-level BPE tokenizers whose pre-tokenizer hash it does not list (the
 # demo's own tokenizer). The demo's pre-tokenizer is ByteLevel with GPT-2's regex, X
@@ -137,10 +144,10 @@ def to_gguf(src: Path, model_dir: Path, out: Path, outtype: str) -> Path:
     return out
 
 
-def quantize(bins: Path, f32: Path, out: Path, threads: int) -> Path:
+def quantize(bins: Path, f32: Path, out: Path, threads: int, qtype: str = "Q4_0") -> Path:
     if not out.is_file():
         tmp = out.with_suffix(".part")
-        sh([bins / "llama-quantize", f32, tmp, "Q4_0", threads], log=out.with_suffix(".quantize.log"))
+        sh([bins / "llama-quantize", f32, tmp, qtype, threads], log=out.with_suffix(".quantize.log"))
         tmp.rename(out)
     return out
 
@@ -214,6 +221,18 @@ def lynx_4bit(src: Path, out: Path) -> Path:
     return out
 
 
+def lynx_fp8(src: Path, out: Path) -> Path:
+    """src as a block-scaled FP8 checkpoint (128×128, the published layout) → its dir (cached)."""
+    from lynx_edge.quant.fp8 import write_checkpoint
+
+    if not (out / "config.json").is_file():
+        tmp = out.with_name(out.name + ".part")
+        shutil.rmtree(tmp, ignore_errors=True)
+        write_checkpoint(src, tmp, (128, 128))
+        tmp.rename(out)
+    return out
+
+
 def ckpt_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.glob("*.safetensors"))
 
@@ -272,16 +291,19 @@ def run(args) -> dict:
         ggufs = {"f32": f32, "bf16": to_gguf(src, path, work / f"{tag}-bf16.gguf", "bf16"),
                  "int4": quantize(bins, f32, work / f"{tag}-q4_0.gguf", max(threads))}
         ggufs["int4attn"] = ggufs["int4attn-q8"] = ggufs["int4"]
+        if "fp8" in kinds:
+            ggufs["fp8"] = quantize(bins, f32, work / f"{tag}-q8_0.gguf", max(threads), "Q8_0")
         res["models"][model] = {"path": str(path), "checkpoint_bytes_bf16": ckpt_bytes(path),
                                 "gguf_bytes": {k: ggufs[k].stat().st_size for k in kinds}}
         for kind in kinds:
             ll_name, opts = PAIRS[kind]
-            src_k = lynx_4bit(path, work / f"{tag}-lynx-rtn-attn-g128") if kind.startswith("int4attn") else path
+            src_k = lynx_4bit(path, work / f"{tag}-lynx-rtn-attn-g128") if kind.startswith("int4attn") else \
+                lynx_fp8(path, work / f"{tag}-fp8-b128") if kind == "fp8" else path
             eng = Engine.from_pretrained(src_k, device="cpu", max_num_seqs=args.batch, **opts)
             dt = str(next(p for p in eng.model.parameters() if p.is_floating_point()).dtype).replace("torch.", "")
             p1 = synthetic_prompts(eng, 1, 8)
             pB = synthetic_prompts(eng, args.batch, args.prompt)
-            bits = "4bit" if kind.startswith("int4") else "16bit"
+            bits = "4bit" if kind.startswith("int4") else "8bit" if kind == "fp8" else "16bit"
             for th in threads:
                 set_threads(th, explicit=True)
                 ours(eng, p1, 4, "off")  # warm-up at this thread count
@@ -325,7 +347,8 @@ def _cell(r: dict) -> str:
 
 def _ours_name(r: dict) -> str:
     return {"int4": f"--int4 ({r['ours_dtype']})", "int4attn": f"4-bit ckpt + attn ({r['ours_dtype']})",
-            "int4attn-q8": f"4-bit ckpt + attn, --int4-act q8 ({r['ours_dtype']})"}.get(r["kind"], r["ours_dtype"])
+            "int4attn-q8": f"4-bit ckpt + attn, --int4-act q8 ({r['ours_dtype']})",
+            "fp8": f"FP8 ckpt, experts + attn 8-bit ({r['ours_dtype']})"}.get(r["kind"], r["ours_dtype"])
 
 
 def to_markdown(res: dict) -> str:
@@ -380,6 +403,11 @@ def to_markdown(res: dict) -> str:
            "(lynx_edge/quant/linear.py). `--int4-act q8` quantises the activations to int8 in blocks of 32 for "
            "integer dot products, as Q4_0 × Q8_0 does (approximate; without it lynx-edge's INT4 kernels keep fp32 "
            "activations). Both read 4-bit experts, which dominate the bytes of the random model.",
+           "- Q8_0 is int8 with one fp16 scale per 32 weights (8.5 bits per weight) on every 2-D weight but the "
+           "output matrix; the FP8 checkpoint holds experts and attention as e4m3 with one fp32 scale per 128 × 128 "
+           "block (8.0 bits), embeddings, router and output matrix bf16, as published FP8 checkpoints do. lynx-edge "
+           "multiplies fp32 activations by the exactly decoded weights; Q8_0 × Q8_0 quantises the activations to "
+           "int8 too.",
            "- lynx-edge's decode-time CPU work runs in its native kernels (lynx_edge/kernels/cpu_native.c: "
            "experts, projections, attention) on torch's OpenMP pool at the thread count shown; "
            "what is left (norms, routing, sampling) is torch ops and Python per layer.",
@@ -399,7 +427,8 @@ def main() -> None:
     ap.add_argument("--models", default="demo,random", help="demo and/or random (≥ 1 GB bf16 qwen3_moe)")
     ap.add_argument("--bits", default="f32,bf16,int4,int4attn,int4attn-q8",
                     help="pairs: f32 (F32 vs fp32), bf16, int4 (Q4_0 vs --int4), int4attn (Q4_0 vs a lynx-edge "
-                         "4-bit checkpoint with 4-bit attention), int4attn-q8 (the same with --int4-act q8)")
+                         "4-bit checkpoint with 4-bit attention), int4attn-q8 (the same with --int4-act q8), "
+                         "fp8 (Q8_0 vs an FP8 checkpoint of the same weights)")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("-r", "--rounds", type=int, default=5)
     ap.add_argument("-n", type=int, default=64, help="decode tokens at B=1 (llama-bench -n)")

@@ -48,7 +48,7 @@ def float_reference(src: Path, dst: Path) -> Path:
             if k.endswith(fp8.SCALE_SUFFIX):
                 continue
             t = f.get_tensor(k)
-            tensors[k] = fp8.dequant(t, f.get_tensor(k + fp8.SCALE_SUFFIX), block) if k + fp8.SCALE_SUFFIX in names \
+            tensors[k] = fp8.dequant_ref(t, f.get_tensor(k + fp8.SCALE_SUFFIX), block) if k + fp8.SCALE_SUFFIX in names \
                 else t.float()
     dst.mkdir(parents=True)
     save_file(tensors, str(dst / "model.safetensors"))
@@ -84,16 +84,26 @@ def _logits(eng) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------------ format
-def test_dequant_decodes_every_code_as_torch_does():
+@pytest.mark.parametrize("shape,block", [((5, 70), (4, 32)), ((37, 96), (16, 32)), ((3, 256), (128, 128))])
+@pytest.mark.parametrize("kernels", ["native", "torch"])
+def test_dequant_decodes_every_code_as_torch_does(shape, block, kernels, monkeypatch):
     """Every finite e4m3 byte (normals, subnormals, ±0) decodes as torch's float8_e4m3fn → fp32,
-    times its block's scale; blocks that do not divide the shape are cut at the edge."""
+    times its block's scale (blocks that do not divide the shape are cut at the edge), bit for bit,
+    by the native kernel and by the torch fallback (e4m3 → fp16 by bits)."""
+    if kernels == "torch":
+        monkeypatch.setattr(native, "lib", lambda: None)
+    elif native.lib() is None:
+        pytest.skip("native kernels not built")
+    n, k = shape
     codes = torch.tensor([b for b in range(256) if b not in (0x7F, 0xFF)], dtype=torch.uint8)
-    w = codes[torch.arange(5 * 70) % len(codes)].view(5, 70)
-    scale = torch.tensor([[2.0, 0.5, 3.0], [0.25, 4.0, 1.0]])  # ⌈5/4⌉ × ⌈70/32⌉
-    got = fp8.dequant(w, scale, (4, 32))
-    want = w.view(fp8.FP8).float() * scale.repeat_interleave(4, 0)[:5].repeat_interleave(32, 1)[:, :70]
-    assert torch.equal(got, want)
-    assert got[0, 1].item() == 2.0 * 2.0**-9  # 0x01: the smallest subnormal
+    w = codes[torch.arange(n * k) % len(codes)].view(n, k)
+    g = torch.Generator().manual_seed(0)
+    scale = torch.rand(-(-n // block[0]), -(-k // block[1]), generator=g) * 4 + 2.0**-20
+    got = fp8.dequant(w, scale, block)
+    want = w.view(fp8.FP8).float() * scale.repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]
+    assert torch.equal(got, want) and torch.equal(fp8.dequant_ref(w, scale, block), want)
+    s1 = torch.ones_like(scale)
+    assert fp8.dequant(w, s1, block)[0, 1].item() == 2.0**-9  # 0x01: the smallest subnormal
 
 
 def test_quantize_round_trip_is_within_e4m3_precision():

@@ -1047,6 +1047,40 @@ void lynx_linear_fp8(const float *x, const uint8_t *q, const float *s, int bn, i
     parallel(f8linear_item, &P, (N + ROW_BLOCK - 1) / ROW_BLOCK, nthreads);
 }
 
+typedef struct {
+    const uint8_t *q;
+    const float *s;
+    int bn, bk, N, K;
+    float *out;
+} f8deq_t;
+
+static void f8deq_item(const void *arg, long item) {
+    const f8deq_t *P = arg;
+    const int nk = P->K / P->bk;
+    for (int n = (int)item * ROW_BLOCK; n < P->N && n < (item + 1) * ROW_BLOCK; n++) {
+        const uint8_t *q = P->q + (long)n * P->K;
+        float *o = P->out + (long)n * P->K;
+        for (int b = 0; b < nk; b++) {
+            const float sv = P->s[(long)(n / P->bn) * nk + b] * F8_UNIT;
+            int j = b * P->bk;
+#if defined(__AVX512F__)
+            const __m256i keep = _mm256_set1_epi16((short)0xBFFF);
+            for (; j + 16 <= (b + 1) * P->bk; j += 16)
+                _mm512_storeu_ps(o + j, _mm512_mul_ps(_mm512_set1_ps(sv), _mm512_cvtph_ps(_mm256_and_si256(
+                    _mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + j))), 7), keep))));
+#endif
+            for (; j < (b + 1) * P->bk; j++) o[j] = h2f(f8_h(q[j])) * sv;
+        }
+    }
+}
+
+/* w [N, K] fp32 = e4m3(q) * s for one block-scaled FP8 weight (codes q [N, K], fp32 scales s
+ * [ceil(N/bn), K/bk], bk | K): exact, as quant/fp8.dequant (the loader's and prefill's widening). */
+void lynx_dequant_fp8(const uint8_t *q, const float *s, int bn, int bk, int N, int K, float *out, int nthreads) {
+    f8deq_t P = {q, s, bn, bk, N, K, out};
+    parallel(f8deq_item, &P, (N + ROW_BLOCK - 1) / ROW_BLOCK, nthreads);
+}
+
 /* --- decode attention ------------------------------------------------------------------------- */
 
 /* One decode token per row after the fused q/k/v projection: q/k RMSNorm per head (optional),

@@ -125,6 +125,8 @@ def lib() -> ctypes.CDLL | None:
     so.lynx_linear_int4.restype = i
     so.lynx_linear_fp8.argtypes = [p, p, p, i, i, p, i, i, i, p, i]
     so.lynx_linear_fp8.restype = None
+    so.lynx_dequant_fp8.argtypes = [p, p, i, i, i, i, p, i]
+    so.lynx_dequant_fp8.restype = None
     so.lynx_dequant_int4.argtypes = [p, p, p, i, i, i, p, i]
     so.lynx_dequant_int4.restype = None
     f = ctypes.c_float
@@ -299,6 +301,16 @@ def linear_fp8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, block:
                               torch.get_num_threads())
     out = out.view(*x.shape[:-1], N)
     return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+
+def dequant_fp8(codes: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """quant/fp8.dequant's result (fp32 [N, K], exact) for e4m3 codes [N, K] (bk | K) and fp32 scales."""
+    N, K = codes.shape
+    c, s = codes if codes.is_contiguous() else codes.contiguous(), _as(scale, torch.float32)
+    out = torch.empty(N, K, dtype=torch.float32)
+    lib().lynx_dequant_fp8(c.data_ptr(), s.data_ptr(), block[0], block[1], N, K, out.data_ptr(),
+                           torch.get_num_threads())
+    return out
 
 
 def fp8_lin(codes: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], bias32: torch.Tensor | None) -> Lin:
