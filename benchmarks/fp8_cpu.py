@@ -41,7 +41,7 @@ def weight_bytes(model) -> int:
     for m in model.modules():
         if hasattr(getattr(m, "packed", None), "layout"):
             n += m.packed.data.numel()
-        if hasattr(m, "load_fp8_part"):
+        if hasattr(m, "gate_up_scale"):  # Fp8MoEExperts
             n += sum(t.numel() * t.element_size() for t in (m.gate_up, m.gate_up_scale, m.down, m.down_scale))
     return n
 

@@ -110,7 +110,7 @@ def footprint(model) -> int:
         packed = getattr(ex, "packed", None)
         if packed is not None:
             total += packed.data.numel()
-        if hasattr(ex, "load_fp8_part"):  # FP8 experts: codes and block scales
+        if hasattr(ex, "gate_up_scale"):  # resident FP8 experts (quant/fp8.Fp8MoEExperts): codes and block scales
             total += sum(t.numel() * t.element_size() for t in (ex.gate_up, ex.gate_up_scale, ex.down, ex.down_scale))
     rt = getattr(model, "offload", None)
     if rt is not None:

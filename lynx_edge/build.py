@@ -101,6 +101,7 @@ class Placement:
 def load_model(model_dir: Path, cfg: ModelConfig, opts: LoadOptions, progress: ProgressFn | None = None):
     """→ MoEForCausalLM with every weight in place (and model.offload when offloading)."""
     from .quant.formats import read_quant_config
+    from .quant.fp8 import experts_fit
 
     dev = resolve_device(opts.device)
     family = FAMILIES[cfg.model_type]
@@ -124,15 +125,19 @@ def load_model(model_dir: Path, cfg: ModelConfig, opts: LoadOptions, progress: P
     else:
         group = sym = None
     mixed = tuple(i for i in cfg.moe_layer_ids if qc is not None and storage.get(i, set()) >= {"dense", "quant"})
-    fp8_block = qc.weight_block if fp8 and not int4 and not opts.offload and _fp8_native(dev, D, I, qc) else None
-    name = "int4" if int4 else "fp8" if fp8_block else \
+    # an FP8 checkpoint's experts stay FP8: resident on a CPU with the native kernels, or in the
+    # offload store (half of bf16's host memory and PCIe bytes); elsewhere they are dequantised
+    fp8_fit = fp8 and not int4 and experts_fit(D, I, qc.weight_block) and getattr(family, "experts", None) is None
+    fp8_block = qc.weight_block if fp8_fit and not opts.offload and _fp8_native(dev, D, I, qc) else None
+    store_block = qc.weight_block if fp8_fit and opts.offload else None
+    name = "int4" if int4 else "fp8" if fp8_block or store_block else \
         {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dt]
     placement = Placement(dev.type, str(dt).replace("torch.", ""), name, "host" if opts.offload else "device",
                           group, sym, qc.method if qc is not None else None, mixed if not opts.offload else ())
     _check_memory(cfg, opts, dev, dt, qc, ckpt.total_bytes)
     rt = None
     if opts.offload:
-        rt = _offload_runtime(cfg, opts, dt, dev, name, group, sym, mixed)
+        rt = _offload_runtime(cfg, opts, dt, dev, name, group, sym, mixed, store_block)
     experts = _backends(cfg, dt, dev, int4, group, sym, mixed, rt, act, fp8_block)
     model = MoEForCausalLM(cfg, dt, dev, experts=experts)
     if qc is not None:
@@ -161,12 +166,11 @@ def int4_act(value: str | None) -> str:
 
 
 def _fp8_native(dev, D: int, I: int, qc) -> bool:
-    """An FP8 checkpoint's experts stay 8-bit (quant/fp8.Fp8MoEExperts): on a CPU with the native
-    kernels and whole scale blocks; elsewhere they are dequantised at load (a GPU: bf16)."""
+    """Resident FP8 experts stay 8-bit (quant/fp8.Fp8MoEExperts) on a CPU with the native kernels;
+    on a GPU they are dequantised at load (bf16)."""
     from .kernels import native
-    from .quant.fp8 import experts_fit
 
-    return dev.type == "cpu" and experts_fit(D, I, qc.weight_block) and native.lib() is not None
+    return dev.type == "cpu" and native.lib() is not None
 
 
 def _keep_linears_packed(model, ckpt: Checkpoint, family, dev, act: str | None = None, qc=None) -> int:
@@ -242,7 +246,7 @@ def _backends(cfg: ModelConfig, dt, dev, int4: bool, group, sym, mixed, rt, act:
     return make
 
 
-def _offload_runtime(cfg, opts: LoadOptions, dt, dev, name, group, sym, mixed):
+def _offload_runtime(cfg, opts: LoadOptions, dt, dev, name, group, sym, mixed, fp8_block=None):
     from .offload import OffloadOptions
     from .offload.runtime import make_runtime
     from .offload.store import store_format
@@ -252,8 +256,8 @@ def _offload_runtime(cfg, opts: LoadOptions, dt, dev, name, group, sym, mixed):
                       "as INT4 they are RTN-quantised (approximate)", RuntimeWarning, stacklevel=3)
     extra = dict(opts.offload_options or {})
     oo = OffloadOptions(device=str(dev), ctx=opts.ctx, batch=opts.batch,
-                        expert_format="int4" if name == "int4" else "auto", int4_group=group or 128, **extra)
-    fmt = store_format(cfg, oo.expert_format, dt, group or 128, sym if sym is not None else True)
+                        expert_format=name if name in ("int4", "fp8") else "auto", int4_group=group or 128, **extra)
+    fmt = store_format(cfg, oo.expert_format, dt, group or 128, sym if sym is not None else True, fp8_block)
     return make_runtime(cfg, oo, dt, dev, fmt=fmt)
 
 

@@ -162,9 +162,9 @@ def load_weights(model, ckpt: Checkpoint, family, quant=None, progress: Progress
             _, prefix, e, part, name = u
             sink = experts[prefix]
             _check_expert(sink, e, name, ckpt)
-            if name in units.scales and hasattr(sink, "load_fp8_part"):  # kept 8-bit (quant/fp8.py)
+            if name in units.scales and hasattr(sink, "load_fp8_part"):  # kept 8-bit, or the sink converts
                 try:
-                    sink.load_fp8_part(e, part, ckpt.get(name), ckpt.get(units.scales[name]))
+                    sink.load_fp8_part(e, part, ckpt.get(name), ckpt.get(units.scales[name]), get.block(name))
                 except ValueError as exc:
                     raise LoadError(f"{ckpt.refs[name].file.name}: tensor {name}: {exc}") from None
             else:
@@ -231,6 +231,14 @@ class _Reader:
     def __init__(self, ckpt: Checkpoint, scales: dict[str, str], quant):
         self.ckpt, self.scales, self.quant = ckpt, scales, quant
 
+    def block(self, name: str) -> tuple[int, int]:
+        """The checkpoint's FP8 weight_block_size; LoadError without an FP8 quantization config."""
+        block = getattr(self.quant, "weight_block", None)
+        if block is None:
+            raise LoadError(f"{self.ckpt.dir}: tensor {name} has a block scale ({self.scales[name]}) but the "
+                            "checkpoint has no FP8 quantization_config (quant_method fp8, weight_block_size)")
+        return block
+
     def __call__(self, name: str) -> torch.Tensor:
         t, ref = self.ckpt.get(name), self.ckpt.refs[name]
         scale = self.scales.get(name)
@@ -238,10 +246,7 @@ class _Reader:
             if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
                 raise LoadError(f"{ref.file.name}: tensor {name} is FP8 but has no {name}{fp8.SCALE_SUFFIX} beside it")
             return t
-        block = getattr(self.quant, "weight_block", None)
-        if block is None:
-            raise LoadError(f"{self.ckpt.dir}: tensor {name} has a block scale ({scale}) but the checkpoint has no "
-                            "FP8 quantization_config (quant_method fp8, weight_block_size)")
+        block = self.block(name)
         if t.dtype not in (torch.float8_e4m3fn, torch.uint8):
             raise LoadError(f"{ref.file.name}: tensor {name} is {str(t.dtype).replace('torch.', '')}, expected "
                             "float8_e4m3fn beside its weight_scale_inv")

@@ -155,7 +155,7 @@ def test_fp8_experts_stay_8bit_on_a_cpu_and_match_the_float_reference(fp8_model)
     assert (_logits(eng) - ref).abs().max().item() > 10 * 2e-6
 
 
-@pytest.mark.parametrize("how", ["dequantised", "int4", "offload"])
+@pytest.mark.parametrize("how", ["dequantised", "int4", "offload", "offload-int4"])
 def test_fp8_checkpoint_through_the_other_backends(fp8_model, how, monkeypatch):
     """Without the native kernels (and on a GPU) experts are dequantised at load into the 16-bit
     backend: the float reference's logits. --int4 re-quantises the dequantised weights (RTN, as
@@ -172,9 +172,44 @@ def test_fp8_checkpoint_through_the_other_backends(fp8_model, how, monkeypatch):
     elif how == "int4":
         got, want = _logits(_engine(q, int4=True)), _logits(_engine(ref_dir, int4=True))
         assert (got - want).abs().max().item() <= 1e-6  # observed 0.0: the same RTN of the same weights
-    else:
-        got, want = _logits(_engine(q, offload=True)), _logits(_engine(ref_dir, offload=True))
-        assert (got - want).abs().max().item() <= 1e-6  # observed 0.0
+    elif how == "offload-int4":  # FP8 projections dequantised into the INT4 store as they stream in
+        eng = _engine(q, offload=True, int4=True)
+        assert eng.model.offload.fmt.name == "int4"
+        assert (_logits(eng) - _logits(_engine(ref_dir, offload=True, int4=True))).abs().max().item() <= 1e-6
+    else:  # the store keeps the checkpoint's FP8 bytes (offload.store.Fp8Format)
+        eng, ref = _engine(q, offload=True), _engine(ref_dir, offload=True)
+        assert eng.model.offload.fmt.name == "fp8" and eng.model.placement.experts == "fp8"
+        assert eng.model.offload.store.host_bytes() < 0.3 * ref.model.offload.store.host_bytes()  # fp32 reference
+        got, want = _logits(eng), _logits(ref)
+        assert (got - want).abs().max().item() <= 2e-6  # observed 2.4e-7: native FP8 kernel vs fp32 math
+
+
+def test_offload_fp8_format_block():
+    """Fp8Format's block: codes and scales land where the views read them; the device path's
+    weights (dequantised) equal torch's e4m3 decoding; the CPU path (native, in place) matches the
+    plain SwiGLU on them; a 16-bit projection is quantised into it."""
+    from lynx_edge.kernels.moe_gemm import expert_mlp
+    from lynx_edge.offload.store import Fp8Format
+
+    D, I, block = 128, 64, (64, 32)
+    fmt = Fp8Format(D, I, block)
+    buf = torch.zeros(2, fmt.nbytes, dtype=torch.uint8)
+    g = torch.Generator().manual_seed(0)
+    parts = {p: fp8.quantize(torch.randn(*((D, I) if p == "down" else (I, D)), generator=g) * 0.1, block)
+             for p in ("gate", "up", "down")}
+    for p, (w, sc) in parts.items():
+        fmt.write_fp8_part(buf, 1, p, w, sc)
+    gu, dn = fmt.weights(buf[1], torch.float32)
+    want = {p: fp8.dequant_ref(w, sc, block) for p, (w, sc) in parts.items()}
+    assert torch.equal(gu, torch.cat([want["gate"], want["up"]])) and torch.equal(dn, want["down"])
+    assert not buf[0].any()  # expert 0 untouched
+    x = torch.randn(3, D, generator=g)
+    ref = expert_mlp(x, gu, dn)
+    assert (fmt.compute(buf[1], x) - ref).abs().max().item() <= 2e-6 * max(1.0, ref.abs().max().item())
+    with pytest.raises(ValueError, match="does not match weight_block_size"):
+        fmt.write_fp8_part(buf, 0, "down", parts["down"][0], parts["down"][1][:, :1])
+    fmt.write_part(buf, 0, "down", want["down"])  # FP8 values re-quantise to themselves (same block max)
+    assert torch.equal(fmt.weights(buf[0], torch.float32)[1], want["down"])
 
 
 def _rewrite(src: Path, dst: Path, edit) -> Path:
@@ -234,7 +269,33 @@ def test_plan_of_qwen3_30b_a3b_fp8():
     assert cpu.report()["resources"][0]["parts"]["all experts"] == L * E * per_expert  # 28.5 GiB of 30.5B params
     gpu = plan_memory(cfg, device="cuda", dtype=torch.bfloat16, offload=True, int4=False, quant=quant, ctx=4096,
                       profile="rtx4090-24gb")
-    assert gpu.expert_format == "bf16" and gpu.mode == "fp8+offload"
+    assert gpu.expert_format == "fp8" and gpu.mode == "fp8+offload"  # the store keeps the checkpoint's FP8 bytes
+    resident = plan_memory(cfg, device="cuda", dtype=torch.bfloat16, offload=False, int4=False, quant=quant,
+                           ctx=4096, profile="rtx4090-24gb")
+    assert resident.expert_format == "bf16"  # resident on a GPU: dequantised at load
     four = plan_memory(cfg, device="cpu", dtype=torch.bfloat16, offload=False, int4=True, quant=quant, ctx=4096)
     assert four.expert_format == "int4" and four.mode == "fp8+int4"
     assert any("fp8 checkpoint" in n for n in cpu.notes)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("offload", [False, True])
+def test_fp8_checkpoint_on_cuda(fp8_model, offload):
+    """On a GPU: resident experts dequantised to bf16 at load; offloaded ones kept FP8 in the host
+    store and dequantised per device slot. Logits against the float reference on the same device."""
+    from lynx_edge.build import LoadOptions, load_model
+    from lynx_edge.config import ModelConfig
+    from lynx_edge.kv_cache import KVCache
+    from lynx_edge.step import prefill
+
+    q, ref_dir = fp8_model
+    out = []
+    for path in (q, ref_dir):
+        cfg = ModelConfig.from_file(path / "config.json")
+        model = load_model(path, cfg, LoadOptions(device="cuda", dtype="float32", offload=offload and path == q))
+        if path == q:
+            assert model.placement.experts == ("fp8" if offload else "fp32")
+        kv = KVCache(cfg, 1, 64, torch.float32, torch.device("cuda"))
+        out.append(prefill(model, kv, 0, PROMPT, 0, logits_for="all")[0].float().cpu())
+    assert (out[0] - out[1]).abs().max().item() < 1e-4  # TF32 / kernel order on the GPU; not measured here

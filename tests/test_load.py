@@ -161,12 +161,12 @@ def test_load_peak_memory_within_bound(tmp_path):
     """Peak anonymous memory ≤ (final footprint + one layer's bf16 experts) × 1.1, every mode."""
     out = tmp_path / "lm.json"
     cmd = [sys.executable, str(ROOT / "benchmarks/load_memory.py"), "--layers", "3", "--experts", "16",
-           "--hidden", "256", "--inter", "512", "--modes", "plain,int4,offload-int4,gptq", "--dir", str(tmp_path),
+           "--hidden", "256", "--inter", "512", "--modes", "plain,int4,offload-int4,gptq,fp8", "--dir", str(tmp_path),
            "--out", str(out), "--threads", "1"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     rows = {x["mode"]: x for x in json.loads(out.read_text())["rows"]}
-    assert set(rows) == {"plain", "int4", "offload-int4", "gptq"}
+    assert set(rows) == {"plain", "int4", "offload-int4", "gptq", "fp8"}
     for mode, x in rows.items():
         assert x["peak_anon"] <= x["bound"], (mode, x)
     # INT4 keeps about a quarter of bf16 (a sixth of the fp32 the CPU default widens this one to)

@@ -57,6 +57,9 @@ class OffloadedExperts(nn.Module):
     def load_quant_part(self, e: int, part: str, ql) -> None:
         self.rt.store.write_quant_part(self.layer, e, part, ql)
 
+    def load_fp8_part(self, e: int, part: str, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> None:
+        self.rt.store.write_fp8_part(self.layer, e, part, w, scale, block)
+
     def load_mx_part(self, e: int, part: str, blocks: torch.Tensor, scales: torch.Tensor) -> None:
         self.rt.store.write_mx_part(self.layer, e, part, blocks, scales)
 

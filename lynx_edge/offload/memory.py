@@ -289,7 +289,11 @@ def build(cfg: ModelConfig, *, device, dtype, offload, int4, quant, ctx, batch, 
     group, sym = (quant.group_size, quant.sym) if four_bit(quant) else (opts.int4_group, True)
     D, I, E, K = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.top_k
     fp8 = quant is not None and quant.method == "fp8"
-    if fp8 and not four and not offload and dev == "cpu" and fp8_experts_fit(D, I, quant.weight_block):
+    if fp8 and not four and offload and fp8_experts_fit(D, I, quant.weight_block):
+        from .store import Fp8Format
+
+        fmt, eb = "fp8", Fp8Format(D, I, quant.weight_block).nbytes  # the store keeps the checkpoint's bytes
+    elif fp8 and not four and dev == "cpu" and fp8_experts_fit(D, I, quant.weight_block):
         fmt, eb = "fp8", Fp8MoEExperts.nbytes(D, I, quant.weight_block)  # read 8-bit by the native kernel
     else:  # an FP8 checkpoint elsewhere: experts dequantised at load, as 16-bit (or --int4) ones
         fmt, eb = expert_block_bytes(cfg, dtype, four, group, sym, offload)
@@ -368,7 +372,8 @@ def build(cfg: ModelConfig, *, device, dtype, offload, int4, quant, ctx, batch, 
                                    "not counted in host RAM" + ("" if file_bytes is not None else " (estimated)")))
     if fp8:
         notes.append(f"fp8 checkpoint (e4m3, {quant.weight_block[0]}×{quant.weight_block[1]} blocks): experts "
-                     + ("read 8-bit by the native CPU kernel" if fmt == "fp8" else f"dequantized at load to {fmt}")
+                     + (("stored 8-bit in the offload store" if offload else "read 8-bit by the native CPU kernel")
+                        if fmt == "fp8" else f"dequantized at load to {fmt}")
                      + f"; the other FP8 linears are dequantized at load to {_name(dtype)}")
     elif quant is not None:
         where = ("on a CPU with the native kernels they stay 4-bit (quant/linear.py), so this is an upper "

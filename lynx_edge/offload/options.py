@@ -7,7 +7,7 @@ from ..config import ConfigError
 
 _PIN = ("auto", "on", "off")
 _CPU = ("auto", "never", "always")
-_FORMATS = ("auto", "bf16", "fp16", "fp32", "int4")
+_FORMATS = ("auto", "bf16", "fp16", "fp32", "int4", "fp8")
 
 
 @dataclass
@@ -25,7 +25,7 @@ class OffloadOptions:
     pin_limit_gib: float | None = None  # pin at most this much; the rest is pageable + staging ring
     staging_slots: int = 2  # pinned staging ring for pageable experts (in experts)
     scratch_slots: int | None = None  # transient device slots for experts not admitted (default K)
-    expert_format: str = "auto"  # auto (the model's dtype) | bf16 | fp16 | fp32 | int4
+    expert_format: str = "auto"  # auto (the model's dtype) | bf16 | fp16 | fp32 | int4 | fp8 (an FP8 checkpoint's own)
     int4_group: int = 128
     batch: int = 1  # KV cache the caller will allocate, for the plan
     ctx: int = 4096

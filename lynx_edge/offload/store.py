@@ -3,8 +3,8 @@
 An expert is a uint8 block of `fmt.nbytes` (parts at 128-byte-aligned offsets) plus its math
 `fmt.compute(block, x [n, D]) → [n, D]`, so one fetch is one copy, the device slots use the same
 layout, and whoever runs an expert (device slot or CPU) never assumes the expert's form. Dense
-formats (bf16/fp16/fp32) view the bytes in place; INT4 (lynx_edge.quant.int4 layout) dequantises;
-both are plain SwiGLU (`fmt.weights(block, dtype) → (gate_up [2I, D], down [D, I])`). A family
+formats (bf16/fp16/fp32) view the bytes in place; INT4 (lynx_edge.quant.int4 layout) and FP8 (an
+FP8 checkpoint's codes and block scales, quant/fp8.py) dequantise; all are plain SwiGLU (`fmt.weights(block, dtype) → (gate_up [2I, D], down [D, I])`). A family
 with its own experts (biases, another activation, MXFP4) gets biased.BiasedFormat (store_format).
 Each layer's E blocks are one host buffer [E, nbytes], pinned where the OS allows; when pinning
 fails or is limited the rest stays pageable and copies go through a small pinned staging ring,
@@ -136,8 +136,85 @@ class Int4Format:
         return expert_mlp(x, *self.weights(block, x.dtype))
 
 
-def expert_format(name: str, dtype: torch.dtype, hidden: int, inter: int, group: int = 128, sym: bool = True):
-    """"auto" (the model's dtype), bf16, fp16, fp32 or int4 → a format object."""
+class Fp8Format:
+    """An FP8 checkpoint's expert as published (quant/fp8.py): e4m3 codes gate_up [2I, D] and down
+    [D, I] with their fp32 block scales [2I/bn, D/bk], [D/bn, I/bk] — half of bf16's bytes in host
+    memory and over PCIe, and exact to the checkpoint. On a CPU the native kernel reads the block in
+    place; on a device the slot is dequantised (exactly) before the plain SwiGLU."""
+
+    def __init__(self, hidden: int, inter: int, block: tuple[int, int]):
+        bn, bk = block
+        self.name, self.hidden, self.inter, self.block = "fp8", hidden, inter, tuple(block)
+        self.gu_s_shape, self.dn_s_shape = (2 * inter // bn, hidden // bk), (hidden // bn, inter // bk)
+        self.gu_s_off = _align(2 * inter * hidden)
+        self.dn_off = self.gu_s_off + _align(4 * self.gu_s_shape[0] * self.gu_s_shape[1])
+        self.dn_s_off = self.dn_off + _align(hidden * inter)
+        self.nbytes = self.dn_s_off + _align(4 * self.dn_s_shape[0] * self.dn_s_shape[1])
+
+    def _parts(self, block: torch.Tensor):
+        """block uint8 [..., nbytes] → (gu codes, gu scales, dn codes, dn scales) views."""
+        D, I = self.hidden, self.inter
+        return (_typed(block, 0, (2 * I, D), torch.uint8), _typed(block, self.gu_s_off, self.gu_s_shape, torch.float32),
+                _typed(block, self.dn_off, (D, I), torch.uint8), _typed(block, self.dn_s_off, self.dn_s_shape, torch.float32))
+
+    def write_fp8_part(self, buf: torch.Tensor, e: int, part: str, w: torch.Tensor, scale: torch.Tensor,
+                       name: str = "expert") -> None:
+        """Expert e ← one FP8 projection as the checkpoint stores it (codes and scales copied)."""
+        from ..quant.fp8 import check_scale
+
+        check_scale(w, scale, self.block, name)
+        gu, gs, dn, ds = self._parts(buf[e])
+        I, bn = self.inter, self.block[0]
+        if part == "down":
+            dst, sdst = dn, ds
+        else:
+            rows = slice(0, I) if part == "gate" else slice(I, 2 * I)
+            dst, sdst = gu[rows], gs[rows.start // bn: rows.stop // bn]
+        if tuple(w.shape) != tuple(dst.shape):
+            raise ValueError(f"{name}: shape {tuple(w.shape)}, expected {tuple(dst.shape)}")
+        dst.copy_(w.view(torch.uint8))
+        sdst.copy_(scale)
+
+    def write_part(self, buf: torch.Tensor, e: int, part: str, w: torch.Tensor) -> None:
+        """A 16/32-bit projection: quantised to FP8 blocks (approximate; FP8 checkpoints store FP8)."""
+        from ..quant.fp8 import quantize
+
+        self.write_fp8_part(buf, e, part, *quantize(w, self.block))
+
+    def write_quant_part(self, buf: torch.Tensor, e: int, part: str, ql, name: str = "expert") -> None:
+        self.write_part(buf, e, part, ql.dequant(torch.float32))
+
+    def pack_into(self, dst: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+        I = self.inter
+        for e in range(dst.shape[0]):
+            self.write_part(dst, e, "gate", gate_up[e, :I].float().cpu())
+            self.write_part(dst, e, "up", gate_up[e, I:].float().cpu())
+            self.write_part(dst, e, "down", down[e].float().cpu())
+
+    def weights(self, block: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        from ..quant.fp8 import dequant
+
+        gu, gs, dn, ds = self._parts(block)
+        return dequant(gu, gs, self.block).to(dtype), dequant(dn, ds, self.block).to(dtype)
+
+    def compute(self, block: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        from ..kernels import native
+
+        if x.device.type == "cpu" and block.device.type == "cpu" and native.lib() is not None:
+            gu, gs, dn, ds = self._parts(block)
+            n = x.shape[0]
+            return native.moe_fp8(x, torch.zeros(n, 1, dtype=torch.int64), torch.ones(n, 1), gu[None], gs[None],
+                                  dn[None], ds[None], self.block)
+        return expert_mlp(x, *self.weights(block, x.dtype))
+
+
+def expert_format(name: str, dtype: torch.dtype, hidden: int, inter: int, group: int = 128, sym: bool = True,
+                  block: tuple[int, int] | None = None):
+    """"auto" (the model's dtype), bf16, fp16, fp32, int4 or fp8 (an FP8 checkpoint's block) → a format object."""
+    if name == "fp8":
+        if block is None:
+            raise ValueError("expert format fp8 is an FP8 checkpoint's own (its weight_block_size)")
+        return Fp8Format(hidden, inter, block)
     if name == "auto":
         name = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
     if name == "int4":
@@ -147,7 +224,8 @@ def expert_format(name: str, dtype: torch.dtype, hidden: int, inter: int, group:
     return DenseFormat(name, hidden, inter)
 
 
-def store_format(cfg, name: str, dtype: torch.dtype, group: int = 128, sym: bool = True):
+def store_format(cfg, name: str, dtype: torch.dtype, group: int = 128, sym: bool = True,
+                 block: tuple[int, int] | None = None):
     """The store format of cfg's experts: the family's own (experts with biases and their own
     activation, see biased.py) when it describes them, else expert_format(name, …). name "int4"
     asks a family with its own experts for its 4-bit format; a dense name for that dtype."""
@@ -157,7 +235,7 @@ def store_format(cfg, name: str, dtype: torch.dtype, group: int = 128, sym: bool
     fmt = family_format(cfg, dense.get(name, dtype), name == "int4")
     if fmt is not None:
         return fmt
-    return expert_format(name, dtype, cfg.hidden_size, cfg.moe_intermediate_size, group, sym)
+    return expert_format(name, dtype, cfg.hidden_size, cfg.moe_intermediate_size, group, sym, block)
 
 
 def _alloc_pinned(shape: tuple[int, ...]) -> torch.Tensor:
@@ -263,6 +341,19 @@ class HostExpertStore:
     def write_quant_part(self, layer: int, e: int, part: str, ql) -> None:
         self.fmt.write_quant_part(self.ensure_layer(layer), e, part, ql, f"layer {layer} expert {e} {part}")
 
+    def write_fp8_part(self, layer: int, e: int, part: str, w: torch.Tensor, scale: torch.Tensor,
+                       block: tuple[int, int]) -> None:
+        """An FP8 checkpoint's projection: kept FP8 by an Fp8Format store, else dequantised (exact)
+        and written as a 16-bit one would be (an int4 or 16-bit store)."""
+        buf, name = self.ensure_layer(layer), f"layer {layer} expert {e} {part}"
+        if isinstance(self.fmt, Fp8Format) and tuple(block) == self.fmt.block:
+            self.fmt.write_fp8_part(buf, e, part, w, scale, name)
+            return
+        from ..quant.fp8 import check_scale, dequant
+
+        check_scale(w, scale, block, name)
+        self.fmt.write_part(buf, e, part, dequant(w, scale, block))
+
     def write_mx_part(self, layer: int, e: int, part: str, blocks: torch.Tensor, scales: torch.Tensor) -> None:
         """An MXFP4 projection (formats that hold one: biased.BiasedFormat)."""
         self.fmt.write_mx_part(self.ensure_layer(layer), e, part, blocks, scales)
@@ -290,4 +381,4 @@ class HostExpertStore:
         return sum(b.numel() for b in self.layers.values())
 
 
-__all__ = ["DenseFormat", "HostExpertStore", "Int4Format", "expert_format", "store_format"]
+__all__ = ["DenseFormat", "Fp8Format", "HostExpertStore", "Int4Format", "expert_format", "store_format"]

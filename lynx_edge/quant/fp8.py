@@ -256,8 +256,11 @@ class Fp8MoEExperts(nn.Module):
     def extra_repr(self) -> str:
         return f"E={self.num_experts}, D={self.hidden}, I={self.inter}, fp8 e4m3 block={list(self.block)}"
 
-    def load_fp8_part(self, e: int, part: str, w: torch.Tensor, scale: torch.Tensor) -> None:
+    def load_fp8_part(self, e: int, part: str, w: torch.Tensor, scale: torch.Tensor,
+                      block: tuple[int, int] | None = None) -> None:
         """One projection as the checkpoint stores it: w [out, in] e4m3, scale [out/bn, in/bk]."""
+        if block is not None and tuple(block) != self.block:
+            raise ValueError(f"weight_block_size {list(block)} differs from this layer's {list(self.block)}")
         bn, _ = self.block
         I = self.inter
         if w.dtype not in (FP8, torch.uint8):
