@@ -24,7 +24,7 @@
  * Numerics: fp32 products and sums, lanes reassociated: within a few fp32 ulps of the output
  * scale of the fp32 reference (tests/test_cpu_native.py states the bounds).
  *
- * Threads: work items (expert or block of ROW_BLOCK rows) shared through OpenMP's dynamic
+ * Threads: work items (expert or block of ROW_BLOCK rows) shared through OpenMP's guided
  * schedule on torch's own OpenMP pool (see parallel()); nthreads = 1, or a build without OpenMP,
  * runs on the caller. Glossary: T tokens, D hidden, K top-k, I expert intermediate, G group,
  * S = T*K slots. */
@@ -811,7 +811,12 @@ static void down_item(const void *arg, long item) {
 
 /* --- threads --------------------------------------------------------------------------------- */
 
-/* items [0, n_items) of fn over nthreads threads. Built with -fopenmp, this links libgomp.so.1 —
+/* items [0, n_items) of fn over nthreads threads, guided schedule: large contiguous runs of items
+ * first (each thread streams through neighbouring rows, which the hardware prefetchers follow, with
+ * few trips to the shared counter), smaller ones at the end to even out experts of unequal load.
+ * Measured against dynamic-1 (one counter trip per 16-row item, threads interleaving items) on 2
+ * cores: an INT4 MoE layer at one token 384 -> 299 us, 2-thread speed-up 1.38x -> 1.79x
+ * (benchmarks/results/cpu_native.md). Built with -fopenmp, this links libgomp.so.1 —
  * the soname torch's own OpenMP runtime is loaded under — so the loader binds it to torch's copy:
  * one runtime and one pool of already-warm threads for torch's ops and these kernels (a second
  * pool of our own measured 0.1-0.2 ms per call to wake on a 2-core VM, and two pools spinning
@@ -819,7 +824,7 @@ static void down_item(const void *arg, long item) {
 static void parallel(void (*fn)(const void *, long), const void *arg, long n_items, int nthreads) {
 #if defined(_OPENMP)
     if (nthreads > 1 && n_items > 1) {
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
+#pragma omp parallel for schedule(guided) num_threads(nthreads)
         for (long it = 0; it < n_items; it++) fn(arg, it);
         return;
     }
