@@ -185,6 +185,8 @@ def _describe(engine, prompt_len: int, gen_len: int, reps: int, seed: int) -> di
             "threads": torch.get_num_threads(), "int4": bool(getattr(conf, "int4", False)),
             "offload": bool(getattr(conf, "offload", False)),
             "experts": getattr(placement, "experts", None), "isa": cpu_isa(),
+            "int4_attn": bool(getattr(conf, "int4_attn", False)), "int4_act": getattr(placement, "int4_act", None),
+            "packed_linears": getattr(placement, "packed_linears", 0),  # attention read 4/8-bit on a CPU
             # whether the CPU decode ran lynx-edge's native kernels (kernels/cpu_native.c) or the
             # torch/numba fallbacks (no C compiler, LYNX_EDGE_NATIVE=0)
             "native_kernels": native_kernels()}

@@ -42,6 +42,7 @@ class LoadOptions:
     int4: bool = False
     int4_group: int = 128
     int4_act: str | None = None  # CPU INT4 activations: "f32" (exact) | "q8" (int8, approximate); None: $LYNX_EDGE_INT4_ACT or f32
+    int4_attn: bool = False  # CPU: a 16-bit checkpoint's attention / dense projections INT4 too (RTN at load)
     allow_pickle: bool = False
     ctx: int = 4096  # for the offload plan's KV share
     batch: int = 1  # KV rows the caller will allocate (serve: --max-num-seqs), for the plans' KV share
@@ -142,7 +143,9 @@ def load_model(model_dir: Path, cfg: ModelConfig, opts: LoadOptions, progress: P
     model = MoEForCausalLM(cfg, dt, dev, experts=experts)
     if qc is not None:
         placement.packed_linears = _keep_linears_packed(model, ckpt, family, dev, act, qc)
-    if int4 and dev.type == "cpu":
+    rtn_linears = _int4_linears(model, dev, opts.int4_group, act) if opts.int4_attn else 0
+    placement.packed_linears += rtn_linears
+    if (int4 or rtn_linears) and dev.type == "cpu":
         placement.int4_act = act
     load_weights(model, ckpt, family, qc, progress)
     ckpt.close()
@@ -204,6 +207,36 @@ def _keep_linears_packed(model, ckpt: Checkpoint, family, dev, act: str | None =
             Int4Linear(out_f, in_f, old.bias is not None, old.weight.dtype, dev, act)
         setattr(owner, leaf, new)
         n += 1
+    return n
+
+
+def _int4_linears(model, dev, group: int, act: str | None) -> int:
+    """`int4_attn`: on a CPU with the native kernels, the 16-bit q/k/v/o and dense / shared-expert
+    MLP projections (plain `Linear`s of the standard Attention and DenseMLP; not routers, not the
+    lm_head, not a family's own attention such as MLA) become Int4Linear that RTN-quantise their
+    weight as the loader streams it (group `group`, symmetric) — as llama.cpp's Q4_0 does to every
+    2-D weight. Elsewhere nothing changes (RuntimeWarning). → how many were made INT4."""
+    from .kernels import native
+    from .models.layers import Attention, DenseMLP, Linear
+    from .quant.linear import Int4Linear
+
+    if dev.type != "cpu" or native.lib() is None:
+        warnings.warn("int4_attn applies on a CPU with the native kernels; attention stays 16-bit here",
+                      RuntimeWarning, stacklevel=3)
+        return 0
+    n = 0
+    for owner in list(model.modules()):
+        if type(owner) not in (Attention, DenseMLP):
+            continue
+        for leaf in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
+            old = getattr(owner, leaf, None)
+            if type(old) is not Linear or old.weight.shape[1] % group:
+                continue
+            out_f, in_f = old.weight.shape
+            new = Int4Linear(out_f, in_f, old.bias is not None, old.weight.dtype, dev, act)
+            new.rtn_group = group
+            setattr(owner, leaf, new)
+            n += 1
     return n
 
 

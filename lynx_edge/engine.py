@@ -50,6 +50,7 @@ class EngineConfig:
     int4: bool = False
     int4_group: int = 128
     int4_act: str | None = None  # CPU INT4 kernels: "f32" (exact) | "q8" (int8 activations, approximate)
+    int4_attn: bool = False  # CPU: attention / dense projections INT4 too, RTN at load (approximate)
     threads: int | None = None  # torch CPU threads, set once at build (None: lynx_edge.threads default)
 
 
@@ -105,7 +106,8 @@ class Engine:
             offload = dict(gpu_budget_gib=config.gpu_budget_gib, expert_slots=config.expert_slots,
                            policy=config.policy, profile=config.profile)
         opts = LoadOptions(device=device, dtype=dtype, offload=config.offload, int4=config.int4,
-                           int4_group=config.int4_group, int4_act=config.int4_act, allow_pickle=config.allow_pickle,
+                           int4_group=config.int4_group, int4_act=config.int4_act, int4_attn=config.int4_attn,
+                           allow_pickle=config.allow_pickle,
                            ctx=config.ctx_size or min(cfg.max_position_embeddings, 4096), batch=config.max_num_seqs,
                            offload_options=offload)
         model = load_model(model_dir, cfg, opts, progress)

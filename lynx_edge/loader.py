@@ -11,6 +11,8 @@ in file order and sends
     `block.experts.load_quant_part(e, part, QuantLinear)` for experts; attention / shared-expert /
     dense-MLP ones to `module.load_quant(QuantLinear)` where the build kept them packed (a CPU with
     the native kernels: quant/linear.Int4Linear), else dequantised into the 16-bit parameter;
+  - 16-bit attention / dense weights to `load_dense` where the build made them INT4 (`int4_attn`:
+    RTN-quantised as they arrive);
   - FP8 weights (`<name>.weight` e4m3 beside `<name>.weight_scale_inv`, quant/fp8.py) to
     `load_fp8_part(e, part, w, scale)` where the expert sink keeps them 8-bit, else dequantised
     (fp32, exact) and sent on as a 16-bit tensor would be.
@@ -113,6 +115,9 @@ class _Units:
             if name in self.scales and n.endswith(".weight") and hasattr(packed.get(n[:-7]), "load_fp8"):
                 self.order.append(("fp8linear", n[:-7], name))  # kept 8-bit (quant/fp8.Fp8Linear)
                 continue
+            if n.endswith(".weight") and getattr(packed.get(n[:-7]), "rtn_group", None):
+                self.order.append(("rtnlinear", n[:-7], name))  # a 16-bit weight into an Int4Linear (int4_attn)
+                continue
             m, own = _EXPERT_RE.match(n), _OWN_RE.match(n)
             if own and hasattr(experts.get(own.group(1)), "load_tensor"):  # e.g. gpt-oss: biases, MXFP4
                 self.order.append(("own", own.group(1), own.group(2), name))
@@ -178,6 +183,13 @@ def load_weights(model, ckpt: Checkpoint, family, quant=None, progress: Progress
                 packed[mod].load_fp8(ckpt.get(name), ckpt.get(units.scales[name]))
             except ValueError as exc:
                 raise LoadError(f"{ckpt.refs[name].file.name}: tensor {name}: {exc}") from None
+        elif kind == "rtnlinear":
+            _, mod, name = u
+            names = [name]
+            try:
+                packed[mod].load_dense(get(name))
+            except ValueError as exc:
+                raise LoadError(f"{ckpt.refs[name].file.name}: tensor {name}: {exc}") from None
         elif kind == "own":
             _, prefix, suffix, name = u
             names = [name]
@@ -217,7 +229,8 @@ def load_weights(model, ckpt: Checkpoint, family, quant=None, progress: Progress
     _check_complete(model, params, filled, experts, got, ckpt)
     for name, m in packed.items():
         if not m.loaded:
-            raise LoadError(f"{ckpt.dir}: missing tensor {name}.{'weight' if hasattr(m, 'load_fp8') else 'qweight'}")
+            dense = hasattr(m, "load_fp8") or getattr(m, "rtn_group", None)
+            raise LoadError(f"{ckpt.dir}: missing tensor {name}.{'weight' if dense else 'qweight'}")
     for sink in experts.values():
         finish = getattr(sink, "finish_load", None)
         if finish is not None:

@@ -38,7 +38,8 @@ def lynx_mode(text: str) -> str:
 
 
 def engine_options(lynx: str = "off", offload: bool = False, int4: bool = False, profile: str | None = None,
-                   ctx_size: int | None = None, record_routing: bool = True, int4_act=None) -> dict:
+                   ctx_size: int | None = None, record_routing: bool = True, int4_act=None,
+                   int4_attn: bool = False) -> dict:
     """Options → Engine.from_pretrained keywords; offload/int4/profile only where this build's
     EngineConfig has them (an `offload` field typed OffloadOptions gets the profile inside)."""
     from ..engine import EngineConfig
@@ -55,6 +56,8 @@ def engine_options(lynx: str = "off", offload: bool = False, int4: bool = False,
         opts[name] = value
     if int4_act is not None:
         opts["int4_act"] = getattr(int4_act, "value", int4_act)
+    if int4_attn:
+        opts["int4_attn"] = True
     if as_options:
         from ..offload import OffloadOptions
 

@@ -17,6 +17,10 @@ Lynx = Annotated[str, typer.Option("--lynx", help="expert selection: off (exact)
 # boolean options are plain flags: metavar "" so help shows `--int4`, not `--int4 <bool>`
 Offload = Annotated[bool, typer.Option("--offload", metavar="", help="keep experts in host memory, cache hot ones on the GPU")]
 Int4 = Annotated[bool, typer.Option("--int4", metavar="", help="INT4 experts (quantized at load time or from a GPTQ checkpoint)")]
+Int4Attn = Annotated[bool, typer.Option("--int4-attn", metavar="", help="CPU: attention and dense projections INT4 "
+                                         "too, quantized at load (RTN; approximate, like llama.cpp's Q4_0)")]
+
+
 class Int4ActChoice(str, Enum):
     f32 = "f32"
     q8 = "q8"

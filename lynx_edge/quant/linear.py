@@ -47,6 +47,7 @@ class Int4Linear(nn.Module):
         self.perm: torch.Tensor | None = None
         self.bias = nn.Parameter(torch.empty(out_f, dtype=dtype, device=device), requires_grad=False) if bias else None
         self.loaded = False
+        self.rtn_group: int | None = None  # set when built to take a 16-bit weight (load_dense), else None
 
     def extra_repr(self) -> str:
         g = self.in_features // self.scales.shape[0] if self.loaded else "?"
@@ -66,6 +67,18 @@ class Int4Linear(nn.Module):
         self.zeros = None if ql.sym else own(ql.zeros.to(torch.uint8))
         self.perm = None if ql.perm is None else ql.perm.to(torch.int32).contiguous()
         self.loaded = True
+
+    def load_dense(self, w: torch.Tensor) -> None:
+        """A 16/32-bit weight [out, in] (a float checkpoint's attention under `int4_attn`), RTN-
+        quantised symmetrically in groups of `self.rtn_group` as it arrives: approximate, like
+        --int4's experts; one projection's fp32 temporaries at a time."""
+        from .formats import QuantLinear
+        from .int4 import quantize_rtn
+
+        if tuple(w.shape) != (self.out_features, self.in_features):
+            raise ValueError(f"weight is {list(w.shape)}, expected [{self.out_features}, {self.in_features}]")
+        codes, scales, zeros = quantize_rtn(w, self.rtn_group, sym=True)
+        self.load_quant(QuantLinear(codes, scales, zeros, sym=True))
 
     @property
     def group_size(self) -> int:
