@@ -5,6 +5,8 @@ Variants of the demo model (or --model), all loaded on the CPU in bf16 around th
     experts 4-bit               `lynx-edge quantize` (experts only, as before)
     experts + attention 4-bit   `lynx-edge quantize --attn` (attention read packed: quant/linear.py)
     … --int4-act q8             the same with int8 activations (Q8 blocks of 32, integer dots)
+    --int4 [--int4-attn]        the 16-bit checkpoint quantised at load (RTN, no calibration):
+                                experts, and with --int4-attn attention too
 
 Quality: teacher-forced perplexity on the last three quarters of heldout.txt in windows of
 --window tokens (32: every 4-bit call then runs the decode-sized kernels, where q8 applies), the
@@ -89,6 +91,10 @@ def main() -> None:
         "experts 4-bit, --int4-act q8": (ckpt["experts"], {"int4_act": "q8"}),
         "experts + attention 4-bit": (ckpt["experts+attn"], {}),
         "experts + attention 4-bit, --int4-act q8": (ckpt["experts+attn"], {"int4_act": "q8"}),
+        # the same from the 16-bit checkpoint at load: RTN, no calibration
+        "--int4 (RTN experts at load)": (args.model, {"int4": True}),
+        "--int4 --int4-attn (RTN experts + attention at load)": (args.model, {"int4": True, "int4_attn": True}),
+        "--int4 --int4-attn --int4-act q8": (args.model, {"int4": True, "int4_attn": True, "int4_act": "q8"}),
     }
     engines = {k: Engine.from_pretrained(src, device="cpu", dtype="bfloat16", max_num_seqs=16, **kw)
                for k, (src, kw) in variants.items()}
@@ -99,7 +105,8 @@ def main() -> None:
     windows = [ids[i : i + W] for i in range(0, len(ids) - W + 1, W)][: args.max_windows]
     lg = {k: logits_of(e, windows) for k, e in engines.items()}
     ref_of = {"experts 4-bit, --int4-act q8": "experts 4-bit",
-              "experts + attention 4-bit, --int4-act q8": "experts + attention 4-bit"}
+              "experts + attention 4-bit, --int4-act q8": "experts + attention 4-bit",
+              "--int4 --int4-attn --int4-act q8": "--int4 --int4-attn (RTN experts + attention at load)"}
     rows = []
     for k in engines:
         q = quality(lg[k], windows, lg.get(ref_of.get(k, k)))

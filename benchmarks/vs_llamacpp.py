@@ -16,6 +16,7 @@ llama-quantize makes Q4_0. Pairs compared (same weights, same thread count):
                    the model bf16; Q4_0 also quantises attention and embeddings), and vs the
                    checkpoint `lynx-edge quantize --method rtn --attn` writes (experts and
                    attention 4-bit, group 128: what a published GPTQ checkpoint holds)
+                   and vs --int4 --int4-attn (experts and attention RTN INT4 at load, group 128)
     8-bit:         llama.cpp Q8_0 vs the FP8 checkpoint quant/fp8.write_checkpoint makes of the
                    same weights (experts and attention e4m3 with 128×128 block scales, as
                    Qwen/Qwen3-30B-A3B-FP8 is published), read 8-bit by lynx-edge's native kernels
@@ -69,7 +70,11 @@ PAIRS = {"f32": ("F32", dict(dtype="float32")), "bf16": ("BF16", dict(dtype="bfl
          "int4attn-q8": ("Q4_0", dict(dtype="bfloat16", int4_act="q8")),
          # 8-bit: an FP8 checkpoint as published (Qwen3-*-FP8: e4m3 experts and attention, 128×128
          # block scales; quant/fp8.write_checkpoint from the same weights) vs Q8_0 (int8 per 32)
-         "fp8": ("Q8_0", dict(dtype="bfloat16"))}
+         "fp8": ("Q8_0", dict(dtype="bfloat16")),
+         # a 16-bit checkpoint with --int4 --int4-attn: experts and attention RTN INT4 at load (group
+         # 128), as Q4_0 quantises every 2-D weight; and the same with int8 activations
+         "int4all": ("Q4_0", dict(int4=True, int4_attn=True, dtype="bfloat16")),
+         "int4all-q8": ("Q4_0", dict(int4=True, int4_attn=True, int4_act="q8", dtype="bfloat16"))}
 
 # The converter refuses byte-level BPE tokenizers whose pre-tokenizer hash it does not list (the
 # demo's own tokenizer). The demo's pre-tokenizer is ByteLevel with GPT-2's regex, X
@@ -290,7 +295,7 @@ def run(args) -> dict:
         f32 = to_gguf(src, path, work / f"{tag}-f32.gguf", "f32")
         ggufs = {"f32": f32, "bf16": to_gguf(src, path, work / f"{tag}-bf16.gguf", "bf16"),
                  "int4": quantize(bins, f32, work / f"{tag}-q4_0.gguf", max(threads))}
-        ggufs["int4attn"] = ggufs["int4attn-q8"] = ggufs["int4"]
+        ggufs["int4attn"] = ggufs["int4attn-q8"] = ggufs["int4all"] = ggufs["int4all-q8"] = ggufs["int4"]
         if "fp8" in kinds:
             ggufs["fp8"] = quantize(bins, f32, work / f"{tag}-q8_0.gguf", max(threads), "Q8_0")
         res["models"][model] = {"path": str(path), "checkpoint_bytes_bf16": ckpt_bytes(path),
@@ -348,7 +353,9 @@ def _cell(r: dict) -> str:
 def _ours_name(r: dict) -> str:
     return {"int4": f"--int4 ({r['ours_dtype']})", "int4attn": f"4-bit ckpt + attn ({r['ours_dtype']})",
             "int4attn-q8": f"4-bit ckpt + attn, --int4-act q8 ({r['ours_dtype']})",
-            "fp8": f"FP8 ckpt, experts + attn 8-bit ({r['ours_dtype']})"}.get(r["kind"], r["ours_dtype"])
+            "fp8": f"FP8 ckpt, experts + attn 8-bit ({r['ours_dtype']})",
+            "int4all": f"--int4 --int4-attn ({r['ours_dtype']})",
+            "int4all-q8": f"--int4 --int4-attn --int4-act q8 ({r['ours_dtype']})"}.get(r["kind"], r["ours_dtype"])
 
 
 def to_markdown(res: dict) -> str:
@@ -428,7 +435,8 @@ def main() -> None:
     ap.add_argument("--bits", default="f32,bf16,int4,int4attn,int4attn-q8",
                     help="pairs: f32 (F32 vs fp32), bf16, int4 (Q4_0 vs --int4), int4attn (Q4_0 vs a lynx-edge "
                          "4-bit checkpoint with 4-bit attention), int4attn-q8 (the same with --int4-act q8), "
-                         "fp8 (Q8_0 vs an FP8 checkpoint of the same weights)")
+                         "fp8 (Q8_0 vs an FP8 checkpoint of the same weights), int4all / int4all-q8 (Q4_0 vs "
+                         "--int4 --int4-attn [--int4-act q8])")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("-r", "--rounds", type=int, default=5)
     ap.add_argument("-n", type=int, default=64, help="decode tokens at B=1 (llama-bench -n)")
