@@ -104,6 +104,9 @@ def quantize_model(src, out_dir, method: str = "gptq", group_size: int = 128, sy
     model_dir = resolve_model(src)
     cfg = ModelConfig.from_file(model_dir / "config.json")
     qc = read_quant_config(model_dir, cfg.raw)
+    if qc is not None and qc.method == "fp8":
+        raise ConfigError(f"{model_dir}: an FP8 checkpoint; load it as it is (8-bit on a CPU), or with --int4 "
+                          "to re-quantize its experts at load")
     if qc is not None:
         raise ConfigError(f"{model_dir}: already a 4-bit checkpoint ({qc.method.upper()})")
     family = FAMILIES[cfg.model_type]

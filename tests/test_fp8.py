@@ -293,6 +293,13 @@ def test_bad_fp8_files_are_one_line_errors(fp8_model, tmp_path, case, match):
     assert "\n" not in str(exc.value)
 
 
+def test_quantize_refuses_an_fp8_checkpoint_with_a_way_forward(fp8_model, tmp_path):
+    from lynx_edge.quantize import quantize_model
+
+    with pytest.raises(ConfigError, match="FP8 checkpoint.*--int4"):
+        quantize_model(str(fp8_model[0]), tmp_path / "out", method="rtn")
+
+
 # -------------------------------------------------------------------------------------------- plan
 def test_plan_of_qwen3_30b_a3b_fp8():
     """The published Qwen3-30B-A3B-FP8 (its config plus the FP8 block): on a CPU the experts are
