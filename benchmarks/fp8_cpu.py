@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from int4_act import logits_of, quality  # noqa: E402
+from int4_act import decode_speed, logits_of, quality  # noqa: E402
 
 
 def weight_bytes(model) -> int:
@@ -58,7 +58,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     from lynx_edge import Engine
-    from lynx_edge.bench import cpu_isa, measure, synthetic_prompts
+    from lynx_edge.bench import cpu_isa
     from lynx_edge.hub import resolve_model
     from lynx_edge.quant.fp8 import write_checkpoint
     from lynx_edge.threads import set_threads
@@ -86,15 +86,7 @@ def main() -> None:
             q = quality(lg[r["variant"]], windows, lg["bf16"])
             r.update(ppl=q["ppl"], ppl_change_pct=100 * (q["ppl"] / ppl16 - 1), kl_vs_bf16=q["kl_vs_f32"],
                      top1_agree_vs_bf16=q["top1_agree_vs_f32"])
-    speed = {k: {1: [], 16: []} for k in engines}
-    prompts = {b: synthetic_prompts(base, b, 16) for b in (1, 16)}
-    for e in engines.values():  # warm-up
-        for b in (1, 16):
-            measure(e, prompts[b], 4)
-    for _ in range(args.reps):
-        for b in (1, 16):
-            for k, e in engines.items():
-                speed[k][b].append(float(measure(e, prompts[b], args.n + 1)["decode_tok_s"]))
+    speed = decode_speed(engines, args.reps, args.n)
     for r in rows:
         for b in (1, 16):
             r[f"tok_s_b{b}"] = statistics.median(speed[r["variant"]][b])

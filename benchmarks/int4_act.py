@@ -60,6 +60,23 @@ def weight_bytes(model) -> int:
     return n + sum(m.packed.data.numel() for m in model.modules() if hasattr(getattr(m, "packed", None), "layout"))
 
 
+def decode_speed(engines: dict, reps: int, n: int) -> dict:
+    """variant → {B: [decode tok/s per round]} for B = 1 and 16 (16-token synthetic prompts), the
+    variants interleaved within each round after one warm-up each."""
+    from lynx_edge.bench import measure, synthetic_prompts
+
+    speed = {k: {1: [], 16: []} for k in engines}
+    prompts = {b: synthetic_prompts(next(iter(engines.values())), b, 16) for b in (1, 16)}
+    for e in engines.values():  # warm-up
+        for b in (1, 16):
+            measure(e, prompts[b], 4)
+    for _ in range(reps):
+        for b in (1, 16):
+            for k, e in engines.items():
+                speed[k][b].append(float(measure(e, prompts[b], n + 1)["decode_tok_s"]))
+    return speed
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="demo")
@@ -73,7 +90,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/int4_act"))
     args = ap.parse_args()
     from lynx_edge import Engine
-    from lynx_edge.bench import cpu_isa, measure, synthetic_prompts
+    from lynx_edge.bench import cpu_isa
     from lynx_edge.quantize import quantize_model
     from lynx_edge.threads import set_threads
 
@@ -114,15 +131,7 @@ def main() -> None:
             q["kl_vs_f32"] = q["top1_agree_vs_f32"] = None
         rows.append({"variant": k, **q, "ppl_change_pct": 100 * (q["ppl"] / quality(lg["16-bit"], windows, None)["ppl"] - 1),
                      "weights_mb": weight_bytes(engines[k].model) / 1e6})
-    speed = {k: {1: [], 16: []} for k in engines}
-    prompts = {b: synthetic_prompts(base, b, 16) for b in (1, 16)}
-    for e in engines.values():  # warm-up
-        for b in (1, 16):
-            measure(e, prompts[b], 4)
-    for _ in range(args.reps):
-        for b in (1, 16):
-            for k, e in engines.items():
-                speed[k][b].append(float(measure(e, prompts[b], args.n + 1)["decode_tok_s"]))
+    speed = decode_speed(engines, args.reps, args.n)
     for r in rows:
         for b in (1, 16):
             r[f"tok_s_b{b}"] = statistics.median(speed[r["variant"]][b])
