@@ -13,6 +13,8 @@ ALIASES = {
     "mixtral-8x7b": "mistralai/Mixtral-8x7B-Instruct-v0.1",
     "mixtral-8x22b": "mistralai/Mixtral-8x22B-Instruct-v0.1",
     "qwen3-30b-a3b": "Qwen/Qwen3-30B-A3B",
+    "qwen3-30b-a3b-fp8": "Qwen/Qwen3-30B-A3B-FP8",  # block-scaled FP8 (quant/fp8.py): half the memory of bf16
+    "qwen3-coder-30b-a3b-fp8": "Qwen/Qwen3-Coder-30B-A3B-Instruct-FP8",
     "qwen1.5-moe-a2.7b": "Qwen/Qwen1.5-MoE-A2.7B-Chat",
     "qwen2-57b-a14b": "Qwen/Qwen2-57B-A14B-Instruct",
     "olmoe-1b-7b": "allenai/OLMoE-1B-7B-0125-Instruct",
