@@ -84,7 +84,8 @@ def _logits(eng) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------------ format
-@pytest.mark.parametrize("shape,block", [((5, 70), (4, 32)), ((37, 96), (16, 32)), ((3, 256), (128, 128))])
+@pytest.mark.parametrize("shape,block", [((5, 70), (4, 32)), ((37, 96), (16, 32)), ((3, 256), (128, 128)),
+                                         ((64, 96), (16, 32))])
 @pytest.mark.parametrize("kernels", ["native", "torch"])
 def test_dequant_decodes_every_code_as_torch_does(shape, block, kernels, monkeypatch):
     """Every finite e4m3 byte (normals, subnormals, ±0) decodes as torch's float8_e4m3fn → fp32,

@@ -54,7 +54,11 @@ def dequant(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> tor
     if w.device.type == "cpu" and w.dim() == 2 and w.shape[1] % block[1] == 0 and native.lib() is not None:
         return native.dequant_fp8(w, scale, block)
     half = (w.view(torch.int8).to(torch.int16) * 128).bitwise_and_(0xBFFF - 0x10000).view(torch.float16)
-    return half.float() * _expand(scale.float() * 256.0, tuple(w.shape), block)
+    (n, k), (bn, bk) = w.shape, block
+    s = scale.float() * 256.0
+    if n % bn == 0 and k % bk == 0:  # whole blocks: one broadcast multiply, no expanded scale tensor
+        return (half.view(n // bn, bn, k // bk, bk).float() * s[:, None, :, None]).view(n, k)
+    return half.float() * _expand(s, (n, k), block)
 
 
 def dequant_ref(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
