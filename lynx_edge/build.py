@@ -129,7 +129,7 @@ def load_model(model_dir: Path, cfg: ModelConfig, opts: LoadOptions, progress: P
     # an FP8 checkpoint's experts stay FP8: resident on a CPU with the native kernels, or in the
     # offload store (half of bf16's host memory and PCIe bytes); elsewhere they are dequantised
     fp8_fit = fp8 and not int4 and experts_fit(D, I, qc.weight_block) and getattr(family, "experts", None) is None
-    fp8_block = qc.weight_block if fp8_fit and not opts.offload and _fp8_native(dev, D, I, qc) else None
+    fp8_block = qc.weight_block if fp8_fit and not opts.offload and _fp8_native(dev) else None
     store_block = qc.weight_block if fp8_fit and opts.offload else None
     name = "int4" if int4 else "fp8" if fp8_block or store_block else \
         {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dt]
@@ -168,7 +168,7 @@ def int4_act(value: str | None) -> str:
     return act
 
 
-def _fp8_native(dev, D: int, I: int, qc) -> bool:
+def _fp8_native(dev) -> bool:
     """Resident FP8 experts stay 8-bit (quant/fp8.Fp8MoEExperts) on a CPU with the native kernels;
     on a GPU they are dequantised at load (bf16)."""
     from .kernels import native

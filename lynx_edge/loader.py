@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
+from contextlib import contextmanager
 from typing import Callable
 
 import torch
@@ -168,10 +169,8 @@ def load_weights(model, ckpt: Checkpoint, family, quant=None, progress: Progress
             sink = experts[prefix]
             _check_expert(sink, e, name, ckpt)
             if name in units.scales and hasattr(sink, "load_fp8_part"):  # kept 8-bit, or the sink converts
-                try:
+                with _one_line(ckpt, name):
                     sink.load_fp8_part(e, part, ckpt.get(name), ckpt.get(units.scales[name]), get.block(name))
-                except ValueError as exc:
-                    raise LoadError(f"{ckpt.refs[name].file.name}: tensor {name}: {exc}") from None
             else:
                 sink.load_part(e, part, _shaped(sink, part, get(name), ckpt.refs[name]))
             got[prefix].add((e, part))
@@ -179,24 +178,18 @@ def load_weights(model, ckpt: Checkpoint, family, quant=None, progress: Progress
         elif kind == "fp8linear":
             _, mod, name = u
             names = [name]
-            try:
+            with _one_line(ckpt, name):
                 packed[mod].load_fp8(ckpt.get(name), ckpt.get(units.scales[name]))
-            except ValueError as exc:
-                raise LoadError(f"{ckpt.refs[name].file.name}: tensor {name}: {exc}") from None
         elif kind == "rtnlinear":
             _, mod, name = u
             names = [name]
-            try:
+            with _one_line(ckpt, name):
                 packed[mod].load_dense(get(name))
-            except ValueError as exc:
-                raise LoadError(f"{ckpt.refs[name].file.name}: tensor {name}: {exc}") from None
         elif kind == "own":
             _, prefix, suffix, name = u
             names = [name]
-            try:
+            with _one_line(ckpt, name):
                 got[prefix] |= experts[prefix].load_tensor(suffix, get(name))
-            except ValueError as exc:
-                raise LoadError(f"{ckpt.refs[name].file.name}: tensor {name}: {exc}") from None
         elif kind == "fused":
             _, prefix, which, name = u
             names = [name]
@@ -235,6 +228,15 @@ def load_weights(model, ckpt: Checkpoint, family, quant=None, progress: Progress
         finish = getattr(sink, "finish_load", None)
         if finish is not None:
             finish()
+
+
+@contextmanager
+def _one_line(ckpt: Checkpoint, name: str):
+    """A sink's ValueError (a wrong shape, dtype or layout) → LoadError naming the file and tensor."""
+    try:
+        yield
+    except ValueError as exc:
+        raise LoadError(f"{ckpt.refs[name].file.name}: tensor {name}: {exc}") from None
 
 
 class _Reader:

@@ -143,8 +143,11 @@ def _key(layer) -> tuple:
     attn, mlp = m["self_attn"], m["mlp"]
     am, mm = attn._modules, mlp._modules
     ex = mm["experts"]
-    exp = ex._parameters["gate_up"] if type(ex) is StackedExperts else getattr(getattr(ex, "packed", ex), "data", None) \
-        if not hasattr(ex, "native_moe") else ex.gate_up
+    if type(ex) is StackedExperts:
+        exp = ex._parameters["gate_up"]
+    else:  # INT4: its block buffer; FP8: its gate_up codes (plain tensor attributes, not parameters)
+        packed = ex.__dict__.get("packed")
+        exp = packed.data if packed is not None else ex.__dict__.get("gate_up")
     return (am["q_proj"], am["q_proj"].storage(), am["o_proj"], am["o_proj"].storage(), mm["gate"],
             mm["gate"]._parameters["weight"].data_ptr(), m["input_layernorm"]._parameters["weight"].data_ptr(),
             m["post_attention_layernorm"]._parameters["weight"].data_ptr(), ex,

@@ -160,20 +160,9 @@ class Fp8Format:
     def write_fp8_part(self, buf: torch.Tensor, e: int, part: str, w: torch.Tensor, scale: torch.Tensor,
                        name: str = "expert") -> None:
         """Expert e ← one FP8 projection as the checkpoint stores it (codes and scales copied)."""
-        from ..quant.fp8 import check_scale
+        from ..quant.fp8 import write_projection
 
-        check_scale(w, scale, self.block, name)
-        gu, gs, dn, ds = self._parts(buf[e])
-        I, bn = self.inter, self.block[0]
-        if part == "down":
-            dst, sdst = dn, ds
-        else:
-            rows = slice(0, I) if part == "gate" else slice(I, 2 * I)
-            dst, sdst = gu[rows], gs[rows.start // bn: rows.stop // bn]
-        if tuple(w.shape) != tuple(dst.shape):
-            raise ValueError(f"{name}: shape {tuple(w.shape)}, expected {tuple(dst.shape)}")
-        dst.copy_(w.view(torch.uint8))
-        sdst.copy_(scale)
+        write_projection(self._parts(buf[e]), part, w, scale, self.block, name)
 
     def write_part(self, buf: torch.Tensor, e: int, part: str, w: torch.Tensor) -> None:
         """A 16/32-bit projection: quantised to FP8 blocks (approximate; FP8 checkpoints store FP8)."""

@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels import native
+
 FP8 = torch.float8_e4m3fn
 E4M3_MAX = 448.0  # the largest finite e4m3fn value
 SCALE_SUFFIX = "_scale_inv"  # <name>.weight → <name>.weight_scale_inv
@@ -49,8 +51,6 @@ def dequant(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> tor
     exact: the native kernel on a CPU (whole bk blocks), else e4m3 → fp16 by bits (see
     cpu_native.c f8_h: the same value ×2⁻⁸, converted exactly), 4× faster than torch's own
     float8 → fp32 conversion, which `dequant_ref` keeps as the reference."""
-    from ..kernels import native
-
     if w.device.type == "cpu" and w.dim() == 2 and w.shape[1] % block[1] == 0 and native.lib() is not None:
         return native.dequant_fp8(w, scale, block)
     half = (w.view(torch.int8).to(torch.int16) * 128).bitwise_and_(0xBFFF - 0x10000).view(torch.float16)
@@ -123,16 +123,38 @@ def write_checkpoint(src: str | Path, dst: str | Path, block: tuple[int, int] = 
     return dst
 
 
+def write_projection(views: tuple, part: str, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
+                     name: str) -> None:
+    """One FP8 projection as the checkpoint stores it (w [out, in] e4m3 or its bytes, scale
+    [out/bn, in/bk]) into one expert's views (gate_up codes [2I, D], their scales [2I/bn, D/bk],
+    down codes [D, I], their scales [D/bn, I/bk]): gate rows first, then up. ValueError (one line)
+    for a wrong dtype or shape. The resident experts and the offload store's block share it."""
+    gu, gs, dn, ds = views
+    if w.dtype not in (FP8, torch.uint8):
+        raise ValueError(f"{name}: stored {str(w.dtype).replace('torch.', '')}, expected float8_e4m3fn beside "
+                         "its weight_scale_inv")
+    check_scale(w, scale, block, name)
+    if part == "down":
+        dst, sdst = dn, ds
+    else:
+        I, bn = gu.shape[0] // 2, block[0]
+        rows = slice(0, I) if part == "gate" else slice(I, 2 * I)
+        dst, sdst = gu[rows], gs[rows.start // bn: rows.stop // bn]
+    if tuple(w.shape) != tuple(dst.shape):
+        raise ValueError(f"{name}: shape {tuple(w.shape)}, expected {tuple(dst.shape)}")
+    dst.copy_(w.view(dst.dtype))
+    sdst.copy_(scale)
+
+
 def linear_fits(in_f: int, block: tuple[int, int]) -> bool:
     """Whether the native FP8 linear reads a weight with in_f inputs: whole bk blocks, bk % 32 == 0."""
     return block[0] > 0 and block[1] > 0 and block[1] % 32 == 0 and in_f % block[1] == 0
 
 
 def experts_fit(D: int, I: int, block: tuple[int, int]) -> bool:
-    """Whether the native kernel reads experts of this shape in place: whole scale blocks over every
-    projection's rows (bn | I, bn | D) and inputs (bk | D, bk | I), bk a multiple of 32."""
-    bn, bk = block
-    return bn > 0 and bk > 0 and bk % 32 == 0 and I % bn == 0 and D % bn == 0 and D % bk == 0 and I % bk == 0
+    """Whether the native kernel reads experts of this shape in place: every projection's inputs as
+    linear_fits takes them (D for gate/up, I for down), and whole scale blocks over its rows."""
+    return linear_fits(D, block) and linear_fits(I, block) and I % block[0] == 0 and D % block[0] == 0
 
 
 # rows up to which the native kernel runs a linear; past them (prefill) WIDEN_ROWS output rows at
@@ -185,8 +207,6 @@ class Fp8Linear(nn.Module):
         return torch.cat(outs, -1).to(x.dtype)
 
     def native(self, x: torch.Tensor) -> torch.Tensor:
-        from ..kernels import native
-
         return native.linear_fp8(x, self.weight, self.weight_scale_inv, self.block, self.bias)
 
     def storage(self) -> int:
@@ -195,8 +215,6 @@ class Fp8Linear(nn.Module):
     def native_lin(self):
         """(native.Lin, tensors it points into, rows up to which forward runs it) for the whole-layer
         decode call (models/native_layer.py); None before the load or on views of a fused q/k/v."""
-        from ..kernels import native
-
         if not self.loaded or not (self.weight.is_contiguous() and self.weight_scale_inv.is_contiguous()):
             return None
         b32 = None if self.bias is None else self.bias.detach().float().contiguous()
@@ -265,21 +283,8 @@ class Fp8MoEExperts(nn.Module):
         """One projection as the checkpoint stores it: w [out, in] e4m3, scale [out/bn, in/bk]."""
         if block is not None and tuple(block) != self.block:
             raise ValueError(f"weight_block_size {list(block)} differs from this layer's {list(self.block)}")
-        bn, _ = self.block
-        I = self.inter
-        if w.dtype not in (FP8, torch.uint8):
-            raise ValueError(f"stored {str(w.dtype).replace('torch.', '')}, expected float8_e4m3fn beside its "
-                             "weight_scale_inv")
-        check_scale(w, scale, self.block, f"expert {e} {part}")
-        if part == "down":
-            codes, scales = self.down[e], self.down_scale[e]
-        else:
-            rows = slice(0, I) if part == "gate" else slice(I, 2 * I)
-            codes, scales = self.gate_up[e, rows], self.gate_up_scale[e, rows.start // bn: rows.stop // bn]
-        if tuple(w.shape) != tuple(codes.shape):
-            raise ValueError(f"expert {e} {part}: shape {tuple(w.shape)}, expected {tuple(codes.shape)}")
-        codes.copy_(w.view(FP8) if w.dtype == torch.uint8 else w)
-        scales.copy_(scale)
+        write_projection((self.gate_up[e], self.gate_up_scale[e], self.down[e], self.down_scale[e]), part, w, scale,
+                         self.block, f"expert {e} {part}")
 
     def load_part(self, e: int, part: str, w: torch.Tensor) -> None:
         raise ValueError(f"expert {e} {part} is stored {w.dtype} in a layer of FP8 experts "
@@ -296,8 +301,6 @@ class Fp8MoEExperts(nn.Module):
     def native_moe(self):
         """(native.MoeLayer, max slots) for the native decode layer (models/native_layer.py), or
         (None, 0) where the kernels are not built."""
-        from ..kernels import native
-
         if native.lib() is None or self.gate_up.device.type != "cpu":
             return None, 0
         plan = native.MoeLayer(native.FMT_FP8, None, self.num_experts, 1, None, None, self.gate_up.data_ptr(),
@@ -306,8 +309,6 @@ class Fp8MoEExperts(nn.Module):
         return plan, 1 << 30
 
     def forward(self, x, ids, weights):  # x [N, D], ids/weights [N, K] → [N, D] in x's dtype
-        from ..kernels import native
-
         if x.device.type == "cpu" and native.lib() is not None:
             return native.moe_fp8(x, ids, weights, self.gate_up, self.gate_up_scale, self.down, self.down_scale,
                                   self.block)
@@ -318,4 +319,4 @@ class Fp8MoEExperts(nn.Module):
         return moe_ref(x.float(), local, weights.float(), gu, dn).to(x.dtype)
 
 
-__all__ = ["E4M3_MAX", "FP8", "Fp8Linear", "Fp8MoEExperts", "linear_fits", "check_scale", "dequant", "dequant_ref", "experts_fit", "quantize", "write_checkpoint"]
+__all__ = ["E4M3_MAX", "FP8", "Fp8Linear", "Fp8MoEExperts", "linear_fits", "check_scale", "dequant", "dequant_ref", "experts_fit", "quantize", "write_checkpoint", "write_projection"]
