@@ -23,7 +23,8 @@ _DTYPES = {
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }
-for _name, _attr in (("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64")):
+# F8_E8M0: FP8 checkpoints' power-of-two block scales (quantization_config scale_fmt "ue8m0"), torch ≥ 2.7
+for _name, _attr in (("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64"), ("F8_E8M0", "float8_e8m0fnu")):
     if hasattr(torch, _attr):
         _DTYPES[_name] = getattr(torch, _attr)
 

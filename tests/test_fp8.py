@@ -123,7 +123,8 @@ def test_config_reader(tmp_path):
     assert (qc.method, qc.bits, qc.weight_block) == ("fp8", 8, (128, 128))
     for bad, field in [({"fmt": "e5m2"}, "fmt"), ({"weight_block_size": None}, "weight_block_size"),
                        ({"weight_block_size": [128]}, "weight_block_size"),
-                       ({"modules_to_not_convert": "lm_head"}, "modules_to_not_convert")]:
+                       ({"modules_to_not_convert": "lm_head"}, "modules_to_not_convert"),
+                       ({"scale_fmt": "e4m3"}, "scale_fmt")]:
         with pytest.raises(ValueError, match=field):
             read_quant_config(tmp_path, {"quantization_config": {**base, **bad}})
 
@@ -232,6 +233,27 @@ def test_fp8_checkpoint_of_each_family_matches_its_float_reference(family, tmp_p
         assert eng.model.placement.packed_linears >= 8
     err = (_logits(eng) - ref).abs().max().item()
     assert err < 2e-6, err  # observed 2.1e-7 (mixtral), 1.9e-7 (qwen2_moe), 3.3e-7 (olmoe)
+
+
+def test_ue8m0_scales(fp8_model, tmp_path):
+    """scale_fmt "ue8m0" (DeepSeek-V3.1, GLM FP8): block scales are powers of two, stored as F8_E8M0.
+    Rounding each scale to a power of two and storing it that way loads to the same logits as the
+    same powers of two stored float32."""
+    if not hasattr(torch, "float8_e8m0fnu"):
+        pytest.skip("torch without float8_e8m0fnu")
+    q, _ = fp8_model
+
+    def pow2(t):
+        return {k: (torch.exp2(torch.round(torch.log2(v))) if k.endswith(fp8.SCALE_SUFFIX) else v) for k, v in t.items()}
+
+    f32 = _rewrite(q, tmp_path / "f32", lambda t: t.update(pow2(t)))
+    e8 = _rewrite(q, tmp_path / "e8", lambda t: t.update({k: v.to(torch.float8_e8m0fnu) for k, v in pow2(t).items()
+                                                           if k.endswith(fp8.SCALE_SUFFIX)}))
+    for d in (f32, e8):
+        cfg = json.loads((d / "config.json").read_text())
+        cfg["quantization_config"]["scale_fmt"] = "ue8m0"
+        (d / "config.json").write_text(json.dumps(cfg))
+    assert torch.equal(_logits(_engine(e8)), _logits(_engine(f32)))
 
 
 def test_scales_in_another_shard(fp8_model, tmp_path):

@@ -133,10 +133,13 @@ def read_quant_config(model_dir: str | Path, config: dict) -> QuantConfig | None
 
 def _fp8_config(qc: dict, bad) -> QuantConfig:
     """Block-scaled FP8 (transformers' FineGrainedFP8 / DeepSeek-V3 / Qwen3-*-FP8): e4m3 weights
-    with `weight_scale_inv` per weight_block_size block (quant/fp8.py). The activation scheme does
+    with `weight_scale_inv` per weight_block_size block (quant/fp8.py), stored float32 or, with
+    scale_fmt "ue8m0" (DeepSeek-V3.1, GLM), as powers of two (float32 or F8_E8M0: widened exactly). The activation scheme does
     not matter here: weights are dequantised or read 8-bit, activations stay fp32/16-bit."""
     if str(qc.get("fmt", "e4m3")).lower() not in ("e4m3", "float8_e4m3fn"):
         raise bad("fmt", "is not supported; FP8 checkpoints are read as e4m3")
+    if str(qc.get("scale_fmt") or "float32").lower() not in ("float32", "ue8m0"):
+        raise bad("scale_fmt", "is not supported; FP8 block scales are read as float32 or ue8m0 (powers of two)")
     block = qc.get("weight_block_size")
     if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
         raise bad("weight_block_size", "is not supported; FP8 checkpoints need a [rows, cols] block of positive "
