@@ -22,6 +22,7 @@ import torch
 
 from . import lynx_host as _host
 from .kernels import lynx_route as _kernel
+from .kernels import native as _native
 from .kernels.moe_gemm import expert_table
 from .routing import RouterSpec, rank_experts, scale_weights
 
@@ -386,6 +387,16 @@ def host_params(spec: RouterSpec, cfg: LynxConfig, layer: int, T: int) -> Option
             np.float32(cfg.arg or 0), cfg.protect_top1, np.float32(_kernel.MASS_SLACK), T >= max(cfg.min_batch, 2))
 
 
+def native_plan(spec: RouterSpec, hp: tuple):
+    """host_params → the same rule as a kernels/native.Route (with the weight scaling), or None
+    where the native kernels are not built."""
+    if _native.lib() is None:
+        return None
+    K, norm, alpha, beta, j, kind, arg, protect, slack, pooled = hp
+    return _native.Route(K, int(norm), kind, beta, j, int(protect), int(pooled), float(alpha), float(arg),
+                         float(slack), float(spec.routed_scaling_factor))
+
+
 def _select_host(z, probs, hp: tuple) -> LynxResult:
     """lynx_select's all-decode path on CPU tensors in one compiled call (lynx_host.route), after
     the softmax — fewer torch ops than the exact router. Ids and weights bit-identical.
@@ -516,6 +527,28 @@ class LynxRouter:
         self.phase = None if is_decode is None else bool(is_decode)
         self.telemetry.begin_step()
 
+    def _host_plan(self, layer: int, T: int) -> tuple:
+        """(host_params, kernels/native.Route or None) for an all-decode CPU call of T tokens, cached."""
+        got = self._host.get((layer, T))
+        if got is None:
+            hp = host_params(self.spec, self.cfg, layer, T)
+            got = self._host[(layer, T)] = (hp, None if hp is None else native_plan(self.spec, hp))
+        return got
+
+    def native_plan(self, layer: int, T: int):
+        """The native decode layer asks before it runs: the Route that routes its T tokens here, or
+        None (this call must come back through __call__: not an all-decode CPU step, offload, …)."""
+        if self.use_triton is None:
+            self.use_triton = _kernel.available(torch.device("cpu"))
+        if self.phase is not True or self.resident is not None or self.use_triton or not CPU_HOST_PATH:
+            return None
+        return self._host_plan(layer, T)[1]
+
+    def native_done(self, layer: int, ids: torch.Tensor, weights: torch.Tensor, vec: torch.Tensor) -> None:
+        """What __call__ records, for a layer the native call routed with native_plan."""
+        self.last = r = LynxResult(ids, weights, vec, None)
+        self.telemetry.record(layer, r)
+
     def __call__(self, logits: torch.Tensor, is_decode: torch.Tensor, layer: int, probs=None):
         res = self.resident(layer) if self.resident is not None else None
         if self.use_triton is None:
@@ -534,12 +567,12 @@ class LynxRouter:
                            _kernel.gemm_table(active, counts, table, a["top_k"]))
         elif phase is True and res is None and not self.use_triton and CPU_HOST_PATH and logits.device.type == "cpu":
             # the CPU decode hot path: straight to the compiled call, its scalars cached per (layer, T)
-            hp = self._host.get((layer, T), 0)
-            if hp == 0:
-                hp = self._host[(layer, T)] = host_params(self.spec, self.cfg, layer, T)
+            hp, plan = self._host_plan(layer, T)
             z = logits.float()
             if hp is None:
                 r = lynx_select(z, True, self.spec, self.cfg, layer, None, probs)
+            elif plan is not None and probs is None:  # one native call, the softmax inside
+                r = LynxResult(*_native.route(z.contiguous(), plan), None)
             else:
                 p = torch.softmax(z, dim=-1, dtype=torch.float32) if probs is None else probs.float()
                 r = _scaled(_select_host(z, p, hp), self.spec)

@@ -105,12 +105,37 @@ class RoutingStats:
 
 
 class ExactRouter:
-    """The default routing function: exact routing for every token, whatever its phase."""
+    """The default routing function: exact routing for every token, whatever its phase.
+
+    On a CPU with the native kernels, softmax-routed logits (no family probs) take one native call
+    (kernels/native.route): the same choice, weights within a few ulp of torch's softmax (≤ 5
+    observed). The native decode layer routes inside its own call with the same plan
+    (native_plan), so a token's routing does not depend on which path ran it."""
 
     def __init__(self, spec: RouterSpec):
         self.spec = spec
+        self._plan = False  # the native plan: False until first asked, None where there is none
+        self._native_route = None  # kernels/native.route, once the plan exists
+
+    def native_plan(self, layer: int, T: int):
+        """kernels/native.Route for this router's rule (any layer, any T), or None (no native kernels)."""
+        if self._plan is False:
+            from .kernels import native  # kernels import nothing of this module: resolved once, here
+
+            self._plan = None if native.lib() is None else native.exact_plan(
+                self.spec.top_k, self.spec.norm_topk_prob, self.spec.routed_scaling_factor)
+            self._native_route = native.route
+        return self._plan
+
+    def native_done(self, layer: int, ids: torch.Tensor, weights: torch.Tensor, vec: torch.Tensor) -> None:
+        """The native layer routed with native_plan: nothing to record for exact routing."""
 
     def __call__(self, logits, is_decode, layer, probs=None):
+        if probs is None and logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2:
+            plan = self.native_plan(layer, logits.shape[0])
+            if plan is not None and logits.shape[0] > 0 and logits.shape[1] >= self.spec.top_k:
+                ids, w, _ = self._native_route(logits.contiguous(), plan)
+                return ids, w
         return exact_route(logits, self.spec, probs)
 
 

@@ -121,7 +121,9 @@ def test_router_on_cpu_is_the_reference():
     router.begin_step(True)
     ids, w = router(z, isd, 0)
     r = lynx_select(z, isd, spec, LynxConfig("lynx"))
-    assert torch.equal(ids, r.ids) and torch.equal(w, r.weights) and router.last.table is None
+    assert torch.equal(ids, r.ids) and router.last.table is None
+    # with the native kernels the softmax is lynx_route's own (tests/test_native_route.py): a few ulp
+    torch.testing.assert_close(w, r.weights, rtol=6e-7, atol=0)
 
 
 def test_kernel_size_limits():

@@ -1395,3 +1395,232 @@ done:
     free(y); free(r);
     return rc;
 }
+
+/* ---- routing: softmax, exact top-k and LYNX's all-decode selection in one call (lynx_route) ----
+ * A port of lynx_host._route (numba) with the softmax inside: every integer and boolean decision
+ * is made with the same arithmetic (fp32 gaps and levels, int64 votes, float64 mass tails rounded
+ * to fp32, ties by higher score then lower id), so given the same probs the ids and weights are
+ * bit-identical to lynx_host.route and lynx.lynx_select (tests/test_native_route.py). The softmax
+ * is exp(z - max) with the C library's expf, summed left to right, times 1/sum (torch's formula,
+ * not its vectorised exp): within a few ulp of torch.softmax, and the same on every CPU path of a model
+ * (module path and native layer both route here). Glossary: T tokens, E experts, K top-k. */
+#define ROUTE_EXACT (-1)
+#define ROUTE_LYNX 0
+#define ROUTE_BUDGET 1
+#define ROUTE_MASS 2
+
+typedef struct {
+    int K, norm, kind; /* kind: ROUTE_EXACT, or LYNX's rule (lynx_host.KIND_*) */
+    int beta, j, protect, pooled;
+    float alpha, arg, slack, scale; /* scale: routed_scaling_factor (1: none) */
+} route_t;
+
+/* the position of the highest key among allowed, unskipped positions; ties -> lower position */
+static int best_f(const float *key, const uint8_t *skip, const uint8_t *allowed, int E) {
+    int best = -1;
+    for (int e = 0; e < E; e++) {
+        if (skip[e] || (allowed && !allowed[e])) continue;
+        if (best < 0 || key[e] > key[best]) best = e;
+    }
+    return best;
+}
+
+/* mark in out the m best-scoring positions not yet in allowed (ties -> lower position) */
+static void ranked(const int64_t *score, int m, const uint8_t *allowed, uint8_t *out, uint8_t *skip, int E) {
+    memcpy(skip, allowed, E);
+    for (int r = 0; r < m; r++) {
+        int best = -1;
+        for (int e = 0; e < E; e++)
+            if (!skip[e] && (best < 0 || score[e] > score[best])) best = e;
+        if (best < 0) return;
+        out[best] = 1;
+        skip[best] = 1;
+    }
+}
+
+static int64_t ipow(int64_t b, int e) {
+    int64_t r = 1;
+    while (e-- > 0) r *= b;
+    return r;
+}
+
+/* LYNX's critical set and remap over the exact choice ids0 [T, K] (lynx_host._decide) and the
+ * reweight (lynx_host._reweight): ids, w [T, K] in place; vec[3..6] its stats. */
+static void lynx_decide(const float *z, const float *probs, int T, int E, const route_t *R, const int64_t *ids0,
+                        const float *p0, const float *s0, const float *w0, int64_t *ids, float *w, double *vec,
+                        int64_t *score, uint8_t *allowed, uint8_t *keep, uint8_t *skip, uint8_t *drop) {
+    const int K = R->K, beta = R->beta;
+    memset(score, 0, (size_t)E * sizeof(int64_t));
+    for (int t = 0; t < T; t++) {
+        const float *zt = z + (size_t)t * E;
+        const float top = zt[ids0[(size_t)t * K]];
+        for (int s = 0; s < K; s++) {
+            float gap = top - zt[ids0[(size_t)t * K + s]];
+            if (gap < 0.0f) gap = 0.0f;
+            float f = floorf(gap * R->alpha); /* fp32, as torch: floor(gap * alpha).clamp(0, beta) */
+            int lv = f >= (float)beta ? beta : (f > 0.0f ? (int)f : 0);
+            score[ids0[(size_t)t * K + s]] += ipow(T, beta - lv);
+        }
+    }
+    memset(allowed, 0, E);
+    if (R->kind == ROUTE_BUDGET) {
+        int m = (int)R->arg < E ? (int)R->arg : E;
+        ranked(score, m, allowed, allowed, skip, E);
+        for (int e = 0; e < E; e++) allowed[e] = allowed[e] && score[e] > 0;
+    } else {
+        const int64_t thr = ipow(T, beta - R->j > 0 ? beta - R->j : 0);
+        for (int e = 0; e < E; e++) allowed[e] = score[e] >= thr;
+    }
+    if (R->protect)
+        for (int t = 0; t < T; t++) allowed[ids0[(size_t)t * K]] = 1;
+    if (R->kind == ROUTE_MASS) { /* keep slots while the droppable tail outweighs tau * (top-k mass) */
+        memset(keep, 0, E);
+        for (int t = 0; t < T; t++) {
+            const float budget = R->arg * s0[t] * R->slack;
+            double acc = 0.0; /* float64, as torch's CPU cumsum accumulates */
+            for (int s = K - 1; s >= 0; s--) {
+                const int64_t e = ids0[(size_t)t * K + s];
+                if (!allowed[e]) {
+                    acc += (double)p0[(size_t)t * K + s];
+                    if ((float)acc > budget) keep[e] = 1;
+                }
+            }
+        }
+        for (int e = 0; e < E; e++) allowed[e] = allowed[e] || keep[e];
+    }
+    int n_allowed = 0;
+    for (int e = 0; e < E; e++) n_allowed += allowed[e];
+    if (n_allowed < K) ranked(score, K - n_allowed, allowed, allowed, skip, E); /* pad to K */
+    memset(skip, 0, E); /* here: the experts a token holds */
+    long changed = 0, n_drop = 0;
+    double mass = 0.0;
+    for (int t = 0; t < T; t++) {
+        const float *zt = z + (size_t)t * E;
+        const int64_t *it0 = ids0 + (size_t)t * K;
+        int64_t *it = ids + (size_t)t * K;
+        uint8_t *dt = drop + (size_t)t * K;
+        int gaps = 0;
+        for (int s = 0; s < K; s++) skip[it0[s]] = 1;
+        for (int s = 0; s < K; s++) { /* the i-th dropped slot takes the i-th best allowed unchosen expert */
+            dt[s] = 0;
+            if (allowed[it0[s]]) continue;
+            const int e = best_f(zt, skip, allowed, E);
+            if (e < 0 || zt[e] == -INFINITY) continue;
+            dt[s] = 1;
+            it[s] = e;
+            skip[e] = 1;
+            gaps++;
+        }
+        for (int s = 0; s < K; s++) skip[it0[s]] = skip[it[s]] = 0;
+        if (!gaps) continue;
+        changed++;
+        n_drop += gaps;
+        /* reweight: the new experts' original probs, rescaled to the original top-k mass */
+        const float *pt = probs + (size_t)t * E;
+        float denom = 0.0f, m = 0.0f;
+        for (int s = 0; s < K; s++) {
+            if (dt[s]) mass += (double)p0[(size_t)t * K + s];
+            denom += pt[it[s]];
+        }
+        for (int s = 0; s < K; s++) m += w0[(size_t)t * K + s];
+        for (int s = 0; s < K; s++) {
+            const float x = denom > 0.0f ? pt[it[s]] / denom : (float)(1.0 / K);
+            w[(size_t)t * K + s] = R->norm ? x : x * m;
+        }
+    }
+    int u0 = 0, u1 = 0;
+    memset(keep, 0, E);
+    memset(skip, 0, E);
+    for (long i = 0; i < (long)T * K; i++) { keep[ids0[i]] = 1; skip[ids[i]] = 1; }
+    for (int e = 0; e < E; e++) { u0 += keep[e]; u1 += skip[e]; }
+    vec[3] = u0;
+    vec[4] = changed ? u1 : u0;
+    vec[5] = changed ? (double)n_drop : 0.0;
+    vec[6] = changed ? mass : 0.0;
+}
+
+/* logits z [T, E] fp32 -> ids [T, K] int64, w [T, K] fp32 (x scale), vec [7] float64 (T, decode
+ * tokens, decode slots, unique experts before, after, remapped slots, displaced mass: LynxResult's
+ * stats). probs: [T, E] fp32 to use as the softmax (the tests' torch one), or NULL: computed here.
+ * Returns 0, -1 for a shape it does not take, or -2 out of memory (nothing written). */
+int lynx_route(const float *z, const float *probs_in, int T, int E, const route_t *R, int64_t *ids, float *w,
+               double *vec) {
+    const int K = R->K;
+    if (T <= 0 || E <= 0 || K <= 0 || K > E) return -1;
+    float *probs = probs_in ? NULL : malloc((size_t)T * E * sizeof(float));
+    float *p0 = malloc((size_t)T * K * sizeof(float) * 2 + (size_t)T * sizeof(float));
+    int64_t *ids0 = malloc((size_t)T * K * sizeof(int64_t) + (size_t)E * sizeof(int64_t));
+    uint8_t *flags = malloc((size_t)4 * E + (size_t)T * K);
+    if ((!probs_in && !probs) || !p0 || !ids0 || !flags) {
+        free(probs); free(p0); free(ids0); free(flags);
+        return -2;
+    }
+    float *w0 = p0 + (size_t)T * K, *s0 = w0 + (size_t)T * K;
+    int64_t *score = ids0 + (size_t)T * K;
+    uint8_t *skip = flags, *allowed = flags + E, *keep = flags + 2 * E, *seen = flags + 3 * E, *drop = flags + 4 * E;
+    if (!probs_in) {
+        for (int t = 0; t < T; t++) {
+            const float *zt = z + (size_t)t * E;
+            float *pt = probs + (size_t)t * E;
+            float mx = zt[0], sum = 0.0f;
+            for (int e = 1; e < E; e++) mx = zt[e] > mx ? zt[e] : mx;
+            for (int e = 0; e < E; e++) { pt[e] = expf(zt[e] - mx); sum += pt[e]; }
+            const float inv = 1.0f / sum;
+            for (int e = 0; e < E; e++) pt[e] *= inv;
+        }
+    }
+    const float *P = probs_in ? probs_in : probs;
+    memset(skip, 0, E);
+    memset(seen, 0, E);
+    for (int t = 0; t < T; t++) { /* exact top-k: K passes of a max, ties -> lower id */
+        const float *zt = z + (size_t)t * E, *pt = P + (size_t)t * E;
+        int64_t *it = ids0 + (size_t)t * K;
+        float acc = 0.0f;
+        for (int s = 0; s < K; s++) {
+            const int e = best_f(zt, skip, NULL, E);
+            it[s] = e;
+            skip[e] = 1;
+            seen[e] = 1;
+            p0[(size_t)t * K + s] = pt[e];
+            acc += pt[e];
+        }
+        for (int s = 0; s < K; s++) skip[it[s]] = 0;
+        s0[t] = acc;
+        for (int s = 0; s < K; s++) w0[(size_t)t * K + s] = R->norm ? p0[(size_t)t * K + s] / acc : p0[(size_t)t * K + s];
+    }
+    memcpy(ids, ids0, (size_t)T * K * sizeof(int64_t));
+    memcpy(w, w0, (size_t)T * K * sizeof(float));
+    int u = 0;
+    for (int e = 0; e < E; e++) u += seen[e];
+    vec[0] = vec[1] = T;
+    vec[2] = (double)T * K;
+    vec[3] = vec[4] = u;
+    vec[5] = vec[6] = 0.0;
+    if (R->kind != ROUTE_EXACT && R->pooled)
+        lynx_decide(z, P, T, E, R, ids0, p0, s0, w0, ids, w, vec, score, allowed, keep, skip, drop);
+    if (R->scale != 1.0f)
+        for (long i = 0; i < (long)T * K; i++) w[i] *= R->scale;
+    free(probs); free(p0); free(ids0); free(flags);
+    return 0;
+}
+
+/* A whole decoder layer at decode in one call: lynx_layer_attn, lynx_route on its router logits,
+ * lynx_layer_moe with that choice. out [B, D] in the model dtype; ids [B, K], w [B, K], vec [7]
+ * the routing (for the stats and LYNX's telemetry). Returns lynx_layer_attn's codes (-1: the
+ * attention kernel does not take the shape, nothing written), -2 out of memory, or lynx_moe's. */
+int lynx_layer(const attn_layer_t *L, const moe_layer_t *M, const route_t *R, const uint8_t *x, int B,
+               const float *cos, const float *sin, const int64_t *pos, const int64_t *rows, uint8_t *kc, uint8_t *vc,
+               int cfmt, long Bmax, long S, uint8_t *out, int64_t *ids, float *w, double *vec, int nthreads) {
+    const int D = L->D, E = L->gate.N, es = L->fmt == FMT_BF16 ? 2 : 4;
+    uint8_t *x1 = malloc((size_t)B * D * es);
+    float *h2 = malloc((size_t)B * D * sizeof(float)), *logits = malloc((size_t)B * E * sizeof(float));
+    int rc = -2;
+    if (!x1 || !h2 || !logits) goto done;
+    rc = lynx_layer_attn(L, x, B, cos, sin, pos, rows, kc, vc, cfmt, Bmax, S, x1, h2, logits, nthreads);
+    if (rc != 0) goto done;
+    if ((rc = lynx_route(logits, NULL, B, E, R, ids, w, vec)) != 0) { rc = -2; goto done; }
+    rc = lynx_layer_moe(M, L->fmt, h2, ids, w, B, R->K, x1, out, nthreads);
+done:
+    free(x1); free(h2); free(logits);
+    return rc;
+}

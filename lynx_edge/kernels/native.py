@@ -138,6 +138,10 @@ def lib() -> ctypes.CDLL | None:
     so.lynx_layer_attn.restype = i
     so.lynx_layer_moe.argtypes = [p, i, p, p, p, i, i, p, p, i]
     so.lynx_layer_moe.restype = i
+    so.lynx_route.argtypes = [p, p, i, i, p, p, p, p]
+    so.lynx_route.restype = i
+    so.lynx_layer.argtypes = [p, p, p, p, i, p, p, p, p, p, p, i, L, L, p, p, p, p, i]
+    so.lynx_layer.restype = i
     return so
 
 
@@ -445,6 +449,60 @@ def layer_moe(plan: MoeLayer, h2: torch.Tensor, ids: torch.Tensor, weights: torc
     return out
 
 
+# --- routing (lynx_route): softmax → exact top-k → LYNX's all-decode selection, one call ---
+
+ROUTE_EXACT = -1  # the other kinds are lynx_host.KIND_LYNX / KIND_BUDGET / KIND_MASS
+
+
+class Route(ctypes.Structure):
+    """route_t: one router's decision rule (routing.ExactRouter's, or a LYNX rule for T tokens)."""
+    _fields_ = [("K", ctypes.c_int), ("norm", ctypes.c_int), ("kind", ctypes.c_int), ("beta", ctypes.c_int),
+                ("j", ctypes.c_int), ("protect", ctypes.c_int), ("pooled", ctypes.c_int), ("alpha", ctypes.c_float),
+                ("arg", ctypes.c_float), ("slack", ctypes.c_float), ("scale", ctypes.c_float)]
+
+
+def exact_plan(K: int, norm: bool, scale: float = 1.0) -> Route:
+    return Route(K, int(norm), ROUTE_EXACT, 0, 0, 0, 0, 1.0, 0.0, 1.0, scale)
+
+
+def route(logits: torch.Tensor, plan: Route, probs: torch.Tensor | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """logits [T, E] fp32 contiguous CPU → (ids [T, K] int64, weights [T, K] fp32, stats [7] fp64:
+    LynxResult.vec). probs [T, E] fp32: the softmax to use (tests: torch's); None: lynx_route's own."""
+    T, E = logits.shape
+    ids = torch.empty(T, plan.K, dtype=torch.int64)
+    w = torch.empty(T, plan.K, dtype=torch.float32)
+    vec = torch.empty(7, dtype=torch.float64)
+    rc = lib().lynx_route(logits.data_ptr(), None if probs is None else probs.data_ptr(), T, E, ctypes.byref(plan),
+                          ids.data_ptr(), w.data_ptr(), vec.data_ptr())
+    if rc == -2:
+        raise MemoryError("the native router could not allocate its scratch buffers")
+    if rc != 0:
+        raise ValueError(f"the native router does not take logits of shape {tuple(logits.shape)} with top-{plan.K}")
+    return ids, w, vec
+
+
+def layer(attn: AttnLayer, moe: MoeLayer, plan: Route, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+          pos: torch.Tensor, rows: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor):
+    """A whole decode layer: x [B, D] (model dtype, contiguous) → (out [B, D], ids [B, K], weights
+    [B, K], stats [7]), or None when the attention kernel does not take the shape (nothing written)."""
+    B, D = x.shape
+    out = torch.empty_like(x)
+    ids = torch.empty(B, plan.K, dtype=torch.int64)
+    w = torch.empty(B, plan.K, dtype=torch.float32)
+    vec = torch.empty(7, dtype=torch.float64)
+    rc = lib().lynx_layer(ctypes.byref(attn), ctypes.byref(moe), ctypes.byref(plan), x.data_ptr(), B, cos.data_ptr(),
+                          sin.data_ptr(), pos.data_ptr(), rows.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                          _FMT[k_cache.dtype], k_cache.shape[0], k_cache.shape[2], out.data_ptr(), ids.data_ptr(),
+                          w.data_ptr(), vec.data_ptr(), torch.get_num_threads())
+    if rc == -1:
+        return None
+    if rc == -2:
+        raise MemoryError("the native decode layer could not allocate its scratch buffers")
+    _check_moe(rc, ids, moe.E)
+    return out, ids, w, vec
+
+
 __all__ = ["AttnLayer", "Lin", "MoeLayer", "attn_decode", "build", "cache_dir", "dense_lin", "dense_ok", "dequant_int4",
-           "int4_lin", "layer_attn", "layer_moe", "lib", "linear", "linear_int4", "moe_dense", "moe_int4", "moe_oss",
+           "exact_plan", "int4_lin", "layer", "layer_attn", "layer_moe", "lib", "route", "Route", "linear", "linear_int4", "moe_dense", "moe_int4", "moe_oss",
            "rmsnorm"]

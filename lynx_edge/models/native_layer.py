@@ -6,8 +6,13 @@ model that is most of the step, and it is serial when the kernels use two thread
 
     lynx_layer_attn   x → RMSNorm → q/k/v → attention (cache write) → o_proj → + x = x1,
                       RMSNorm(x1) = h2, router logits          (one call)
-    ctx.route         the routing decision, in torch as before (exact / LYNX / offload routers)
+    ctx.route         the routing decision (exact / LYNX / offload routers)
     lynx_layer_moe    x1 + experts(h2)                         (one call)
+
+and, where the router has a native plan (ExactRouter; LynxRouter at an all-decode CPU step) and
+the experts are resident, all three in one call (lynx_layer: lynx_route between the two halves,
+the same rule the router's own __call__ runs natively), the router told the result afterwards
+(native_done: LYNX's telemetry) and the stats fed as before.
 
 with the same kernels and the same roundings as the module path: the result is bit-equal to it
 (tests/test_native_layer.py), and, as the kernels sum each row the same way in any batch, a row's
@@ -45,6 +50,7 @@ class NativeLayer:
         self.max_rows, self.max_slots = max_rows, max_slots
         self.mlp = layer.mlp  # read once: nn.Module attribute lookups cost microseconds per step
         self.n_experts = self.mlp.gate.weight.shape[0]
+        self.top_k = self.mlp.ctx.spec.top_k
 
     @classmethod
     def make(cls, layer) -> "NativeLayer | None":
@@ -95,6 +101,20 @@ class NativeLayer:
             return None
         step = ab.native_step()
         self.attn_plan.rd = step[2].shape[-1]  # RoPE dims per head (partial rotary: < hd)
+        ctx = mlp.ctx
+        route = ctx.route
+        plan_of = getattr(route, "native_plan", None)  # ExactRouter, LynxRouter: the route inside the call
+        if plan_of is not None and self.moe_plan is not None and B * self.top_k <= self.max_slots:
+            plan = plan_of(mlp.layer, B)
+            if plan is not None:
+                got = native.layer(self.attn_plan, self.moe_plan, plan, x.view(B, -1), step[2], step[3], step[1],
+                                   step[0], k_cache, v_cache)
+                if got is None:
+                    return None
+                out, ids, weights, vec = got
+                route.native_done(mlp.layer, ids, weights, vec)
+                ctx.stats.add(mlp.layer, ids)
+                return out.view(x.shape)
         got = native.layer_attn(self.attn_plan, x.view(B, -1), step[2], step[3], step[1], step[0], k_cache, v_cache,
                                 self.n_experts)
         if got is None:
