@@ -115,8 +115,9 @@ def test_fused_layer_with_lynx_equals_module_path(tmp_path, monkeypatch, dtype):
 
     path = make_tiny(tmp_path / "q3", "qwen3_moe", hidden_size=128, moe_intermediate_size=128, head_dim=32)
     calls = []
-    real = native.layer
-    monkeypatch.setattr(native, "layer", lambda *a: calls.append(1) or real(*a))
+    one, stack = native.layer, native.layers
+    monkeypatch.setattr(native, "layer", lambda *a: calls.append(1) or one(*a))
+    monkeypatch.setattr(native, "layers", lambda *a: calls.append(len(a[0])) or stack(*a))
 
     def run():
         eng = Engine.from_pretrained(path, device="cpu", dtype=dtype, max_num_seqs=5, lynx="on")
@@ -135,3 +136,37 @@ def test_fused_layer_with_lynx_equals_module_path(tmp_path, monkeypatch, dtype):
     assert len(calls) == n
     assert torch.equal(got, ref)
     assert tel == ref_tel and tel["unique_after"] < tel["unique_before"], tel
+
+
+def test_stack_call_stops_where_a_layer_cannot_join(tmp_path, monkeypatch):
+    """The one-call stack (lynx_layers) runs the leading layers that qualify; a layer that does not
+    (here: told so) and every layer after it run their own calls; logits stay bit-equal."""
+    from lynx_edge import Engine
+    from lynx_edge.models import native_layer
+    from lynx_edge.step import decode_step, prefill
+
+    path = make_tiny(tmp_path / "q3", "qwen3_moe", hidden_size=128, moe_intermediate_size=128, head_dim=32,
+                     num_hidden_layers=4)
+
+    def run(stop_at):
+        eng = Engine.from_pretrained(path, device="cpu", dtype="bfloat16", max_num_seqs=3)
+        sizes = []
+        stack = native.layers
+        monkeypatch.setattr(native, "layers", lambda *a: sizes.append(len(a[0])) or stack(*a))
+        if stop_at is not None:
+            nl = native_layer.native_of(eng.model.layers[stop_at])
+            monkeypatch.setattr(nl, "route_plan", lambda B: None)
+        kv = eng._cache(3)
+        for b in range(3):
+            prefill(eng.model, kv, b, [5 + b, 6, 7][: 1 + b], 0)
+        sizes.clear()  # a one-token prompt runs the stack too (exact routing)
+        out = torch.stack([decode_step(eng.model, kv, [0, 1, 2], torch.tensor([20 + t, 21, 22 + t])) for t in range(3)])
+        return out, sizes
+
+    full, sizes = run(None)
+    assert sizes == [4, 4, 4]
+    part, sizes = run(2)
+    assert sizes == [2, 2, 2]
+    assert torch.equal(full, part)
+    _, sizes = run(1)
+    assert sizes == []  # one leading layer: its own call

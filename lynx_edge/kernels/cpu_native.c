@@ -1624,3 +1624,30 @@ done:
     free(x1); free(h2); free(logits);
     return rc;
 }
+
+/* The whole decoder stack at decode: lynx_layer for layers 0..n-1, each reading the previous one's
+ * output. x [B, D] (model dtype) is the input and, on return, the output of the last layer run;
+ * kc[l], vc[l] layer l's caches; ids [n, B, K], w [n, B, K], vec [n, 7] each layer's routing.
+ * *done = the number of layers run. Returns 0, or the failing layer's lynx_layer code (-1: its
+ * attention kernel does not take the shape and nothing of it was written: the caller goes on from
+ * layer *done with x as it stands). */
+int lynx_layers(int n, const attn_layer_t *const *L, const moe_layer_t *const *M, const route_t *const *R,
+                uint8_t *x, int B, const float *cos, const float *sin, const int64_t *pos, const int64_t *rows,
+                uint8_t *const *kc, uint8_t *const *vc, int cfmt, long Bmax, long S, int64_t *ids, float *w,
+                double *vec, int *done, int nthreads) {
+    const size_t bytes = (size_t)B * L[0]->D * (L[0]->fmt == FMT_BF16 ? 2 : 4);
+    uint8_t *y = malloc(bytes);
+    int rc = -2;
+    *done = 0;
+    if (!y) return rc;
+    for (int l = 0; l < n; l++) {
+        const long off = (long)l * B * R[l]->K;
+        rc = lynx_layer(L[l], M[l], R[l], x, B, cos, sin, pos, rows, kc[l], vc[l], cfmt, Bmax, S, y, ids + off,
+                        w + off, vec + 7L * l, nthreads);
+        if (rc != 0) break;
+        memcpy(x, y, bytes);
+        *done = l + 1;
+    }
+    free(y);
+    return rc;
+}

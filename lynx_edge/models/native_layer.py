@@ -91,30 +91,42 @@ class NativeLayer:
     def valid(self) -> bool:
         return _key(self.layer) == self.key
 
+    def takes(self, x: torch.Tensor, ab: AttnBatch, kv) -> bool:
+        """Whether the layer calls take this step: x [B, 1, D], its batch and this layer's cache."""
+        k_cache, v_cache = kv
+        return not (x.shape[0] > self.max_rows or ab.cos is None or k_cache.dtype != v_cache.dtype
+                    or k_cache.dtype not in NATIVE_ROWS or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+                    or not x.is_contiguous())
+
+    def route_plan(self, B: int):
+        """The router's native plan for B tokens when the whole layer can run as one call (resident
+        experts within the kernel's slots, a router with a native plan for this step), else None."""
+        plan_of = getattr(self.mlp.ctx.route, "native_plan", None)  # ExactRouter, LynxRouter
+        if plan_of is None or self.moe_plan is None or B * self.top_k > self.max_slots:
+            return None
+        return plan_of(self.mlp.layer, B)
+
     def forward(self, x: torch.Tensor, ab: AttnBatch, kv, is_decode: torch.Tensor) -> torch.Tensor | None:
         """x [B, 1, D] → the layer's output, or None (the module path runs: nothing was written)."""
         B = x.shape[0]
         mlp = self.mlp
         k_cache, v_cache = kv
-        if (B > self.max_rows or ab.cos is None or k_cache.dtype != v_cache.dtype or k_cache.dtype not in NATIVE_ROWS
-                or not (k_cache.is_contiguous() and v_cache.is_contiguous()) or not x.is_contiguous()):
+        if not self.takes(x, ab, kv):
             return None
         step = ab.native_step()
         self.attn_plan.rd = step[2].shape[-1]  # RoPE dims per head (partial rotary: < hd)
         ctx = mlp.ctx
         route = ctx.route
-        plan_of = getattr(route, "native_plan", None)  # ExactRouter, LynxRouter: the route inside the call
-        if plan_of is not None and self.moe_plan is not None and B * self.top_k <= self.max_slots:
-            plan = plan_of(mlp.layer, B)
-            if plan is not None:
-                got = native.layer(self.attn_plan, self.moe_plan, plan, x.view(B, -1), step[2], step[3], step[1],
-                                   step[0], k_cache, v_cache)
-                if got is None:
-                    return None
-                out, ids, weights, vec = got
-                route.native_done(mlp.layer, ids, weights, vec)
-                ctx.stats.add(mlp.layer, ids)
-                return out.view(x.shape)
+        plan = self.route_plan(B)
+        if plan is not None:
+            got = native.layer(self.attn_plan, self.moe_plan, plan, x.view(B, -1), step[2], step[3], step[1],
+                               step[0], k_cache, v_cache)
+            if got is None:
+                return None
+            out, ids, weights, vec = got
+            route.native_done(mlp.layer, ids, weights, vec)
+            ctx.stats.add(mlp.layer, ids)
+            return out.view(x.shape)
         got = native.layer_attn(self.attn_plan, x.view(B, -1), step[2], step[3], step[1], step[0], k_cache, v_cache,
                                 self.n_experts)
         if got is None:
@@ -127,6 +139,53 @@ class NativeLayer:
         else:  # another expert backend (offload), or past the native slots: the backend's own call
             out = x1 + mlp.experts(h2.to(x1.dtype), ids, weights)
         return out.view(x.shape)
+
+
+def native_of(layer) -> "NativeLayer | None":
+    """layer's NativeLayer (built on first use, rebuilt when its weights were replaced), or None."""
+    nl = layer._native
+    if nl is None or (nl is not False and not nl.valid()):
+        nl = layer._native = NativeLayer.make(layer) or False
+    return nl or None
+
+
+def decode_stack(layers, x: torch.Tensor, ab: AttnBatch, kv_cache) -> int:
+    """The leading decoder layers that run whole-layer calls with a native route, all in one native
+    call (lynx_layers): x [B, 1, D] becomes their output in place. → how many ran (0: none; the
+    caller runs the rest). One call per step instead of one per layer: the Python between layers
+    (plan checks, output allocations, the ctypes call) was a third of a small model's decode step."""
+    if not NATIVE_LAYERS or x.shape[1] != 1 or x.device.type != "cpu" or len(layers) < 2:
+        return 0
+    B = x.shape[0]
+    attn, moe, plans, nls = [], [], [], []
+    for layer, kv in zip(layers, kv_cache):
+        if layer._native is False:
+            break
+        nl = native_of(layer)
+        if nl is None or not nl.takes(x, ab, kv):
+            break
+        plan = nl.route_plan(B)
+        if plan is None:
+            break
+        attn.append(nl.attn_plan)
+        moe.append(nl.moe_plan)
+        plans.append(plan)
+        nls.append(nl)
+    n = len(nls)
+    if n < 2:  # one layer: its own call is as good
+        return 0
+    step = ab.native_step()
+    for nl in nls:
+        nl.attn_plan.rd = step[2].shape[-1]
+    done, ids, w, vec = native.layers(attn, moe, plans, x.view(B, -1), step[2], step[3], step[1], step[0],
+                                      kv_cache[:n])
+    ctx = nls[0].mlp.ctx
+    route = ctx.route
+    for i in range(done):
+        li = nls[i].mlp.layer
+        route.native_done(li, ids[i], w[i], vec[i])
+        ctx.stats.add(li, ids[i])
+    return done
 
 
 def _moe_plan(experts, keep: list, dt) -> tuple[native.MoeLayer | None, int]:
@@ -174,4 +233,4 @@ def _key(layer) -> tuple:
             None if exp is None else exp.data_ptr())
 
 
-__all__ = ["NativeLayer"]
+__all__ = ["NativeLayer", "decode_stack", "native_of"]

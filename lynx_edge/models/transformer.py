@@ -7,6 +7,7 @@ what its cache holds per layer (`cache_spec`). The shared defaults a family pick
 from __future__ import annotations
 
 import functools
+import itertools
 
 import torch
 from torch import nn
@@ -73,12 +74,8 @@ class DecoderLayer(nn.Module):
         """The decode step in two native calls (native_layer.py), or None: the module path runs."""
         if not native_layer.NATIVE_LAYERS:
             return None
-        nl = self._native
-        if nl is None or not nl.valid():
-            nl = self._native = native_layer.NativeLayer.make(self) or False
-            if nl is False:
-                return None
-        return nl.forward(x, ab, kv, is_decode)
+        nl = native_layer.native_of(self)
+        return None if nl is None else nl.forward(x, ab, kv, is_decode)
 
 
 class MoEForCausalLM(nn.Module):
@@ -109,7 +106,8 @@ class MoEForCausalLM(nn.Module):
         """→ logits fp32, [B, V] for `last`, [B, T, V] for `all`."""
         x = self.embed_tokens[input_ids]  # [B, T, D]
         ab.cos, ab.sin = self.rope.cos_sin(ab.positions, x.dtype)
-        for layer, kv in zip(self.layers, kv_cache):
+        start = native_layer.decode_stack(self.layers, x, ab, kv_cache) if x.shape[1] == 1 else 0
+        for layer, kv in itertools.islice(zip(self.layers, kv_cache), start, None):
             x = layer(x, ab, kv, is_decode)
         if logits_for == "last":
             x = x[:, -1]
