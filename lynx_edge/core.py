@@ -329,10 +329,13 @@ class EngineCore:
         """logits [B, V] → one token per request (its own params and generator) → outputs."""
         plain = [not r.sp.do_sample and r.seen is None for r in reqs]  # greedy: one argmax for them all
         greedy = logits.argmax(dim=-1) if any(plain) else None  # [B]
-        picks = [greedy[i:i + 1] if plain[i] else
-                 select_tokens(logits[i:i + 1], r.sp, r.seen[None] if r.seen is not None else None,
-                               [r.gen] if r.gen is not None else None) for i, r in enumerate(reqs)]
-        chosen = torch.cat(picks).tolist()  # the one host sync of the step's sampling
+        if all(plain):
+            chosen = greedy.tolist()  # the one host sync of the step's sampling
+        else:
+            picks = [greedy[i:i + 1] if plain[i] else
+                     select_tokens(logits[i:i + 1], r.sp, r.seen[None] if r.seen is not None else None,
+                                   [r.gen] if r.gen is not None else None) for i, r in enumerate(reqs)]
+            chosen = torch.cat(picks).tolist()
         now, outs = time.perf_counter(), []
         for r, tok in zip(reqs, chosen):
             if r.seen is not None:

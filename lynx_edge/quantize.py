@@ -259,7 +259,7 @@ def _run_layer(layer: DecoderLayer, x: torch.Tensor, rope: Rope, cache_spec, row
         B = xb.shape[0]
         pos = torch.arange(w)[None].expand(B, w)
         ab = AttnBatch(positions=pos, rows=slice(0, B), kv_len=w)
-        ab.cos, ab.sin = rope.cos_sin(pos, xb.dtype)
+        ab.cos, ab.sin = rope.cos_sin(pos, xb.dtype, w)  # as the model forward computes them
         kv = tuple(torch.zeros(B, *shape) for shape in cache_spec)
         out[r0 : r0 + rows] = layer(xb, ab, kv, torch.zeros(B * w, dtype=torch.bool))
     return out

@@ -127,8 +127,7 @@ class ExactRouter:
             self._native_route = native.route
         return self._plan
 
-    def native_done(self, layer: int, ids: torch.Tensor, weights: torch.Tensor, vec: torch.Tensor) -> None:
-        """The native layer routed with native_plan: nothing to record for exact routing."""
+    native_done = None  # the native layer routed with native_plan: nothing to tell exact routing
 
     def __call__(self, logits, is_decode, layer, probs=None):
         if probs is None and logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2:

@@ -141,7 +141,26 @@ class Rope(nn.Module):
             inv = (1.0 / pos_freqs) / r.factor
         self.register_buffer("inv_freq", inv.to(device), persistent=False)
 
-    def cos_sin(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    TABLE_CHUNK = 256  # positions per block of the CPU cos/sin table
+
+    def cos_sin(self, positions: torch.Tensor, dtype, bound: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [B, T] → cos, sin [B, 1, T, dim] in dtype. bound (a host int > every
+        position, e.g. AttnBatch.kv_len): on a CPU, rows of a table kept per dtype and grown in
+        blocks of TABLE_CHUNK positions, each block computed by _cos_sin: two index ops per step
+        instead of nine; the same values whichever batch or step asks."""
+        if bound is None or positions.device.type != "cpu":
+            return self._cos_sin(positions, dtype)
+        tab = self.__dict__.setdefault("_table", {}).get(dtype)
+        if tab is None or tab[0].shape[0] < bound:
+            n = -(-bound // self.TABLE_CHUNK) * self.TABLE_CHUNK
+            have = 0 if tab is None else tab[0].shape[0]
+            new = [self._cos_sin(torch.arange(at, at + self.TABLE_CHUNK)[None], dtype) for at in
+                   range(have, n, self.TABLE_CHUNK)]  # [1, 1, CHUNK, dim] each
+            tab = self._table[dtype] = tuple(
+                torch.cat(([] if tab is None else [tab[i]]) + [c[i][0, 0] for c in new]) for i in (0, 1))
+        return tab[0][positions][:, None], tab[1][positions][:, None]
+
+    def _cos_sin(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # positions [B, T] → cos, sin [B, 1, T, dim]
         freqs = positions[..., None].float() * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]

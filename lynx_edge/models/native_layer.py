@@ -12,7 +12,7 @@ model that is most of the step, and it is serial when the kernels use two thread
 and, where the router has a native plan (ExactRouter; LynxRouter at an all-decode CPU step) and
 the experts are resident, all three in one call (lynx_layer: lynx_route between the two halves,
 the same rule the router's own __call__ runs natively), the router told the result afterwards
-(native_done: LYNX's telemetry) and the stats fed as before.
+(native_done, None where there is nothing to tell: LYNX's telemetry) and the stats fed as before.
 
 with the same kernels and the same roundings as the module path: the result is bit-equal to it
 (tests/test_native_layer.py), and, as the kernels sum each row the same way in any batch, a row's
@@ -124,7 +124,8 @@ class NativeLayer:
             if got is None:
                 return None
             out, ids, weights, vec = got
-            route.native_done(mlp.layer, ids, weights, vec)
+            if route.native_done is not None:
+                route.native_done(mlp.layer, ids, weights, vec)
             ctx.stats.add(mlp.layer, ids)
             return out.view(x.shape)
         got = native.layer_attn(self.attn_plan, x.view(B, -1), step[2], step[3], step[1], step[0], k_cache, v_cache,
@@ -180,11 +181,13 @@ def decode_stack(layers, x: torch.Tensor, ab: AttnBatch, kv_cache) -> int:
     done, ids, w, vec = native.layers(attn, moe, plans, x.view(B, -1), step[2], step[3], step[1], step[0],
                                       kv_cache[:n])
     ctx = nls[0].mlp.ctx
-    route = ctx.route
-    for i in range(done):
-        li = nls[i].mlp.layer
-        route.native_done(li, ids[i], w[i], vec[i])
-        ctx.stats.add(li, ids[i])
+    tell = ctx.route.native_done  # None: a router with nothing to record (exact)
+    if tell is not None or ctx.stats.record:
+        for i in range(done):
+            li = nls[i].mlp.layer
+            if tell is not None:
+                tell(li, ids[i], w[i], vec[i])
+            ctx.stats.add(li, ids[i])
     return done
 
 

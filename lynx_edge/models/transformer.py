@@ -105,7 +105,7 @@ class MoEForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """→ logits fp32, [B, V] for `last`, [B, T, V] for `all`."""
         x = self.embed_tokens[input_ids]  # [B, T, D]
-        ab.cos, ab.sin = self.rope.cos_sin(ab.positions, x.dtype)
+        ab.cos, ab.sin = self.rope.cos_sin(ab.positions, x.dtype, ab.kv_len)
         start = native_layer.decode_stack(self.layers, x, ab, kv_cache) if x.shape[1] == 1 else 0
         for layer, kv in itertools.islice(zip(self.layers, kv_cache), start, None):
             x = layer(x, ab, kv, is_decode)
