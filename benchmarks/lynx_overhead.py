@@ -3,7 +3,8 @@
 Three routers on the same model, same batch, alternated run by run so machine drift hits all
 three alike: `off` (exact routing), `discarded` (LYNX computed in full — telemetry included — and
 its result thrown away: the step then runs the exact experts, so the difference to `off` is pure
-selection cost) and `on`. Reports median TPOT per router and overhead = discarded / off − 1, and
+selection cost; with the native kernels inside the same one-call layer as `off`, route_t.discard)
+and `on`. Reports median TPOT per router and overhead = discarded / off − 1, and
 the same cost measured directly (overhead_direct = MoE layers × one LYNX router call, timed on the
 batch's recorded decode logits, / the exact step), which run-to-run noise of the steps cannot hide,
 and both routers' mean call time inside real decode steps (between the layer kernels, caches colder:
@@ -40,6 +41,21 @@ class Discarded:
     def __call__(self, logits, is_decode, layer, probs=None):
         self.lynx(logits, is_decode, layer, probs=probs)
         return self.exact(logits, is_decode, layer, probs=probs)
+
+    def native_plan(self, layer, T):
+        """Inside the native layer call: LYNX's plan with `discard` set (its whole selection and
+        stats computed, the exact choice used), so `discarded` runs the same one-call step as `off`."""
+        plan = self.lynx.native_plan(layer, T) if hasattr(self.lynx, "native_plan") else None
+        if plan is None:
+            return None
+        got = self.__dict__.setdefault("_plans", {}).get((layer, T))
+        if got is None:
+            got = self._plans[(layer, T)] = type(plan).from_buffer_copy(plan)
+            got.discard = 1
+        return got
+
+    def native_done(self, layer, ids, weights, vec):
+        self.lynx.native_done(layer, ids, weights, vec)
 
 
 def tpot(engine, route, B: int, steps: int) -> float:

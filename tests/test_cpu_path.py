@@ -395,3 +395,29 @@ def test_runs_without_the_triton_extra():
             "print(len(eng.generate_batch(['def f(x):', 'import os'], max_new_tokens=3, ignore_eos=True)))\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip() == "2", r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_table_rows(dtype):
+    """The CPU cos/sin table: rows equal the direct formula (to 1 ulp of fp32: torch's vectorised and
+    scalar cos may differ in the last bit), blocks already built never change as it grows, and a
+    position reads the same row whatever batch asks for it. A wrong block offset is caught."""
+    from lynx_edge.config import ModelConfig
+    from lynx_edge.models.layers import Rope
+
+    cfg = ModelConfig.from_dict({"model_type": "qwen3_moe", "hidden_size": 64, "num_attention_heads": 4,
+                                 "num_hidden_layers": 1, "vocab_size": 32, "num_experts": 4,
+                                 "num_experts_per_tok": 2, "moe_intermediate_size": 32, "intermediate_size": 64})
+    rope = Rope(cfg, torch.device("cpu"))
+    pos = torch.tensor([[3], [700], [255], [256]])
+    cos, sin = rope.cos_sin(pos, dtype, bound=701)
+    ref_c, ref_s = rope._cos_sin(pos, dtype)
+    torch.testing.assert_close(cos, ref_c, rtol=0, atol=2e-7 if dtype == torch.float32 else 4e-3)
+    torch.testing.assert_close(sin, ref_s, rtol=0, atol=2e-7 if dtype == torch.float32 else 4e-3)
+    first = rope._table[dtype][0].clone()
+    rope.cos_sin(torch.tensor([[2000]]), dtype, bound=2001)  # grows the table by whole blocks
+    assert rope._table[dtype][0].shape[0] == 2048 and torch.equal(rope._table[dtype][0][: first.shape[0]], first)
+    alone = rope.cos_sin(torch.tensor([[700]]), dtype, bound=701)[0]
+    assert torch.equal(alone[0], cos[1])
+    rope._table[dtype] = tuple(t.roll(1, 0) for t in rope._table[dtype])  # bug: rows one position off
+    assert not torch.allclose(rope.cos_sin(pos, dtype, bound=701)[0], ref_c, atol=1e-3)

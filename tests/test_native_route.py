@@ -170,3 +170,16 @@ def test_stack_call_stops_where_a_layer_cannot_join(tmp_path, monkeypatch):
     assert torch.equal(full, part)
     _, sizes = run(1)
     assert sizes == []  # one leading layer: its own call
+
+
+def test_discard_plan_returns_the_exact_choice_with_lynx_stats():
+    """route_t.discard (benchmarks/lynx_overhead.py): the exact ids and weights, LYNX's stats."""
+    spec = RouterSpec(32, 4, True)
+    z = _logits(16, 32, False, 5)
+    plan = _plan(spec, "on", 16)
+    ids, w, vec = native.route(z, plan)
+    plan.discard = 1
+    ids_d, w_d, vec_d = native.route(z, plan)
+    ref_ids, ref_w, _ = native.route(z, native.exact_plan(4, True))
+    assert not torch.equal(ids, ref_ids)  # LYNX moved something here
+    assert torch.equal(ids_d, ref_ids) and torch.equal(w_d, ref_w) and torch.equal(vec_d, vec)

@@ -1413,6 +1413,8 @@ typedef struct {
     int K, norm, kind; /* kind: ROUTE_EXACT, or LYNX's rule (lynx_host.KIND_*) */
     int beta, j, protect, pooled;
     float alpha, arg, slack, scale; /* scale: routed_scaling_factor (1: none) */
+    int discard; /* LYNX computed in full (stats too), then the exact choice returned: its cost alone
+                  * (benchmarks/lynx_overhead.py) */
 } route_t;
 
 /* the position of the highest key among allowed, unskipped positions; ties -> lower position */
@@ -1596,8 +1598,13 @@ int lynx_route(const float *z, const float *probs_in, int T, int E, const route_
     vec[2] = (double)T * K;
     vec[3] = vec[4] = u;
     vec[5] = vec[6] = 0.0;
-    if (R->kind != ROUTE_EXACT && R->pooled)
+    if (R->kind != ROUTE_EXACT && R->pooled) {
         lynx_decide(z, P, T, E, R, ids0, p0, s0, w0, ids, w, vec, score, allowed, keep, skip, drop);
+        if (R->discard) {
+            memcpy(ids, ids0, (size_t)T * K * sizeof(int64_t));
+            memcpy(w, w0, (size_t)T * K * sizeof(float));
+        }
+    }
     if (R->scale != 1.0f)
         for (long i = 0; i < (long)T * K; i++) w[i] *= R->scale;
     free(probs); free(p0); free(ids0); free(flags);

@@ -460,7 +460,8 @@ class Route(ctypes.Structure):
     """route_t: one router's decision rule (routing.ExactRouter's, or a LYNX rule for T tokens)."""
     _fields_ = [("K", ctypes.c_int), ("norm", ctypes.c_int), ("kind", ctypes.c_int), ("beta", ctypes.c_int),
                 ("j", ctypes.c_int), ("protect", ctypes.c_int), ("pooled", ctypes.c_int), ("alpha", ctypes.c_float),
-                ("arg", ctypes.c_float), ("slack", ctypes.c_float), ("scale", ctypes.c_float)]
+                ("arg", ctypes.c_float), ("slack", ctypes.c_float), ("scale", ctypes.c_float),
+                ("discard", ctypes.c_int)]  # 1: LYNX computed, the exact choice returned (its cost alone)
 
 
 def exact_plan(K: int, norm: bool, scale: float = 1.0) -> Route:
