@@ -54,8 +54,8 @@ class Discarded:
             got.discard = 1
         return got
 
-    def native_done(self, layer, ids, weights, vec):
-        self.lynx.native_done(layer, ids, weights, vec)
+    def native_done(self, layers, ids, weights, vec):
+        self.lynx.native_done(layers, ids, weights, vec)
 
 
 def tpot(engine, route, B: int, steps: int) -> float:

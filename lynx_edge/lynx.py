@@ -445,6 +445,8 @@ class LynxTelemetry:
         self.steps: deque[dict[int, torch.Tensor]] = deque(maxlen=history)
         self.num_steps = 0
         self._acc: dict[int, torch.Tensor] = {}  # layer → [1 + len(_STATS)] float64
+        self._blocks: dict[tuple, np.ndarray] = {}  # layers of one native call → [n, 1 + len(_STATS)] float64
+        self._pending: list[tuple[tuple, torch.Tensor]] = []  # record_block's (layers, vec), not summed yet
 
     def begin_step(self) -> None:
         self.steps.append({})
@@ -472,10 +474,41 @@ class LynxTelemetry:
         self.steps[-1][layer] = v
         self._acc[layer] = self._acc[layer] + row if layer in self._acc else row
 
+    def record_block(self, layers: tuple, vec: torch.Tensor) -> None:
+        """record() for the n layers of one native call at once: vec [n, 7] float64 on the CPU.
+        Kept as it is and summed every 256 calls (or at summary()): Python between the native
+        calls of a step runs with caches the kernels just flushed, so each op there costs 2–3×."""
+        if not self.steps:
+            self.begin_step()
+        self.steps[-1].update(zip(layers, vec.unbind(0)))
+        self._pending.append((layers, vec))
+        if len(self._pending) >= 256:
+            self._fold()
+
+    def _fold(self) -> None:
+        """Sum the pending blocks into their layers' running sums (pure decode calls only)."""
+        by_key: dict[tuple, list] = {}
+        for layers, vec in self._pending:
+            by_key.setdefault(layers, []).append(vec)
+        self._pending.clear()
+        for layers, vecs in by_key.items():
+            vn = torch.stack(vecs).numpy()  # [steps, n, 7]
+            pure = ((vn[..., 1] == vn[..., 0]) & (vn[..., 0] > 0)).astype(np.float64)  # [steps, n]
+            blk = self._blocks.get(layers)
+            if blk is None:
+                blk = self._blocks[layers] = np.zeros((len(layers), 1 + len(_STATS)))
+            blk[:, 0] += pure.sum(0)
+            blk[:, 1:] += (vn * pure[..., None]).sum(0)
+
     def summary(self) -> dict:
         """Means per MoE layer per decode step; per_layer: layer → (unique before, after)."""
-        layers = sorted(self._acc)
-        acc = [self._acc[ly].cpu().tolist() for ly in layers]
+        self._fold()
+        sums = {ly: a.cpu().numpy().copy() for ly, a in self._acc.items()}
+        for key, blk in self._blocks.items():
+            for layer, row in zip(key, blk):
+                sums[layer] = sums[layer] + row if layer in sums else row.copy()
+        layers = sorted(sums)
+        acc = [sums[ly].tolist() for ly in layers]
         tot = [sum(col) for col in zip(*acc)] or [0.0] * (1 + len(_STATS))
         n, d = tot[0], dict(zip(_STATS, tot[1:]))
         ub, ua = 1 + _STATS.index("unique_before"), 1 + _STATS.index("unique_after")
@@ -496,6 +529,8 @@ class LynxTelemetry:
         self.steps.clear()
         self.num_steps = 0
         self._acc.clear()
+        self._blocks.clear()
+        self._pending.clear()
 
 
 class LynxRouter:
@@ -517,7 +552,8 @@ class LynxRouter:
         self.spec, self.cfg = spec, LynxConfig.parse(cfg)
         self.telemetry = telemetry if telemetry is not None else LynxTelemetry()
         self.resident = resident
-        self.last: Optional[LynxResult] = None
+        self._last: Optional[LynxResult] = None
+        self._last_block: Optional[tuple] = None
         self.phase: Optional[bool] = None  # of the forward in progress, from begin_step
         self.use_triton: Optional[bool] = None if device is None else _kernel.available(device)
         self._args: dict[int, dict] = {}  # layer → kernel_args
@@ -544,10 +580,23 @@ class LynxRouter:
             return None
         return self._host_plan(layer, T)[1]
 
-    def native_done(self, layer: int, ids: torch.Tensor, weights: torch.Tensor, vec: torch.Tensor) -> None:
-        """What __call__ records, for a layer the native call routed with native_plan."""
-        self.last = r = LynxResult(ids, weights, vec, None)
-        self.telemetry.record(layer, r)
+    def native_done(self, layers: tuple, ids: torch.Tensor, weights: torch.Tensor, vec: torch.Tensor) -> None:
+        """What __call__ records, for the layers one native call routed with native_plan: ids,
+        weights [n, B, K], vec [n, 7]. `last` is the last layer's result."""
+        self._last, self._last_block = None, (ids, weights, vec)  # `last` built if asked for
+        self.telemetry.record_block(layers, vec)
+
+    @property
+    def last(self) -> Optional[LynxResult]:
+        """The result of the latest call (of the last layer, after a native block)."""
+        if self._last_block is not None:
+            ids, w, vec = self._last_block
+            self._last, self._last_block = LynxResult(ids[-1], w[-1], vec[-1], None), None
+        return self._last
+
+    @last.setter
+    def last(self, r: Optional[LynxResult]) -> None:
+        self._last, self._last_block = r, None
 
     def __call__(self, logits: torch.Tensor, is_decode: torch.Tensor, layer: int, probs=None):
         res = self.resident(layer) if self.resident is not None else None

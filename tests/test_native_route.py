@@ -183,3 +183,26 @@ def test_discard_plan_returns_the_exact_choice_with_lynx_stats():
     ref_ids, ref_w, _ = native.route(z, native.exact_plan(4, True))
     assert not torch.equal(ids, ref_ids)  # LYNX moved something here
     assert torch.equal(ids_d, ref_ids) and torch.equal(w_d, ref_w) and torch.equal(vec_d, vec)
+
+
+def test_block_telemetry_equals_per_layer_records():
+    """LynxTelemetry.record_block (the native stack's, summed every 256 calls) against record()
+    per layer: the same summary over 300 steps, prefill-tainted calls excluded alike."""
+    g = torch.Generator().manual_seed(4)
+    one, block = lynx.LynxTelemetry(), lynx.LynxTelemetry()
+    layers = (0, 2, 3)
+    for s in range(300):
+        vec = torch.rand(3, 7, generator=g, dtype=torch.float64) * 10
+        vec[:, 0] = 4.0
+        vec[:, 1] = 4.0 if s % 7 else 3.0  # every 7th: a call with a prefill token (not pure decode)
+        one.begin_step()
+        block.begin_step()
+        for i, layer in enumerate(layers):
+            one.record(layer, lynx.LynxResult(None, None, vec[i].clone(), None))
+        block.record_block(layers, vec)
+    a, b = one.summary(), block.summary()
+    assert a["decode_layer_steps"] == b["decode_layer_steps"] == 3 * (300 - 43)
+    for k in ("unique_before", "unique_after", "remap_rate_pct", "displaced_mass_per_token"):
+        assert b[k] == pytest.approx(a[k], rel=1e-12), k
+    assert b["per_layer"].keys() == a["per_layer"].keys() and len(block.steps) == len(one.steps)
+    assert torch.equal(block.steps[-1][2], one.steps[-1][2])

@@ -125,7 +125,7 @@ class NativeLayer:
                 return None
             out, ids, weights, vec = got
             if route.native_done is not None:
-                route.native_done(mlp.layer, ids, weights, vec)
+                route.native_done((mlp.layer,), ids[None], weights[None], vec[None])
             ctx.stats.add(mlp.layer, ids)
             return out.view(x.shape)
         got = native.layer_attn(self.attn_plan, x.view(B, -1), step[2], step[3], step[1], step[0], k_cache, v_cache,
@@ -182,12 +182,13 @@ def decode_stack(layers, x: torch.Tensor, ab: AttnBatch, kv_cache) -> int:
                                       kv_cache[:n])
     ctx = nls[0].mlp.ctx
     tell = ctx.route.native_done  # None: a router with nothing to record (exact)
-    if tell is not None or ctx.stats.record:
-        for i in range(done):
-            li = nls[i].mlp.layer
-            if tell is not None:
-                tell(li, ids[i], w[i], vec[i])
-            ctx.stats.add(li, ids[i])
+    if done and tell is not None:
+        cut = done < n
+        tell(tuple(nl.mlp.layer for nl in nls[:done]), ids[:done] if cut else ids, w[:done] if cut else w,
+             vec[:done] if cut else vec)
+    if ctx.stats.record:
+        for nl, layer_ids in zip(nls[:done], ids.unbind(0)):
+            ctx.stats.add(nl.mlp.layer, layer_ids)
     return done
 
 
