@@ -159,3 +159,18 @@ def test_equal_length_one_token_chunks(q3, monkeypatch):
     ab.cos = ab.sin = torch.zeros(3, 1, 1, 8)
     step = ab.native_step()
     assert all(t.is_contiguous() for t in step) and step[1].tolist() == [3, 3, 3]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_final_norm_and_head_inside_the_stack_call(q3, dtype, monkeypatch):
+    """The model's last RMSNorm and head run inside the stack call (lynx_layers) with the module
+    path's roundings: bit-equal logits; a wrong epsilon there is caught; a replaced head weight
+    rebuilds the head plan."""
+    got, ref, eng = _both(q3, 2, monkeypatch, dtype=dtype)
+    assert torch.equal(got, ref)
+    model = eng.model
+    key, (w, eps, lin) = model._native_head
+    model._native_head = (key, (w, 0.5, lin))  # a wrong epsilon in the head's norm
+    assert not torch.equal(_decode(eng, 2), ref)
+    model.lm_head.weight.data = model.lm_head.weight.data.clone()  # new storage: the plan is rebuilt
+    assert torch.equal(_decode(eng, 2), ref)

@@ -1635,14 +1635,17 @@ done:
 /* The whole decoder stack at decode: lynx_layer for layers 0..n-1, each reading the previous one's
  * output. x [B, D] (model dtype) is the input and, on return, the output of the last layer run;
  * kc[l], vc[l] layer l's caches; ids [n, B, K], w [n, B, K], vec [n, 7] each layer's routing.
- * *done = the number of layers run. Returns 0, or the failing layer's lynx_layer code (-1: its
- * attention kernel does not take the shape and nothing of it was written: the caller goes on from
- * layer *done with x as it stands). */
+ * *done = the number of layers run. head (or NULL): when all n ran, logits [B, N] fp32 = head(RMSNorm(x)
+ * with norm_w, eps), rounded to the model dtype first (as the module path's norm, linear and .float()).
+ * Returns 0, or the failing layer's lynx_layer code (-1: its attention kernel does not take the shape
+ * and nothing of it was written: the caller goes on from layer *done with x as it stands). */
 int lynx_layers(int n, const attn_layer_t *const *L, const moe_layer_t *const *M, const route_t *const *R,
                 uint8_t *x, int B, const float *cos, const float *sin, const int64_t *pos, const int64_t *rows,
                 uint8_t *const *kc, uint8_t *const *vc, int cfmt, long Bmax, long S, int64_t *ids, float *w,
-                double *vec, int *done, int nthreads) {
-    const size_t bytes = (size_t)B * L[0]->D * (L[0]->fmt == FMT_BF16 ? 2 : 4);
+                double *vec, int *done, const uint8_t *norm_w, float eps, const lin_t *head, float *logits,
+                int nthreads) {
+    const int D = L[0]->D, fmt = L[0]->fmt, es = fmt == FMT_BF16 ? 2 : 4;
+    const size_t bytes = (size_t)B * D * es;
     uint8_t *y = malloc(bytes);
     int rc = -2;
     *done = 0;
@@ -1654,6 +1657,15 @@ int lynx_layers(int n, const attn_layer_t *const *L, const moe_layer_t *const *M
         if (rc != 0) break;
         memcpy(x, y, bytes);
         *done = l + 1;
+    }
+    if (rc == 0 && head) { /* the model's last norm and head, as the module path rounds them */
+        float *h = malloc((size_t)B * D * sizeof(float));
+        if (!h) { free(y); return -2; }
+        lynx_rmsnorm(fmt, x, norm_w, eps, B, D, y, nthreads);
+        for (int b = 0; b < B; b++) load_row(y + (size_t)b * D * es, fmt, h + (size_t)b * D, D);
+        rc = lin_run(head, h, B, logits, nthreads) != 0 ? -2 : 0;
+        if (fmt == FMT_BF16) round_bf16(logits, (long)B * head->N);
+        free(h);
     }
     free(y);
     return rc;

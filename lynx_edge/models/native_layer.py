@@ -150,13 +150,31 @@ def native_of(layer) -> "NativeLayer | None":
     return nl or None
 
 
-def decode_stack(layers, x: torch.Tensor, ab: AttnBatch, kv_cache) -> int:
+def head_plan(model, x: torch.Tensor) -> tuple | None:
+    """(final norm weight, eps, native.Lin of the head) when the module path would run the model's
+    last RMSNorm and head natively for x [B, 1, D] (the same kernels, so the same logits), else None."""
+    norm, W = model.norm, model.head_weight()
+    if type(norm) is not RMSNorm or norm.weight.dtype is not x.dtype or W.dtype not in NATIVE_ROWS:
+        return None
+    lo, hi = NATIVE_ROWS[W.dtype]
+    if not (lo <= x.shape[0] <= hi and native.dense_ok(W) and native.dense_ok(norm.weight)):
+        return None
+    key = (W.data_ptr(), norm.weight.data_ptr(), norm.eps)
+    got = model.__dict__.get("_native_head")
+    if got is None or got[0] != key:  # first use, or a weight replaced
+        got = model.__dict__["_native_head"] = (key, (norm.weight, norm.eps, native.dense_lin(W, None)))
+    return got[1]
+
+
+def decode_stack(layers, x: torch.Tensor, ab: AttnBatch, kv_cache, head_of=None) -> tuple[int, torch.Tensor | None]:
     """The leading decoder layers that run whole-layer calls with a native route, all in one native
-    call (lynx_layers): x [B, 1, D] becomes their output in place. → how many ran (0: none; the
-    caller runs the rest). One call per step instead of one per layer: the Python between layers
-    (plan checks, output allocations, the ctypes call) was a third of a small model's decode step."""
+    call (lynx_layers): x [B, 1, D] becomes their output in place. → (how many ran: 0 for none, the
+    caller runs the rest; logits [B, V] fp32 when every layer ran and head_of() — the model's
+    head_plan — gave the last norm and head, else None). One call per step instead of one per layer:
+    the Python between layers (plan checks, output allocations, the ctypes call) was a third of a
+    small model's decode step."""
     if not NATIVE_LAYERS or x.shape[1] != 1 or x.device.type != "cpu" or len(layers) < 2:
-        return 0
+        return 0, None
     B = x.shape[0]
     attn, moe, plans, nls = [], [], [], []
     for layer, kv in zip(layers, kv_cache):
@@ -174,12 +192,13 @@ def decode_stack(layers, x: torch.Tensor, ab: AttnBatch, kv_cache) -> int:
         nls.append(nl)
     n = len(nls)
     if n < 2:  # one layer: its own call is as good
-        return 0
+        return 0, None
     step = ab.native_step()
     for nl in nls:
         nl.attn_plan.rd = step[2].shape[-1]
-    done, ids, w, vec = native.layers(attn, moe, plans, x.view(B, -1), step[2], step[3], step[1], step[0],
-                                      kv_cache[:n])
+    head = head_of() if head_of is not None and n == len(layers) else None
+    done, ids, w, vec, logits = native.layers(attn, moe, plans, x.view(B, -1), step[2], step[3], step[1], step[0],
+                                              kv_cache[:n], head)
     ctx = nls[0].mlp.ctx
     tell = ctx.route.native_done  # None: a router with nothing to record (exact)
     if done and tell is not None:
@@ -189,7 +208,7 @@ def decode_stack(layers, x: torch.Tensor, ab: AttnBatch, kv_cache) -> int:
     if ctx.stats.record:
         for nl, layer_ids in zip(nls[:done], ids.unbind(0)):
             ctx.stats.add(nl.mlp.layer, layer_ids)
-    return done
+    return done, logits
 
 
 def _moe_plan(experts, keep: list, dt) -> tuple[native.MoeLayer | None, int]:
@@ -237,4 +256,4 @@ def _key(layer) -> tuple:
             None if exp is None else exp.data_ptr())
 
 
-__all__ = ["NativeLayer", "decode_stack", "native_of"]
+__all__ = ["NativeLayer", "decode_stack", "head_plan", "native_of"]
