@@ -8,6 +8,8 @@ S cache length, E experts, K top-k, I expert intermediate.
 """
 from __future__ import annotations
 
+import functools
+
 import math
 from dataclasses import dataclass, field
 from typing import Callable
@@ -150,15 +152,21 @@ class Rope(nn.Module):
         instead of nine; the same values whichever batch or step asks."""
         if bound is None or positions.device.type != "cpu":
             return self._cos_sin(positions, dtype)
+        tab = self.table(dtype, bound)
+        return tab[0][positions][:, None], tab[1][positions][:, None]
+
+    def table(self, dtype, bound: int) -> tuple:
+        """(cos, sin [n, dim] in dtype, the same two widened to fp32 for the native kernels) for
+        positions < n, n ≥ bound (a multiple of TABLE_CHUNK)."""
         tab = self.__dict__.setdefault("_table", {}).get(dtype)
         if tab is None or tab[0].shape[0] < bound:
             n = -(-bound // self.TABLE_CHUNK) * self.TABLE_CHUNK
             have = 0 if tab is None else tab[0].shape[0]
             new = [self._cos_sin(torch.arange(at, at + self.TABLE_CHUNK)[None], dtype) for at in
                    range(have, n, self.TABLE_CHUNK)]  # [1, 1, CHUNK, dim] each
-            tab = self._table[dtype] = tuple(
-                torch.cat(([] if tab is None else [tab[i]]) + [c[i][0, 0] for c in new]) for i in (0, 1))
-        return tab[0][positions][:, None], tab[1][positions][:, None]
+            cs = [torch.cat(([] if tab is None else [tab[i]]) + [c[i][0, 0] for c in new]) for i in (0, 1)]
+            tab = self._table[dtype] = (*cs, cs[0].float(), cs[1].float())
+        return tab
 
     def _cos_sin(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # positions [B, T] → cos, sin [B, 1, T, dim]
@@ -195,6 +203,12 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
+@functools.lru_cache(maxsize=64)
+def _arange(start: int, stop: int) -> torch.Tensor:
+    """int64 [stop - start] on the CPU, made once per range (the native calls only read it)."""
+    return torch.arange(start, stop)
+
+
 @dataclass
 class AttnBatch:
     """Where the tokens of one forward sit in the KV cache (fixed for all layers of the step)."""
@@ -206,6 +220,9 @@ class AttnBatch:
     sin: torch.Tensor | None = None
     masks: dict = field(default_factory=dict)  # window → bool mask [B, 1, T, kv_len]
     native: tuple | None = None  # the native decode attention's per-step inputs (rows, positions, cos, sin)
+    # (Rope, dtype) of a CPU decode step whose cos/sin are not computed yet: native_step reads the
+    # rope table's fp32 rows instead (what cos/sin would widen to), the module path computes them
+    rope: tuple | None = None
     # every row's tokens at positions start..start+T-1 (a host int; None: rows differ). Lets the
     # KV write be a slice copy and decode / fresh prefill skip the mask (see Attention.attend).
     start: int | None = None
@@ -215,11 +232,16 @@ class AttnBatch:
         native attention calls: made once per step, shared by every layer."""
         if self.native is None:
             B = self.positions.shape[0]
-            rows = torch.arange(self.rows.start, self.rows.stop) if isinstance(self.rows, slice) else self.rows
+            rows = _arange(self.rows.start, self.rows.stop) if isinstance(self.rows, slice) else self.rows
+            pos = self.positions.reshape(B)
+            if self.cos is None and self.rope is not None:
+                tab = self.rope[0].table(self.rope[1], self.kv_len)
+                cos, sin = tab[2][pos], tab[3][pos]
+            else:
+                cos, sin = self.cos.reshape(B, -1).float(), self.sin.reshape(B, -1).float()
             # contiguous: the native calls read raw pointers, and an equal-length prefill's positions
             # are an expanded (stride-0) view whose reshape stays one
-            self.native = tuple(t.contiguous() for t in (rows.to(torch.int64), self.positions.reshape(B).to(torch.int64),
-                                                          self.cos.reshape(B, -1).float(), self.sin.reshape(B, -1).float()))
+            self.native = tuple(t.contiguous() for t in (rows.to(torch.int64), pos.to(torch.int64), cos, sin))
         return self.native
 
     def mask(self, window: int | None) -> torch.Tensor:

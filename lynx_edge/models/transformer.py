@@ -105,13 +105,16 @@ class MoEForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """→ logits fp32, [B, V] for `last`, [B, T, V] for `all`."""
         x = self.embed_tokens[input_ids]  # [B, T, D]
-        ab.cos, ab.sin = self.rope.cos_sin(ab.positions, x.dtype, ab.kv_len)
         start = 0
-        if x.shape[1] == 1:  # a decode-shaped step: the leading layers (and the head) in one native call
+        if x.shape[1] == 1 and x.device.type == "cpu":
+            # a decode-shaped step: the leading layers (and the head) in one native call, RoPE rows
+            # straight from the table (the module path's cos/sin are computed only if it runs)
+            ab.rope = (self.rope, x.dtype)
             head_of = (lambda: native_layer.head_plan(self, x)) if logits_for == "last" else None
             start, logits = native_layer.decode_stack(self.layers, x, ab, kv_cache, head_of)
             if logits is not None:
                 return logits
+        ab.cos, ab.sin = self.rope.cos_sin(ab.positions, x.dtype, ab.kv_len)
         for layer, kv in itertools.islice(zip(self.layers, kv_cache), start, None):
             x = layer(x, ab, kv, is_decode)
         if logits_for == "last":
