@@ -124,8 +124,9 @@ class NativeLayer:
             if got is None:
                 return None
             out, ids, weights, vec = got
-            if route.native_done is not None:
-                route.native_done((mlp.layer,), ids[None], weights[None], vec[None])
+            tell = getattr(route, "native_done", None)  # None: a router with nothing to record (exact)
+            if tell is not None:
+                tell((mlp.layer,), ids[None], weights[None], vec[None])
             ctx.stats.add(mlp.layer, ids)
             return out.view(x.shape)
         got = native.layer_attn(self.attn_plan, x.view(B, -1), step[2], step[3], step[1], step[0], k_cache, v_cache,
@@ -200,7 +201,7 @@ def decode_stack(layers, x: torch.Tensor, ab: AttnBatch, kv_cache, head_of=None)
     done, ids, w, vec, logits = native.layers(attn, moe, plans, x.view(B, -1), step[2], step[3], step[1], step[0],
                                               kv_cache[:n], head)
     ctx = nls[0].mlp.ctx
-    tell = ctx.route.native_done  # None: a router with nothing to record (exact)
+    tell = getattr(ctx.route, "native_done", None)  # None: a router with nothing to record (exact)
     if done and tell is not None:
         cut = done < n
         tell(tuple(nl.mlp.layer for nl in nls[:done]), ids[:done] if cut else ids, w[:done] if cut else w,
