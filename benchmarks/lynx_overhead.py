@@ -32,6 +32,7 @@ class Discarded:
 
     def __init__(self, lynx, exact):
         self.lynx, self.exact = lynx, exact
+        self._plans = {}  # (layer, T) → LYNX's native plan with discard set
 
     def begin_step(self, is_decode=None):
         for r in (self.lynx, self.exact):
@@ -48,7 +49,7 @@ class Discarded:
         plan = self.lynx.native_plan(layer, T) if hasattr(self.lynx, "native_plan") else None
         if plan is None:
             return None
-        got = self.__dict__.setdefault("_plans", {}).get((layer, T))
+        got = self._plans.get((layer, T))
         if got is None:
             got = self._plans[(layer, T)] = type(plan).from_buffer_copy(plan)
             got.discard = 1

@@ -162,14 +162,15 @@ def test_cpu_moe_block_op_count_does_not_grow_with_active_experts():
 
     block, ctx = _moe_block()
     T, D = 16, 64
-    x = torch.randn(T, D)
+    g = torch.Generator().manual_seed(0)  # fixed draws: 16 tokens × top-4 cover all 16 experts
+    x = torch.randn(T, D, generator=g)
     counts = {}
     for n_active in (4, 8, 16):
         # a gate that sends every token to experts < n_active (top-k distinct within each token)
         with torch.no_grad():
             block.gate.weight.zero_()
         bias = torch.full((T, 16), -1e4)
-        bias[:, :n_active] = torch.randn(T, n_active)
+        bias[:, :n_active] = torch.randn(T, n_active, generator=g)
         route = ctx.route
         ctx.route = lambda logits, d, layer, _b=bias, _r=route: _r(logits + _b, d, layer)
         ctx.begin_step(True)

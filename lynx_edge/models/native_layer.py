@@ -115,8 +115,6 @@ class NativeLayer:
             return None
         step = ab.native_step()
         self.attn_plan.rd = step[2].shape[-1]  # RoPE dims per head (partial rotary: < hd)
-        ctx = mlp.ctx
-        route = ctx.route
         plan = self.route_plan(B)
         if plan is not None:
             got = native.layer(self.attn_plan, self.moe_plan, plan, x.view(B, -1), step[2], step[3], step[1],
@@ -124,10 +122,7 @@ class NativeLayer:
             if got is None:
                 return None
             out, ids, weights, vec = got
-            tell = getattr(route, "native_done", None)  # None: a router with nothing to record (exact)
-            if tell is not None:
-                tell((mlp.layer,), ids[None], weights[None], vec[None])
-            ctx.stats.add(mlp.layer, ids)
+            _report(mlp.ctx, (mlp.layer,), ids[None], weights[None], vec[None])
             return out.view(x.shape)
         got = native.layer_attn(self.attn_plan, x.view(B, -1), step[2], step[3], step[1], step[0], k_cache, v_cache,
                                 self.n_experts)
@@ -200,16 +195,22 @@ def decode_stack(layers, x: torch.Tensor, ab: AttnBatch, kv_cache, head_of=None)
     head = head_of() if head_of is not None and n == len(layers) else None
     done, ids, w, vec, logits = native.layers(attn, moe, plans, x.view(B, -1), step[2], step[3], step[1], step[0],
                                               kv_cache[:n], head)
-    ctx = nls[0].mlp.ctx
-    tell = getattr(ctx.route, "native_done", None)  # None: a router with nothing to record (exact)
-    if done and tell is not None:
+    if done:
         cut = done < n
-        tell(tuple(nl.mlp.layer for nl in nls[:done]), ids[:done] if cut else ids, w[:done] if cut else w,
-             vec[:done] if cut else vec)
-    if ctx.stats.record:
-        for nl, layer_ids in zip(nls[:done], ids.unbind(0)):
-            ctx.stats.add(nl.mlp.layer, layer_ids)
+        _report(nls[0].mlp.ctx, tuple(nl.mlp.layer for nl in nls[:done]), ids[:done] if cut else ids,
+                w[:done] if cut else w, vec[:done] if cut else vec)
     return done, logits
+
+
+def _report(ctx, layers: tuple, ids: torch.Tensor, w: torch.Tensor, vec: torch.Tensor) -> None:
+    """What a native call routed — ids, w [n, B, K], vec [n, 7] for these MoE layers — to the router
+    (native_done; None where there is nothing to record: exact) and to the routing stats."""
+    tell = getattr(ctx.route, "native_done", None)
+    if tell is not None:
+        tell(layers, ids, w, vec)
+    if ctx.stats.record:
+        for layer, layer_ids in zip(layers, ids.unbind(0)):
+            ctx.stats.add(layer, layer_ids)
 
 
 def _moe_plan(experts, keep: list, dt) -> tuple[native.MoeLayer | None, int]:

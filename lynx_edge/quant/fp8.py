@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import native
+from .linear import fuse_rows
 
 FP8 = torch.float8_e4m3fn
 E4M3_MAX = 448.0  # the largest finite e4m3fn value
@@ -235,18 +236,12 @@ class Fp8Linear(nn.Module):
                         a.bias.dtype if a.bias is not None else torch.float32, a.weight.device, a.block)
         out.weight = torch.cat([m.weight for m in lins])
         out.weight_scale_inv = torch.cat([m.weight_scale_inv for m in lins])
-        if a.bias is not None:
-            out.bias.data = torch.cat([m.bias.data for m in lins])
-        out.loaded = True
-        at = 0
-        for m in lins:  # views of the fused buffers: the separate copies are freed
-            n = m.out_features
+
+        def views(m, at: int, n: int) -> None:
             m.weight = out.weight[at:at + n]
             m.weight_scale_inv = out.weight_scale_inv[at // bn:at // bn + m.weight_scale_inv.shape[0]]
-            if m.bias is not None:
-                m.bias.data = out.bias.data[at:at + n]
-            at += n
-        return out
+
+        return fuse_rows(lins, out, views)
 
 
 class Fp8MoEExperts(nn.Module):

@@ -140,20 +140,32 @@ class Int4Linear(nn.Module):
         out.scales = torch.cat([m.scales for m in lins], 1)  # [Kin/G, ΣN]
         out.zeros = None if a.zeros is None else torch.cat([m.zeros for m in lins], 1)
         out.perm = a.perm
-        if a.bias is not None:
-            out.bias.data = torch.cat([m.bias.data for m in lins])
-        out.loaded = True
-        at = 0
-        for m in lins:  # views of the fused buffers: the separate copies are freed
-            n = m.out_features
+
+        def views(m, at: int, n: int) -> None:
             m.packed = out.packed[at : at + n]
             m.scales = out.scales[:, at : at + n]
             if m.zeros is not None:
                 m.zeros = out.zeros[:, at : at + n]
-            if m.bias is not None:
-                m.bias.data = out.bias.data[at : at + n]
-            at += n
-        return out
+
+        return fuse_rows(lins, out, views)
 
 
-__all__ = ["Int4Linear", "NATIVE_MAX_ROWS"]
+def fuse_rows(lins: list, out, views) -> object:
+    """The tail every packed linear's fuse shares (Int4Linear, fp8.Fp8Linear): out's bias = the
+    parts' biases concatenated, out marked loaded, then each part re-pointed at its output rows of
+    out's fused buffers — views(m, at, n) for its own tensors, its bias here — so the separate
+    copies are freed. → out."""
+    if out.bias is not None:
+        out.bias.data = torch.cat([m.bias.data for m in lins])
+    out.loaded = True
+    at = 0
+    for m in lins:
+        n = m.out_features
+        views(m, at, n)
+        if m.bias is not None:
+            m.bias.data = out.bias.data[at : at + n]
+        at += n
+    return out
+
+
+__all__ = ["Int4Linear", "NATIVE_MAX_ROWS", "fuse_rows"]
