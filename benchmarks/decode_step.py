@@ -3,7 +3,7 @@
 For each batch size, three numbers from one process, medians over rounds:
 - `token_ms`: time per decode token through the engine's streaming call (TPOT of bench.measure);
 - `step_ms`: step.decode_step alone in a steady loop (cache length fixed, no sampling, no engine);
-- `native_ms`: the one native call of the step (kernels/native.layers: every decoder layer, the
+- `native_ms`: the one native call of the step (kernels/native.Stack: every decoder layer, the
   router inside each, the final norm and the head), timed around the ctypes call.
 token − native is the Python and torch around the kernels (embedding, per-step tensors, plan checks,
 sampling, the engine's bookkeeping); step − native the part of it inside decode_step.
@@ -44,7 +44,7 @@ def main() -> None:
     sizes = [int(b) for b in a.batch.split(",")]
     eng = Engine.from_pretrained(a.model, device="cpu", dtype=a.dtype, max_num_seqs=max(sizes))
     spent = [0.0, 0]
-    real = native.layers
+    real = native.Stack.__call__
 
     def timed(*args):
         t = time.perf_counter()
@@ -53,7 +53,7 @@ def main() -> None:
         spent[1] += 1
         return out
 
-    native.layers = timed
+    native.Stack.__call__ = timed
     rows = []
     for B in sizes:
         prompts = synthetic_prompts(eng, B, 8)
@@ -80,7 +80,7 @@ def main() -> None:
         row["python_share_of_token"] = round(1 - row["native_ms"] / row["token_ms"], 3)
         rows.append(row)
         print(json.dumps(row), flush=True)
-    native.layers = real
+    native.Stack.__call__ = real
     if a.out:
         Path(a.out).write_text(json.dumps({"model": a.model, "dtype": a.dtype, "threads": a.threads,
                                            "rounds": a.rounds, "torch": torch.__version__,

@@ -6,6 +6,8 @@ caller does the single host sync per token (reading the chosen ids back).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .kv_cache import KVCache
@@ -75,21 +77,30 @@ def prefill_rows(model, kv: KVCache, rows: list[int], chunks: list[list[int]], s
     return logits, keep
 
 
+@functools.lru_cache(maxsize=64)
+def _decode_flags(B: int, device) -> torch.Tensor:
+    """bool [B] all True: every token of a decode step is a decode token (made once per size; read only)."""
+    return torch.ones(B, dtype=torch.bool, device=device)
+
+
 def decode_step(model, kv: KVCache, rows: list[int], tokens: torch.Tensor) -> torch.Tensor:
     """One token for each of the B rows. tokens [B] → logits [B, V]."""
     dev = model.device
     lengths = [kv.lengths[r] for r in rows]
-    if max(lengths) >= kv.ctx:
+    hi = max(lengths)
+    if hi >= kv.ctx:
         raise ValueError(f"context of {kv.ctx} tokens is full")
-    positions = torch.tensor(lengths).to(dev, non_blocking=True)[:, None]  # [B, 1]; no stream sync
-    same = min(lengths) == max(lengths)  # equal lengths (e.g. a batch of equal prompts): no mask
-    ab = AttnBatch(positions=positions, rows=_rows(rows, dev), kv_len=max(lengths) + 1,
+    positions = torch.tensor(lengths)
+    if getattr(dev, "type", dev) != "cpu":
+        positions = positions.to(dev, non_blocking=True)  # no stream sync
+    same = min(lengths) == hi  # equal lengths (e.g. a batch of equal prompts): no mask
+    ab = AttnBatch(positions=positions.view(-1, 1), rows=_rows(rows, dev), kv_len=hi + 1,
                    start=lengths[0] if same else None)
     model.routing.begin_step(True)
     # model.run: forward without the module call and the inference-mode entry (its docstring); a
     # forward set on the instance (a wrapper's or a test's) still runs
     fwd = model.__dict__.get("forward") or model.run
-    logits = fwd(tokens.view(-1, 1), ab, kv.layers, torch.ones(len(rows), dtype=torch.bool, device=dev))
+    logits = fwd(tokens.view(-1, 1), ab, kv.layers, _decode_flags(len(rows), dev))
     for r in rows:
         kv.lengths[r] += 1
     return logits

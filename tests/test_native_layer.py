@@ -174,3 +174,34 @@ def test_final_norm_and_head_inside_the_stack_call(q3, dtype, monkeypatch):
     assert not torch.equal(_decode(eng, 2), ref)
     model.lm_head.weight.data = model.lm_head.weight.data.clone()  # new storage: the plan is rebuilt
     assert torch.equal(_decode(eng, 2), ref)
+
+
+def test_kept_stack_call_follows_a_new_cache_and_router(q3, monkeypatch):
+    """decode_stack keeps the call's pointer arrays per batch size across steps (native_layer._Stack):
+    a new KV cache of the same batch, LYNX switched on, or a replaced expert weight must each
+    rebuild them — a stale array would write into a freed cache or read the old weights. Logits
+    stay bit-equal to the module path, and each change made exactly one new stack."""
+    from lynx_edge.kv_cache import KVCache
+
+    def run(native_on: bool) -> tuple[list, int]:
+        monkeypatch.setattr(native_layer, "NATIVE_LAYERS", native_on)
+        eng = Engine.from_pretrained(q3, device="cpu", dtype="bfloat16", max_num_seqs=2)
+        outs, built = [_decode(eng, 2, steps=2)], []
+        real = native_layer._Stack.__init__
+        monkeypatch.setattr(native_layer._Stack, "__init__", lambda self, *a: built.append(1) or real(self, *a))
+        eng.kv = KVCache(eng.cfg, 2, eng.ctx, eng.model.dtype, eng.model.device)  # a new cache, same batch
+        outs.append(_decode(eng, 2, steps=2))
+        eng.set_lynx("on")  # another router: other route plans
+        outs.append(_decode(eng, 2, steps=2))
+        ex = eng.model.layers[1].mlp.experts
+        ex.gate_up = torch.nn.Parameter(ex.gate_up.data * 1.5, requires_grad=False)  # a replaced weight
+        outs.append(_decode(eng, 2, steps=2))
+        monkeypatch.undo()
+        return outs, len(built)
+
+    got, built = run(True)
+    ref, none = run(False)
+    assert built == 3 and none == 0
+    for g, r in zip(got, ref):
+        assert torch.equal(g, r)
+    assert not torch.equal(got[2], got[3])  # the replaced weight was read

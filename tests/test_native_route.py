@@ -115,9 +115,9 @@ def test_fused_layer_with_lynx_equals_module_path(tmp_path, monkeypatch, dtype):
 
     path = make_tiny(tmp_path / "q3", "qwen3_moe", hidden_size=128, moe_intermediate_size=128, head_dim=32)
     calls = []
-    one, stack = native.layer, native.layers
+    one, stack = native.layer, native.Stack.__call__
     monkeypatch.setattr(native, "layer", lambda *a: calls.append(1) or one(*a))
-    monkeypatch.setattr(native, "layers", lambda *a: calls.append(len(a[0])) or stack(*a))
+    monkeypatch.setattr(native.Stack, "__call__", lambda self, *a: calls.append(self.n) or stack(self, *a))
 
     def run():
         eng = Engine.from_pretrained(path, device="cpu", dtype=dtype, max_num_seqs=5, lynx="on")
@@ -148,11 +148,12 @@ def test_stack_call_stops_where_a_layer_cannot_join(tmp_path, monkeypatch):
     path = make_tiny(tmp_path / "q3", "qwen3_moe", hidden_size=128, moe_intermediate_size=128, head_dim=32,
                      num_hidden_layers=4)
 
+    stack = native.Stack.__call__
+
     def run(stop_at):
         eng = Engine.from_pretrained(path, device="cpu", dtype="bfloat16", max_num_seqs=3)
         sizes = []
-        stack = native.layers
-        monkeypatch.setattr(native, "layers", lambda *a: sizes.append(len(a[0])) or stack(*a))
+        monkeypatch.setattr(native.Stack, "__call__", lambda self, *a: sizes.append(self.n) or stack(self, *a))
         if stop_at is not None:
             nl = native_layer.native_of(eng.model.layers[stop_at])
             monkeypatch.setattr(nl, "route_plan", lambda B: None)

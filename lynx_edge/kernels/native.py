@@ -506,36 +506,54 @@ def layer(attn: AttnLayer, moe: MoeLayer, plan: Route, x: torch.Tensor, cos: tor
     return out, ids, w, vec
 
 
+class Stack:
+    """lynx_layers' arguments that do not change between decode steps, prepared once: the n layers'
+    plans (attention, experts, route) and their caches as ctypes pointer arrays. Building them
+    per step cost more Python than the rest of the call's arguments (models/native_layer.py keeps
+    one per batch size and rebuilds it when a plan or a cache changes)."""
+
+    def __init__(self, attn: list, moe: list, plans: list, kv: list):
+        n = self.n = len(attn)
+        ptrs = ctypes.c_void_p * n
+        self.keep = (attn, moe, plans)  # the arrays hold addresses only
+        self.K, self.E = plans[0].K, [m.E for m in moe]
+        kc = kv[0][0]
+        self.cache = (ptrs(*[c[0].data_ptr() for c in kv]), ptrs(*[c[1].data_ptr() for c in kv]), _FMT[kc.dtype],
+                      kc.shape[0], kc.shape[2])
+        self.plans = (ptrs(*map(ctypes.addressof, attn)), ptrs(*map(ctypes.addressof, moe)),
+                      ptrs(*map(ctypes.addressof, plans)))
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor,
+                 head: tuple | None = None) -> tuple:
+        """x [B, D] (model dtype, contiguous; overwritten with the last layer's output) → (layers
+        run, ids [n, B, K], weights [n, B, K], stats [n, 7], logits [B, V] fp32 or None). head: (final
+        norm weight, eps, Lin of the head) → the logits too, when all n layers ran. Fewer than n run
+        when a layer's attention kernel rejects the shape; nothing of it was written."""
+        n, K, B = self.n, self.K, x.shape[0]
+        ids = torch.empty(n, B, K, dtype=torch.int64)
+        w = torch.empty(n, B, K, dtype=torch.float32)
+        vec = torch.empty(n, 7, dtype=torch.float64)
+        done = ctypes.c_int(0)
+        logits = None if head is None else torch.empty(B, head[2].N, dtype=torch.float32)
+        rc = lib().lynx_layers(n, *self.plans, x.data_ptr(), B, cos.data_ptr(), sin.data_ptr(), pos.data_ptr(),
+                               rows.data_ptr(), *self.cache, ids.data_ptr(), w.data_ptr(), vec.data_ptr(),
+                               ctypes.byref(done), None if head is None else head[0].data_ptr(),
+                               0.0 if head is None else head[1], None if head is None else ctypes.byref(head[2]),
+                               None if logits is None else logits.data_ptr(), torch.get_num_threads())
+        if rc == -2:
+            raise MemoryError("the native decode layers could not allocate their scratch buffers")
+        if rc not in (0, -1):
+            _check_moe(rc, ids[done.value], self.E[done.value])
+        return done.value, ids, w, vec, (logits if rc == 0 and done.value == n else None)
+
+
 def layers(attn: list, moe: list, plans: list, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
            pos: torch.Tensor, rows: torch.Tensor, kv: list, head: tuple | None = None) -> tuple:
-    """n decode layers in one call (lynx_layers): x [B, D] (model dtype, contiguous; overwritten
-    with the last layer's output) → (layers run, ids [n, B, K], weights [n, B, K], stats [n, 7],
-    logits [B, V] fp32 or None). head: (final norm weight, eps, Lin of the head) → the logits too,
-    when all n layers ran. Fewer than n run when a layer's attention kernel rejects the shape;
-    nothing of it was written."""
-    n, (B, _), K = len(attn), x.shape, plans[0].K
-    ptrs = ctypes.c_void_p * n
-    kc, vc = kv[0][0], kv[0][1]
-    ids = torch.empty(n, B, K, dtype=torch.int64)
-    w = torch.empty(n, B, K, dtype=torch.float32)
-    vec = torch.empty(n, 7, dtype=torch.float64)
-    done = ctypes.c_int(0)
-    logits = None if head is None else torch.empty(B, head[2].N, dtype=torch.float32)
-    rc = lib().lynx_layers(n, ptrs(*map(ctypes.addressof, attn)), ptrs(*map(ctypes.addressof, moe)),
-                           ptrs(*map(ctypes.addressof, plans)), x.data_ptr(), B, cos.data_ptr(), sin.data_ptr(),
-                           pos.data_ptr(), rows.data_ptr(), ptrs(*[c[0].data_ptr() for c in kv]),
-                           ptrs(*[c[1].data_ptr() for c in kv]), _FMT[kc.dtype], kc.shape[0], kc.shape[2],
-                           ids.data_ptr(), w.data_ptr(), vec.data_ptr(), ctypes.byref(done),
-                           None if head is None else head[0].data_ptr(), 0.0 if head is None else head[1],
-                           None if head is None else ctypes.byref(head[2]),
-                           None if logits is None else logits.data_ptr(), torch.get_num_threads())
-    if rc == -2:
-        raise MemoryError("the native decode layers could not allocate their scratch buffers")
-    if rc not in (0, -1):
-        _check_moe(rc, ids[done.value], moe[done.value].E)
-    return done.value, ids, w, vec, (logits if rc == 0 and done.value == n else None)
+    """n decode layers in one call (lynx_layers), their arguments prepared for this call only: see
+    Stack and Stack.__call__."""
+    return Stack(attn, moe, plans, kv)(x, cos, sin, pos, rows, head)
 
 
 __all__ = ["AttnLayer", "Lin", "MoeLayer", "attn_decode", "build", "cache_dir", "dense_lin", "dense_ok", "dequant_int4",
-           "exact_plan", "int4_lin", "layer", "layer_attn", "layers", "layer_moe", "lib", "route", "Route", "linear", "linear_int4", "moe_dense", "moe_int4", "moe_oss",
+           "exact_plan", "int4_lin", "layer", "layer_attn", "layers", "Stack", "layer_moe", "lib", "route", "Route", "linear", "linear_int4", "moe_dense", "moe_int4", "moe_oss",
            "rmsnorm"]

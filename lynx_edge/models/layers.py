@@ -231,17 +231,21 @@ class AttnBatch:
         """(rows int64 [B], positions int64 [B], cos, sin fp32 [B, rd]) of a decode step, for the
         native attention calls: made once per step, shared by every layer."""
         if self.native is None:
-            B = self.positions.shape[0]
+            pos = self.positions.reshape(-1)  # [B]: one token per row
+            if pos.dtype is not torch.int64:
+                pos = pos.to(torch.int64)
             rows = _arange(self.rows.start, self.rows.stop) if isinstance(self.rows, slice) else self.rows
-            pos = self.positions.reshape(B)
+            if rows.dtype is not torch.int64:
+                rows = rows.to(torch.int64)
             if self.cos is None and self.rope is not None:
                 tab = self.rope[0].table(self.rope[1], self.kv_len)
-                cos, sin = tab[2][pos], tab[3][pos]
+                cos, sin = tab[2].index_select(0, pos), tab[3].index_select(0, pos)  # fresh, contiguous
             else:
-                cos, sin = self.cos.reshape(B, -1).float(), self.sin.reshape(B, -1).float()
+                B = pos.shape[0]
+                cos, sin = self.cos.reshape(B, -1).float().contiguous(), self.sin.reshape(B, -1).float().contiguous()
             # contiguous: the native calls read raw pointers, and an equal-length prefill's positions
             # are an expanded (stride-0) view whose reshape stays one
-            self.native = tuple(t.contiguous() for t in (rows.to(torch.int64), pos.to(torch.int64), cos, sin))
+            self.native = (rows.contiguous(), pos.contiguous(), cos, sin)
         return self.native
 
     def mask(self, window: int | None) -> torch.Tensor:

@@ -148,18 +148,31 @@ def native_of(layer) -> "NativeLayer | None":
 
 def head_plan(model, x: torch.Tensor) -> tuple | None:
     """(final norm weight, eps, native.Lin of the head) when the module path would run the model's
-    last RMSNorm and head natively for x [B, 1, D] (the same kernels, so the same logits), else None."""
+    last RMSNorm and head natively for x [B, 1, D] (the same kernels, so the same logits), else None.
+    Decided once per norm, head weight and dtype (kept on the model): a replaced weight decides again."""
     norm, W = model.norm, model.head_weight()
-    if type(norm) is not RMSNorm or norm.weight.dtype is not x.dtype or W.dtype not in NATIVE_ROWS:
-        return None
-    lo, hi = NATIVE_ROWS[W.dtype]
-    if not (lo <= x.shape[0] <= hi and native.dense_ok(W) and native.dense_ok(norm.weight)):
-        return None
-    key = (W.data_ptr(), norm.weight.data_ptr(), norm.eps)
+    key = (norm, W.data_ptr(), norm.weight.data_ptr(), norm.eps, x.dtype)
     got = model.__dict__.get("_native_head")
     if got is None or got[0] != key:  # first use, or a weight replaced
-        got = model.__dict__["_native_head"] = (key, (norm.weight, norm.eps, native.dense_lin(W, None)))
-    return got[1]
+        ok = (type(norm) is RMSNorm and norm.weight.dtype is x.dtype and W.dtype in NATIVE_ROWS
+              and native.dense_ok(W) and native.dense_ok(norm.weight))
+        got = model.__dict__["_native_head"] = (key, (norm.weight, norm.eps, native.dense_lin(W, None)) if ok else None)
+    if got[1] is None:
+        return None
+    lo, hi = NATIVE_ROWS[W.dtype]
+    return got[1] if lo <= x.shape[0] <= hi else None
+
+
+class _Stack:
+    """decode_stack's call for B rows, kept across steps: which layers join, their route plans and
+    cache storages, and the native.Stack holding all of them as the call's pointer arrays. A step
+    rebuilds it only when one of those changed (a replaced weight, another router or phase, a new
+    cache)."""
+
+    def __init__(self, nls: list, plans: list, kv: list, ptrs: list):
+        self.nls, self.plans, self.ptrs = nls, plans, ptrs
+        self.call = native.Stack([nl.attn_plan for nl in nls], [nl.moe_plan for nl in nls], plans, kv)
+        self.rd = None  # RoPE dims last written into the attention plans
 
 
 def decode_stack(layers, x: torch.Tensor, ab: AttnBatch, kv_cache, head_of=None) -> tuple[int, torch.Tensor | None]:
@@ -168,11 +181,12 @@ def decode_stack(layers, x: torch.Tensor, ab: AttnBatch, kv_cache, head_of=None)
     caller runs the rest; logits [B, V] fp32 when every layer ran and head_of() — the model's
     head_plan — gave the last norm and head, else None). One call per step instead of one per layer:
     the Python between layers (plan checks, output allocations, the ctypes call) was a third of a
-    small model's decode step."""
+    small model's decode step. The call's arguments that do not change between steps are kept on
+    `layers` per batch size (_Stack); a step checks them and calls."""
     if not NATIVE_LAYERS or x.shape[1] != 1 or x.device.type != "cpu" or len(layers) < 2:
         return 0, None
     B = x.shape[0]
-    attn, moe, plans, nls = [], [], [], []
+    plans, nls = [], []
     for layer, kv in zip(layers, kv_cache):
         if layer._native is False:
             break
@@ -182,19 +196,25 @@ def decode_stack(layers, x: torch.Tensor, ab: AttnBatch, kv_cache, head_of=None)
         plan = nl.route_plan(B)
         if plan is None:
             break
-        attn.append(nl.attn_plan)
-        moe.append(nl.moe_plan)
         plans.append(plan)
         nls.append(nl)
     n = len(nls)
     if n < 2:  # one layer: its own call is as good
         return 0, None
+    kv = kv_cache[:n]
+    ptrs = [t.data_ptr() for c in kv for t in c[:2]]  # a new cache (another batch or context) rebuilds
+    stacks = layers.__dict__.setdefault("_native_stacks", {})
+    st = stacks.get(B)
+    if st is None or st.nls != nls or st.plans != plans or st.ptrs != ptrs:  # lists of the same objects
+        st = stacks[B] = _Stack(nls, plans, kv, ptrs)
     step = ab.native_step()
-    for nl in nls:
-        nl.attn_plan.rd = step[2].shape[-1]
+    rd = step[2].shape[-1]  # RoPE dims per head (partial rotary: < hd)
+    if st.rd != rd:
+        for nl in nls:
+            nl.attn_plan.rd = rd
+        st.rd = rd
     head = head_of() if head_of is not None and n == len(layers) else None
-    done, ids, w, vec, logits = native.layers(attn, moe, plans, x.view(B, -1), step[2], step[3], step[1], step[0],
-                                              kv_cache[:n], head)
+    done, ids, w, vec, logits = st.call(x.view(B, -1), step[2], step[3], step[1], step[0], head)
     if done:
         cut = done < n
         _report(nls[0].mlp.ctx, tuple(nl.mlp.layer for nl in nls[:done]), ids[:done] if cut else ids,
