@@ -21,7 +21,7 @@ import torch
 from .engine import ContextError, Engine, _Seq
 from .models.layers import AttnBatch
 from .sampling import SamplingParams, select_tokens
-from .step import decode_step, prefill, prefill_rows
+from .step import decode_greedy, decode_step, prefill, prefill_rows
 from .tokenizer import Detokenizer
 
 
@@ -31,6 +31,8 @@ class CapacityError(ValueError):
 
 class QueueFull(RuntimeError):
     """The waiting queue is at its bound: the caller should retry later (HTTP 429)."""
+
+BURST_S = 0.02  # the longest a greedy burst runs between two reads of the inbox (and two streamed chunks)
 
 
 @dataclass
@@ -71,7 +73,7 @@ class EngineCore:
     max_waiting: bound of the waiting queue (beyond it add_request raises QueueFull)."""
 
     def __init__(self, engine: Engine, max_num_seqs: int = 16, prefill_budget: int = 256, max_waiting: int = 64,
-                 mixed_steps: bool = False, session: bool = False):
+                 mixed_steps: bool = False, session: bool = False, num_scheduler_steps: int = 1):
         if max_num_seqs < 1 or prefill_budget < 1 or max_waiting < 0:
             raise ValueError("max_num_seqs and prefill_budget must be >= 1, max_waiting >= 0")
         self.engine, self.model = engine, engine.model
@@ -98,6 +100,12 @@ class EngineCore:
         self.last_step: dict = {}  # telemetry of the latest step (tokens per phase, unique experts)
         self.totals = {"steps": 0, "decode_tokens": 0, "opted_out_tokens": 0, "prefill_tokens": 0, "mixed_steps": 0}
         self._mixed_lynx: torch.Tensor | None = None  # [1 + S] LYNX sums over forwards not all-decode
+        # greedy decode steps per step() (vLLM's multi-step scheduling): up to this many run in one
+        # call (step.decode_greedy), fewer when a step is slow, so a burst stays within BURST_S and
+        # streaming stays smooth; the inbox (new requests, aborts) is read between bursts
+        self.num_scheduler_steps = max(1, int(num_scheduler_steps))
+        self._step_s: float | None = None  # seconds per decode step (running mean): sizes the bursts
+        self._steps = 0  # decode steps the latest step() ran
 
     # thread-safe API ------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], sp: SamplingParams, request_id: str | None = None,
@@ -147,15 +155,20 @@ class EngineCore:
             stats.clear()
         ready = [r for r in self.running if r.last is not None]
         chunks = self._plan_chunks() if ready and self.mixed_steps else []
+        self._steps = 0
         if ready:
+            t = time.perf_counter()
             outs += self._decode(ready, chunks)
+            dt = (time.perf_counter() - t) / self._steps
+            self._step_s = dt if self._step_s is None else 0.8 * self._step_s + 0.2 * dt
         unique = stats.unique_per_layer(decode_only=True) if stats.record and ready and self.per_step_stats else None
         n_prefill = sum(n for _, n in chunks) + (0 if chunks else self._prefill_chunks(outs))
         if self.per_step_stats:
             stats.clear()  # bounded: only this step's ids were kept
         # tokens per phase: decode (LYNX may remap them), decode of opted-out requests (exact),
         # prefill (exact); mixed: the prefill chunks shared the decode forward
-        self.last_step = {"decode_tokens": len(ready), "opted_out_tokens": sum(not r.lynx for r in ready),
+        self.last_step = {"decode_steps": self._steps, "decode_tokens": len(ready) * self._steps,
+                          "opted_out_tokens": sum(not r.lynx for r in ready),
                           "prefill_tokens": n_prefill, "mixed": bool(chunks), "unique_experts": unique}
         self.totals["steps"] += 1
         for k in ("decode_tokens", "opted_out_tokens", "prefill_tokens"):
@@ -268,10 +281,56 @@ class EngineCore:
 
     def _decode(self, reqs: list[_Request], chunks: list[tuple[_Request, int]] = ()) -> list[RequestOutput]:
         """One forward over the B rows' newest tokens (+ mixed-step chunks) → sampled outputs."""
+        self._steps = 1
         if not chunks and all(r.lynx for r in reqs):  # the common step: step.decode_step, the one hot path
+            n = self._burst(reqs)
+            if n > 1:
+                return self._greedy(reqs, n)
             tokens = torch.tensor([r.last for r in reqs], device=self.model.device)  # [B]
             return self._sample(reqs, decode_step(self.model, self.kv, [r.row for r in reqs], tokens))
         return self._packed(reqs, chunks)
+
+    def _burst(self, reqs: list[_Request]) -> int:
+        """Greedy decode steps to run in one call for these requests: 1 unless every one is plain
+        greedy (no sampling, penalty or stop strings: the native call's argmax and stop ids decide
+        exactly as _sample and _advance would); within num_scheduler_steps, BURST_S of steps at the
+        measured step time, each request's token limit, and the context (less one step, so no token
+        inside a burst meets the context's end)."""
+        if self.num_scheduler_steps == 1 or self._step_s is None:
+            return 1
+        n = min(self.num_scheduler_steps, int(BURST_S / max(self._step_s, 1e-6)))
+        for r in reqs:
+            sp = r.sp
+            if sp.do_sample or r.seen is not None or sp.stop_strings:
+                return 1
+            if sp.max_new_tokens is not None:
+                n = min(n, sp.max_new_tokens - len(r.seq.out))
+            n = min(n, self.ctx - 2 - self.kv.lengths[r.row])
+        return n
+
+    def _greedy(self, reqs: list[_Request], n: int) -> list[RequestOutput]:
+        """Up to n greedy decode steps in one call; one output per request with all its new tokens
+        (the burst ends after a step where a row chose a stop id, so only its last step finishes one)."""
+        stops = set().union(*(r.stops for r in reqs))
+        steps = decode_greedy(self.model, self.kv, [r.row for r in reqs], [r.last for r in reqs], n, stops)
+        self._steps = len(steps)
+        now, outs = time.perf_counter(), []
+        for i, r in enumerate(reqs):
+            texts, ids, finish = [], [], None
+            for toks in steps:
+                c = self.engine._advance(r.seq, r.row, toks[i], r.stops, r.sp)
+                r.last = toks[i]
+                texts.append(c.text)
+                ids += c.token_ids
+                if c.finish_reason is not None:
+                    finish = c.finish_reason
+                    break
+            n_out = len(r.seq.out)
+            out = RequestOutput(r.id, "".join(texts), ids, finish, len(r.ids), n_out)
+            if finish is not None and n_out > 1:
+                out.tpot_s = (now - r.t_first) / (n_out - 1)
+            outs.append(out)
+        return outs
 
     def _packed(self, reqs: list[_Request], chunks: list[tuple[_Request, int]]) -> list[RequestOutput]:
         """One forward over the B rows' newest tokens, plus (mixed steps) P prompt-chunk tokens packed

@@ -52,6 +52,10 @@ class EngineConfig:
     int4_act: str | None = None  # CPU INT4 kernels: "f32" (exact) | "q8" (int8 activations, approximate)
     int4_attn: bool = False  # CPU: attention / dense projections INT4 too, RTN at load (approximate)
     threads: int | None = None  # torch CPU threads, set once at build (None: lynx_edge.threads default)
+    # greedy decode steps per call (vLLM's multi-step scheduling; core.EngineCore._burst): with the
+    # whole model in one native CPU call, up to this many steps run with no Python between them,
+    # fewer when a step is slow (a burst stays within ~20 ms); 1: one step per call
+    num_scheduler_steps: int = 16
 
 
 @dataclass
@@ -257,7 +261,8 @@ class Engine:
         t0 = time.perf_counter()
         # the continuous-batching core (core.py) runs every generation: all prompts prefilled in the
         # first step (one prefill call each), then one decode step per token for the live rows
-        core = EngineCore(self, max_num_seqs=len(prompts), prefill_budget=sum(map(len, prompts)), session=True)
+        core = EngineCore(self, max_num_seqs=len(prompts), prefill_budget=sum(map(len, prompts)), session=True,
+                          num_scheduler_steps=self.config.num_scheduler_steps)
         start = 0
         stateful = core.kv.stateful  # linear attention / conv state: a prefix is continued, never cut
         if reuse:  # longest common prefix with the cached session in row 0 (≥ 1 token left to run)
@@ -292,7 +297,7 @@ class Engine:
                 # a state advances with every decode step: its session is recorded only when the answer ends
                 self._session = list(prompts[0]) if reuse and not stateful else []
             else:
-                self._n_decode += 1
+                self._n_decode += core.last_step["decode_steps"]
             for i, o in enumerate(outs):
                 row = int(o.request_id)
                 chunk = Chunk(o.text, o.token_ids, row, o.finish_reason)

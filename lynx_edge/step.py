@@ -11,6 +11,7 @@ import functools
 import torch
 
 from .kv_cache import KVCache
+from .models import native_layer
 from .models.layers import AttnBatch
 
 
@@ -83,8 +84,8 @@ def _decode_flags(B: int, device) -> torch.Tensor:
     return torch.ones(B, dtype=torch.bool, device=device)
 
 
-def decode_step(model, kv: KVCache, rows: list[int], tokens: torch.Tensor) -> torch.Tensor:
-    """One token for each of the B rows. tokens [B] → logits [B, V]."""
+def _decode_batch(model, kv: KVCache, rows: list[int]) -> AttnBatch:
+    """Where one new token of each of the B rows sits: the AttnBatch of a decode step."""
     dev = model.device
     lengths = [kv.lengths[r] for r in rows]
     hi = max(lengths)
@@ -94,13 +95,38 @@ def decode_step(model, kv: KVCache, rows: list[int], tokens: torch.Tensor) -> to
     if getattr(dev, "type", dev) != "cpu":
         positions = positions.to(dev, non_blocking=True)  # no stream sync
     same = min(lengths) == hi  # equal lengths (e.g. a batch of equal prompts): no mask
-    ab = AttnBatch(positions=positions.view(-1, 1), rows=_rows(rows, dev), kv_len=hi + 1,
-                   start=lengths[0] if same else None)
-    model.routing.begin_step(True)
+    return AttnBatch(positions=positions.view(-1, 1), rows=_rows(rows, dev), kv_len=hi + 1,
+                     start=lengths[0] if same else None)
+
+
+def _forward(model, tokens: torch.Tensor, ab: AttnBatch, kv: KVCache, B: int) -> torch.Tensor:
     # model.run: forward without the module call and the inference-mode entry (its docstring); a
     # forward set on the instance (a wrapper's or a test's) still runs
     fwd = model.__dict__.get("forward") or model.run
-    logits = fwd(tokens.view(-1, 1), ab, kv.layers, _decode_flags(len(rows), dev))
+    return fwd(tokens.view(-1, 1), ab, kv.layers, _decode_flags(B, model.device))
+
+
+def decode_step(model, kv: KVCache, rows: list[int], tokens: torch.Tensor) -> torch.Tensor:
+    """One token for each of the B rows. tokens [B] → logits [B, V]."""
+    ab = _decode_batch(model, kv, rows)
+    model.routing.begin_step(True)
+    logits = _forward(model, tokens, ab, kv, len(rows))
     for r in rows:
         kv.lengths[r] += 1
     return logits
+
+
+def decode_greedy(model, kv: KVCache, rows: list[int], tokens: list[int], steps: int, stops=()) -> list[list[int]]:
+    """Up to `steps` greedy decode steps of the B rows, each step's argmax the next step's input:
+    what decode_step and an argmax would give step by step. Where the whole model runs in one native
+    call on a CPU, all the steps run in one call (native_layer.greedy_burst: no Python between steps);
+    otherwise one decode_step. Ends after a step where a row chose one of `stops` (ids).
+    → the chosen tokens, one list of B per step run (≥ 1; the caller keeps steps within the context)."""
+    ab = _decode_batch(model, kv, rows)
+    model.routing.begin_step(True)
+    got = native_layer.greedy_burst(model, kv, ab, tokens, steps, stops) if steps > 1 else None
+    if got is None:
+        got = [_forward(model, torch.tensor(tokens, device=model.device), ab, kv, len(rows)).argmax(-1).tolist()]
+    for r in rows:
+        kv.lengths[r] += len(got)
+    return got

@@ -1670,3 +1670,54 @@ int lynx_layers(int n, const attn_layer_t *const *L, const moe_layer_t *const *M
     free(y);
     return rc;
 }
+
+/* Greedy decode in one call: up to `steps` decode steps of the whole model for B rows, each step's
+ * argmax the next step's input, as the engine's greedy sampler would choose it (torch.argmax: the
+ * first maximal index, NaN counting as maximal). emb [V, D] the embedding table (model dtype);
+ * tok [B] each row's input token (in; the last chosen token on return); cos_tab / sin_tab [P, rd]
+ * fp32 RoPE rows for positions < P; pos [B] each row's position (advanced in place by the steps
+ * run); the rest as lynx_layers, per step: ids [steps, n, B, K], w [steps, n, B, K], vec [steps, n, 7];
+ * out [steps, B] the chosen tokens. The burst ends after a step where a row chose one of stop[0..n_stop).
+ * *ran = the steps that ran in full. Returns 0; -4 for an input token outside [0, V) or a position past
+ * the table; or a failing step's lynx_layers code (steps before it ran in full: *ran says how many). */
+int lynx_decode(int n, const attn_layer_t *const *L, const moe_layer_t *const *M, const route_t *const *R,
+                const uint8_t *emb, long V, int64_t *tok, int B, const float *cos_tab, const float *sin_tab,
+                long P, int64_t *pos, const int64_t *rows, uint8_t *const *kc, uint8_t *const *vc, int cfmt,
+                long Bmax, long S, int64_t *ids, float *w, double *vec, const uint8_t *norm_w, float eps,
+                const lin_t *head, int steps, const int64_t *stop, int n_stop, int64_t *out, int *ran,
+                int nthreads) {
+    const int D = L[0]->D, es = L[0]->fmt == FMT_BF16 ? 2 : 4, rd = L[0]->rd, K = R[0]->K, N = head->N;
+    uint8_t *x = malloc((size_t)B * D * es);
+    float *cs = malloc((size_t)B * rd * sizeof(float) * 2 + 1), *logits = malloc((size_t)B * N * sizeof(float));
+    int rc = -2, done = 0;
+    *ran = 0;
+    if (!x || !cs || !logits) goto end;
+    float *sn = cs + (size_t)B * rd;
+    for (int s = 0; s < steps; s++) {
+        for (int b = 0; b < B; b++) {
+            if (tok[b] < 0 || tok[b] >= V || pos[b] < 0 || pos[b] >= P) { rc = -4; goto end; }
+            memcpy(x + (size_t)b * D * es, emb + (size_t)tok[b] * D * es, (size_t)D * es);
+            memcpy(cs + (size_t)b * rd, cos_tab + pos[b] * rd, rd * sizeof(float));
+            memcpy(sn + (size_t)b * rd, sin_tab + pos[b] * rd, rd * sizeof(float));
+        }
+        const long off = (long)s * n * B * K;
+        rc = lynx_layers(n, L, M, R, x, B, cs, sn, pos, rows, kc, vc, cfmt, Bmax, S, ids + off, w + off,
+                         vec + 7L * n * s, &done, norm_w, eps, head, logits, nthreads);
+        if (rc != 0) goto end;
+        int stopped = 0;
+        for (int b = 0; b < B; b++) {
+            const float *lg = logits + (size_t)b * N;
+            long best = 0;
+            for (long v = 1; v < N; v++)
+                if (lg[v] > lg[best] || (isnan(lg[v]) && !isnan(lg[best]))) best = v;
+            tok[b] = out[(long)s * B + b] = best;
+            pos[b]++;
+            for (int i = 0; i < n_stop; i++) stopped |= stop[i] == best;
+        }
+        *ran = s + 1;
+        if (stopped) break;
+    }
+end:
+    free(x); free(cs); free(logits);
+    return rc;
+}

@@ -144,6 +144,8 @@ def lib() -> ctypes.CDLL | None:
     so.lynx_layer.restype = i
     so.lynx_layers.argtypes = [i, p, p, p, p, i, p, p, p, p, p, p, i, L, L, p, p, p, p, p, f, p, p, i]
     so.lynx_layers.restype = i
+    so.lynx_decode.argtypes = [i, p, p, p, p, L, p, i, p, p, L, p, p, p, p, i, L, L, p, p, p, p, f, p, i, p, i, p, p, i]
+    so.lynx_decode.restype = i
     return so
 
 
@@ -545,6 +547,38 @@ class Stack:
         if rc not in (0, -1):
             _check_moe(rc, ids[done.value], self.E[done.value])
         return done.value, ids, w, vec, (logits if rc == 0 and done.value == n else None)
+
+
+    def greedy(self, emb: torch.Tensor, tokens: list[int], cos_tab: torch.Tensor, sin_tab: torch.Tensor,
+               pos: list[int], rows: torch.Tensor, head: tuple, steps: int, stops: list[int]) -> tuple:
+        """Up to `steps` greedy decode steps in one call (lynx_decode): each step embeds the rows'
+        tokens (emb [V, D], model dtype), runs the n layers and the head, and feeds each row's argmax
+        to the next step; it ends early after a step where a row chose one of `stops`. cos_tab /
+        sin_tab [P, rd] fp32 rows by position; pos [B] the rows' first positions. → (steps run, tokens
+        [steps, B] int64, ids [steps, n, B, K], weights [steps, n, B, K], stats [steps, n, 7], rc:
+        0, or -1 when a step's attention kernel rejected the shape after the steps run)."""
+        n, K, B = self.n, self.K, len(tokens)
+        tok = torch.tensor(tokens, dtype=torch.int64)
+        at = torch.tensor(pos, dtype=torch.int64)
+        out = torch.empty(steps, B, dtype=torch.int64)
+        ids = torch.empty(steps, n, B, K, dtype=torch.int64)
+        w = torch.empty(steps, n, B, K, dtype=torch.float32)
+        vec = torch.empty(steps, n, 7, dtype=torch.float64)
+        stop = torch.tensor(sorted(stops) or [0], dtype=torch.int64)
+        ran = ctypes.c_int(0)
+        rc = lib().lynx_decode(n, *self.plans, emb.data_ptr(), emb.shape[0], tok.data_ptr(), B, cos_tab.data_ptr(),
+                               sin_tab.data_ptr(), cos_tab.shape[0], at.data_ptr(), rows.data_ptr(), *self.cache,
+                               ids.data_ptr(), w.data_ptr(), vec.data_ptr(), head[0].data_ptr(), head[1],
+                               ctypes.byref(head[2]), steps, stop.data_ptr(), len(stops), out.data_ptr(),
+                               ctypes.byref(ran), torch.get_num_threads())
+        if rc == -2:
+            raise MemoryError("the native decode could not allocate its scratch buffers")
+        if rc == -4:
+            raise ValueError(f"a decode token outside the vocabulary of {emb.shape[0]}, or a position past the "
+                             f"RoPE table of {cos_tab.shape[0]}")
+        if rc not in (0, -1):
+            _check_moe(rc, ids[ran.value], self.E[0])
+        return ran.value, out, ids, w, vec, rc
 
 
 def layers(attn: list, moe: list, plans: list, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

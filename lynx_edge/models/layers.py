@@ -234,9 +234,6 @@ class AttnBatch:
             pos = self.positions.reshape(-1)  # [B]: one token per row
             if pos.dtype is not torch.int64:
                 pos = pos.to(torch.int64)
-            rows = _arange(self.rows.start, self.rows.stop) if isinstance(self.rows, slice) else self.rows
-            if rows.dtype is not torch.int64:
-                rows = rows.to(torch.int64)
             if self.cos is None and self.rope is not None:
                 tab = self.rope[0].table(self.rope[1], self.kv_len)
                 cos, sin = tab[2].index_select(0, pos), tab[3].index_select(0, pos)  # fresh, contiguous
@@ -245,8 +242,13 @@ class AttnBatch:
                 cos, sin = self.cos.reshape(B, -1).float().contiguous(), self.sin.reshape(B, -1).float().contiguous()
             # contiguous: the native calls read raw pointers, and an equal-length prefill's positions
             # are an expanded (stride-0) view whose reshape stays one
-            self.native = (rows.contiguous(), pos.contiguous(), cos, sin)
+            self.native = (self.native_rows(), pos.contiguous(), cos, sin)
         return self.native
+
+    def native_rows(self) -> torch.Tensor:
+        """The rows' cache indices, int64 [B] contiguous (a slice's made once per range)."""
+        rows = _arange(self.rows.start, self.rows.stop) if isinstance(self.rows, slice) else self.rows
+        return rows.contiguous() if rows.dtype is torch.int64 else rows.to(torch.int64).contiguous()
 
     def mask(self, window: int | None) -> torch.Tensor:
         if window not in self.masks:

@@ -174,17 +174,19 @@ class _Stack:
         self.call = native.Stack([nl.attn_plan for nl in nls], [nl.moe_plan for nl in nls], plans, kv)
         self.rd = None  # RoPE dims last written into the attention plans
 
+    def set_rd(self, rd: int) -> None:
+        """RoPE dims per head (partial rotary: < hd), as the step's cos/sin rows have them."""
+        if self.rd != rd:
+            for nl in self.nls:
+                nl.attn_plan.rd = rd
+            self.rd = rd
 
-def decode_stack(layers, x: torch.Tensor, ab: AttnBatch, kv_cache, head_of=None) -> tuple[int, torch.Tensor | None]:
-    """The leading decoder layers that run whole-layer calls with a native route, all in one native
-    call (lynx_layers): x [B, 1, D] becomes their output in place. → (how many ran: 0 for none, the
-    caller runs the rest; logits [B, V] fp32 when every layer ran and head_of() — the model's
-    head_plan — gave the last norm and head, else None). One call per step instead of one per layer:
-    the Python between layers (plan checks, output allocations, the ctypes call) was a third of a
-    small model's decode step. The call's arguments that do not change between steps are kept on
-    `layers` per batch size (_Stack); a step checks them and calls."""
+
+def _stack(layers, x: torch.Tensor, ab: AttnBatch, kv_cache) -> _Stack | None:
+    """The kept _Stack of the leading layers that can run in one call for x [B, 1, D] (checked this
+    step: plans valid, shapes taken, a native route plan), or None when fewer than two can."""
     if not NATIVE_LAYERS or x.shape[1] != 1 or x.device.type != "cpu" or len(layers) < 2:
-        return 0, None
+        return None
     B = x.shape[0]
     plans, nls = [], []
     for layer, kv in zip(layers, kv_cache):
@@ -200,19 +202,61 @@ def decode_stack(layers, x: torch.Tensor, ab: AttnBatch, kv_cache, head_of=None)
         nls.append(nl)
     n = len(nls)
     if n < 2:  # one layer: its own call is as good
-        return 0, None
+        return None
     kv = kv_cache[:n]
     ptrs = [t.data_ptr() for c in kv for t in c[:2]]  # a new cache (another batch or context) rebuilds
     stacks = layers.__dict__.setdefault("_native_stacks", {})
     st = stacks.get(B)
     if st is None or st.nls != nls or st.plans != plans or st.ptrs != ptrs:  # lists of the same objects
         st = stacks[B] = _Stack(nls, plans, kv, ptrs)
+    return st
+
+
+def greedy_burst(model, kv, ab: AttnBatch, tokens: list[int], steps: int, stops) -> list[list[int]] | None:
+    """Up to `steps` greedy decode steps of the B rows of ab in one native call (lynx_decode: the
+    embedding, every layer, the head and the argmax, step after step), when the whole model runs in
+    the stack call; the router's phase is set (begin_step) for the first step. Each step's routing
+    is reported as decode_stack reports it, after its own begin_step. → the tokens chosen per step
+    (ends after a step where a row chose one of `stops`), or None: the caller runs this step itself.
+    The logits are those of the one-step path (the same calls), so the tokens are too."""
+    E = model.embed_tokens
+    if (E.device.type != "cpu" or E.dtype not in NATIVE_ROWS or not native.dense_ok(E)
+            or "forward" in model.__dict__):
+        return None  # a forward set on the instance (a wrapper's, a test's) runs as it says
+    B = len(tokens)
+    x = torch.empty(B, 1, E.shape[1], dtype=E.dtype)  # what the stack checks take: shape and dtype
+    ab.rope = (model.rope, E.dtype)
+    st = _stack(model.layers, x, ab, kv.layers)
+    head = None if st is None or st.call.n != len(model.layers) else head_plan(model, x)
+    if head is None:
+        return None
+    tab = model.rope.table(E.dtype, ab.kv_len + steps)
+    st.set_rd(tab[2].shape[-1])
+    rows = ab.native_rows()
+    pos = ab.positions.view(-1).tolist()
+    ran, out, ids, w, vec, rc = st.call.greedy(E, tokens, tab[2], tab[3], pos, rows, head, steps, stops)
+    ctx, layers = st.nls[0].mlp.ctx, tuple(nl.mlp.layer for nl in st.nls)
+    for s in range(ran):
+        if s:
+            model.routing.begin_step(True)
+        _report(ctx, layers, ids[s], w[s], vec[s])
+    return out[:ran].tolist() if ran else None
+
+
+def decode_stack(layers, x: torch.Tensor, ab: AttnBatch, kv_cache, head_of=None) -> tuple[int, torch.Tensor | None]:
+    """The leading decoder layers that run whole-layer calls with a native route, all in one native
+    call (lynx_layers): x [B, 1, D] becomes their output in place. → (how many ran: 0 for none, the
+    caller runs the rest; logits [B, V] fp32 when every layer ran and head_of() — the model's
+    head_plan — gave the last norm and head, else None). One call per step instead of one per layer:
+    the Python between layers (plan checks, output allocations, the ctypes call) was a third of a
+    small model's decode step. The call's arguments that do not change between steps are kept on
+    `layers` per batch size (_Stack); a step checks them and calls."""
+    st = _stack(layers, x, ab, kv_cache)
+    if st is None:
+        return 0, None
+    B, n, nls = x.shape[0], st.call.n, st.nls
     step = ab.native_step()
-    rd = step[2].shape[-1]  # RoPE dims per head (partial rotary: < hd)
-    if st.rd != rd:
-        for nl in nls:
-            nl.attn_plan.rd = rd
-        st.rd = rd
+    st.set_rd(step[2].shape[-1])
     head = head_of() if head_of is not None and n == len(layers) else None
     done, ids, w, vec, logits = st.call(x.view(B, -1), step[2], step[3], step[1], step[0], head)
     if done:
