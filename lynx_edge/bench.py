@@ -189,7 +189,9 @@ def _describe(engine, prompt_len: int, gen_len: int, reps: int, seed: int) -> di
             "packed_linears": getattr(placement, "packed_linears", 0),  # attention read 4/8-bit on a CPU
             # whether the CPU decode ran lynx-edge's native kernels (kernels/cpu_native.c) or the
             # torch/numba fallbacks (no C compiler, LYNX_EDGE_NATIVE=0)
-            "native_kernels": native_kernels()}
+            "native_kernels": native_kernels(),
+            # greedy decode steps per native call (core.EngineCore._burst; 1 = a call per step)
+            "num_scheduler_steps": getattr(conf, "num_scheduler_steps", 1)}
 
 
 def native_kernels() -> bool:

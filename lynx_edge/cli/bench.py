@@ -11,7 +11,7 @@ import typer
 
 from . import ui
 from .common import CliError, engine_options, load_engine, need
-from .options import (BatchSizes, CtxSize, Device, Dtype, Int4, Int4Act, Int4Attn, Model, Offload, Profile, Seed, TableJsonCsv,
+from .options import (BatchSizes, CtxSize, SchedulerSteps, Device, Dtype, Int4, Int4Act, Int4Attn, Model, Offload, Profile, Seed, TableJsonCsv,
                       check_lynx, parse_sizes)
 
 _MODES = {"off": ["off"], "on": ["on"], "lynx": ["lynx"], "both": ["off", "on"]}
@@ -41,6 +41,7 @@ def bench(
     ctx_size: CtxSize = None,
     dtype: Dtype = None,
     device: Device = None,
+    num_scheduler_steps: SchedulerSteps = 16,
 ) -> None:
     """Benchmark prefill and decode per batch size on synthetic prompts (mean ± std over -r runs)."""
     from .. import bench as lib
@@ -69,7 +70,7 @@ def bench(
         return
     opts = engine_options("off", offload, int4, profile, ctx_size or max(prompt_len + gen_len + 8, 256),  # ≥ 256: eval windows
                           int4_act=int4_act, int4_attn=int4_attn)
-    engine = load_engine(model, dtype, device, **opts)
+    engine = load_engine(model, dtype, device, num_scheduler_steps=num_scheduler_steps, **opts)
     project = lib.projector(engine, simulate, shape) if simulate else None
     cpu = ""
     if engine.model.device.type == "cpu":  # which CPU kernels the numbers come from

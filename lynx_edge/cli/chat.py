@@ -18,7 +18,7 @@ from ..harmony import HarmonyParser, HarmonyTokens, is_answer
 from . import ui
 from .common import engine_options, load_engine
 from .options import (ChatTemplateKwargs, check_lynx, CtxSize, Device, Dtype, Int4, Int4Act, Int4Attn, Lynx, MaxTokens, Model, Offload, Profile,
-                      RepeatPenalty, Seed, Temp, TopK, TopP, VerbosePrompt, parse_json_object, sampling_kwargs)
+                      RepeatPenalty, SchedulerSteps, Seed, Temp, TopK, TopP, VerbosePrompt, parse_json_object, sampling_kwargs)
 
 COMMANDS = {
     "/help": "show this help",
@@ -270,6 +270,7 @@ def chat(
     ctx_size: CtxSize = None,
     dtype: Dtype = None,
     device: Device = None,
+    num_scheduler_steps: SchedulerSteps = 16,
 ) -> None:
     """Chat in the terminal (streaming; the KV cache is reused across turns)."""
     template_kwargs = parse_json_object(chat_template_kwargs, "--chat-template-kwargs")
@@ -279,7 +280,7 @@ def chat(
         template_kwargs["reasoning_effort"] = reasoning_effort
     lynx = check_lynx(lynx)  # a bad value fails now, not after the load
     opts = engine_options(lynx, offload, int4, profile, ctx_size, int4_act=int4_act, int4_attn=int4_attn)
-    engine = load_engine(model, dtype, device, **opts)
+    engine = load_engine(model, dtype, device, num_scheduler_steps=num_scheduler_steps, **opts)
     gen = getattr(engine, "generation_config", None)
     sampling, from_model = sampling_kwargs(temp, top_p, top_k, seed, max_tokens, repeat_penalty,
                                            gen.defaults if gen is not None else None)

@@ -34,6 +34,9 @@ Dtype = Annotated[Optional[str], typer.Option("--dtype", help="float32 | bfloat1
 Device = Annotated[Optional[str], typer.Option("--device", help="cuda | cpu (default: cuda when present)")]
 Threads = Annotated[Optional[int], typer.Option(
     "--threads", "-t", min=1, help="CPU threads for torch [default: the idle physical cores, ≥ 1]")]
+SchedulerSteps = Annotated[int, typer.Option(
+    "--num-scheduler-steps", min=1, help="greedy decode steps per native call on a CPU (vLLM's multi-step "
+    "scheduling; fewer when a step is slow, a burst stays within ~20 ms); 1 = one step per call")]
 CtxSize = Annotated[Optional[int], typer.Option("--ctx-size", "-c", help="context length in tokens")]
 
 # sampling (llama.cpp names); None = the model's generation_config.json, else CHAT_FALLBACK
