@@ -314,23 +314,8 @@ class EngineCore:
         stops = set().union(*(r.stops for r in reqs))
         steps = decode_greedy(self.model, self.kv, [r.row for r in reqs], [r.last for r in reqs], n, stops)
         self._steps = len(steps)
-        now, outs = time.perf_counter(), []
-        for i, r in enumerate(reqs):
-            texts, ids, finish = [], [], None
-            for toks in steps:
-                c = self.engine._advance(r.seq, r.row, toks[i], r.stops, r.sp)
-                r.last = toks[i]
-                texts.append(c.text)
-                ids += c.token_ids
-                if c.finish_reason is not None:
-                    finish = c.finish_reason
-                    break
-            n_out = len(r.seq.out)
-            out = RequestOutput(r.id, "".join(texts), ids, finish, len(r.ids), n_out)
-            if finish is not None and n_out > 1:
-                out.tpot_s = (now - r.t_first) / (n_out - 1)
-            outs.append(out)
-        return outs
+        now = time.perf_counter()
+        return [self._emit(r, [toks[i] for toks in steps], now) for i, r in enumerate(reqs)]
 
     def _packed(self, reqs: list[_Request], chunks: list[tuple[_Request, int]]) -> list[RequestOutput]:
         """One forward over the B rows' newest tokens, plus (mixed steps) P prompt-chunk tokens packed
@@ -395,23 +380,33 @@ class EngineCore:
                      select_tokens(logits[i:i + 1], r.sp, r.seen[None] if r.seen is not None else None,
                                    [r.gen] if r.gen is not None else None) for i, r in enumerate(reqs)]
             chosen = torch.cat(picks).tolist()
-        now, outs = time.perf_counter(), []
-        for r, tok in zip(reqs, chosen):
+        now = time.perf_counter()
+        return [self._emit(r, [tok], now) for r, tok in zip(reqs, chosen)]
+
+    def _emit(self, r: _Request, toks: list[int], now: float) -> RequestOutput:
+        """A request's new tokens (one sampled, or a greedy burst's), each through engine._advance up to
+        the one that finishes it → its output (text and ids of them all; TTFT on its first, TPOT on
+        its last)."""
+        first = r.t_first is None
+        if first:
+            r.t_first = now
+        texts, ids, finish = [], [], None
+        for tok in toks:
             if r.seen is not None:
                 r.seen[tok] = True
-            first = r.t_first is None
-            if first:
-                r.t_first = now
             c = self.engine._advance(r.seq, r.row, tok, r.stops, r.sp)
             r.last = tok
-            n = len(r.seq.out)
-            out = RequestOutput(r.id, c.text, c.token_ids, c.finish_reason, len(r.ids), n,
-                                ttft_s=now - r.t_arrival if first else None)
-            if c.finish_reason is not None and n > 1:
-                out.tpot_s = (now - r.t_first) / (n - 1)
-            outs.append(out)
-        return outs
-
+            texts.append(c.text)
+            ids += c.token_ids
+            if c.finish_reason is not None:
+                finish = c.finish_reason
+                break
+        n = len(r.seq.out)
+        out = RequestOutput(r.id, "".join(texts), ids, finish, len(r.ids), n,
+                            ttft_s=now - r.t_arrival if first else None)
+        if finish is not None and n > 1:
+            out.tpot_s = (now - r.t_first) / (n - 1)
+        return out
 
 def _pad_groups(plan: list[tuple[_Request, int]], max_pad: float = 0.25) -> list[list[tuple[_Request, int]]]:
     """Chunks → groups that each run as one padded forward: longest first, a chunk joins the

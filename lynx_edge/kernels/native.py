@@ -581,13 +581,6 @@ class Stack:
         return ran.value, out, ids, w, vec, rc
 
 
-def layers(attn: list, moe: list, plans: list, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-           pos: torch.Tensor, rows: torch.Tensor, kv: list, head: tuple | None = None) -> tuple:
-    """n decode layers in one call (lynx_layers), their arguments prepared for this call only: see
-    Stack and Stack.__call__."""
-    return Stack(attn, moe, plans, kv)(x, cos, sin, pos, rows, head)
-
-
 __all__ = ["AttnLayer", "Lin", "MoeLayer", "attn_decode", "build", "cache_dir", "dense_lin", "dense_ok", "dequant_int4",
-           "exact_plan", "int4_lin", "layer", "layer_attn", "layers", "Stack", "layer_moe", "lib", "route", "Route", "linear", "linear_int4", "moe_dense", "moe_int4", "moe_oss",
+           "exact_plan", "int4_lin", "layer", "layer_attn", "Stack", "layer_moe", "lib", "route", "Route", "linear", "linear_int4", "moe_dense", "moe_int4", "moe_oss",
            "rmsnorm"]
