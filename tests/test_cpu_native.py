@@ -305,7 +305,7 @@ def test_other_isa_paths(arch, tmp_path):
         pytest.skip("x86 -march targets")
     env = {**os.environ, "LYNX_EDGE_NATIVE_ARCH": arch, "XDG_CACHE_HOME": str(tmp_path)}
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "tests/test_cpu_lowbit.py",
-                        "-k", "matches or gpt_oss or rmsnorm or thread_count or fp8 or (lowbit and native)"],
+                        "-k", "matches or gpt_oss or rmsnorm or thread_count or fp8 or (lowbit and native) or tiles or alone"],
                        env=env, capture_output=True, text=True, cwd=str(Path(__file__).parents[1]))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     assert list(tmp_path.glob("lynx-edge/native/cpu_native-*.so")), "the test built no library for " + arch
@@ -579,3 +579,54 @@ def test_fp8_linear_matches_reference(T, N, Kin, block, bias):
     assert torch.equal(torch.cat([lin.native(x[t:t + 1]) for t in range(T)]), y)  # batch-invariant
     lin.weight_scale_inv[0].mul_(1.01)
     assert _rel(lin.native(x), ref) > 100 * TOL_LIN
+
+
+# --- row tiles: every row x token sums the same way alone or in any tile ------------------------
+
+@pytest.mark.parametrize("kind", ["f32", "bf16", "int4", "int4-q8"])
+def test_row_tiles_are_batch_and_row_invariant(kind):
+    """The kernels run up to four adjacent rows and up to four tokens per tile (one token: four rows
+    at once; two tokens: two rows at once; more: one row, four tokens). Each output must be
+    bit-equal whether its row and token run alone or inside any tile: decode is batch-invariant,
+    and a projection's rows do not depend on their neighbours. N = 7 leaves a 3-row tail; T = 1, 2,
+    3, 6 take every tile shape."""
+    N, Kin, T = 7, 256, 6
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(T, Kin, generator=g)
+    if kind in ("f32", "bf16"):
+        W = (torch.randn(N, Kin, generator=g) / Kin**0.5).to(torch.float32 if kind == "f32" else torch.bfloat16)
+
+        def run(xs, rows):
+            return native.linear(xs, W[rows].contiguous())
+    else:
+        ql, _, _, _ = _q4_problem(1, N, Kin, 64, False, False, False)
+
+        def run(xs, rows):
+            z = ql.zeros[:, rows].contiguous()
+            return native.linear_int4(xs, ql.packed[rows].contiguous(), ql.scales[:, rows].contiguous(), z,
+                                      act="q8" if kind == "int4-q8" else "f32")
+    for n_tok in (1, 2, 3, T):
+        full = run(x[:n_tok], slice(0, N))
+        for t in range(n_tok):
+            for n in range(N):
+                assert torch.equal(run(x[t:t + 1], slice(n, n + 1)), full[t:t + 1, n:n + 1]), (kind, n_tok, t, n)
+        assert torch.equal(run(x[:n_tok], slice(2, 6)), full[:, 2:6])  # a tile that starts mid-way
+
+
+@pytest.mark.parametrize("act", ["f32", "q8"])
+def test_int4_moe_tokens_alone_equal_their_batch(act):
+    """A token's MoE output alone equals it inside a batch where its experts are shared with 0-3
+    other tokens (the one-, two- and four-token tiles), bit for bit."""
+    from lynx_edge.quant.int4 import quantize_experts
+
+    g = torch.Generator().manual_seed(5)
+    E, D, I, T, K, G = 5, 256, 128, 7, 2, 64
+    packed = quantize_experts(torch.randn(E, 2 * I, D, generator=g) / D**0.5,
+                              torch.randn(E, D, I, generator=g) / I**0.5, G, False)
+    x = torch.randn(T, D, generator=g)
+    ids = torch.tensor([[0, 1], [0, 1], [0, 2], [0, 2], [1, 2], [1, 3], [3, 4]])  # 4, 4, 3, 2, 1 slots
+    w = torch.softmax(torch.randn(T, K, generator=g), -1)
+    args = (packed.data, packed.layout.part_offsets, False, G, D, I)
+    full = native.moe_int4(x, ids, w, *args, act=act)
+    for t in range(T):
+        assert torch.equal(native.moe_int4(x[t:t + 1], ids[t:t + 1], w[t:t + 1], *args, act=act), full[t:t + 1]), t

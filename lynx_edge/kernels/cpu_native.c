@@ -60,120 +60,193 @@ static inline float hsum256(__m256 t) { /* the sum of 8 lanes */
 }
 #endif
 
-/* acc[t] = sum_g s_g * sum_j (q_j - z_g) * x_t[j] for one packed row q (Kin/2 bytes); s and z point
- * at this row's entry of group 0 (stride N between groups); xe[t] / xo[t] are token t's even / odd
+/* Up to four sums reduced at once, each lane's result through the same fixed tree whatever the
+ * other inputs (absent ones are zero vectors): so a row x token sum does not depend on which rows
+ * or tokens share the call, and decode stays batch-invariant (a row alone equals it in a batch). */
+#if defined(__AVX2__)
+/* [sum a, sum b, sum c, sum d] of four 8-lane vectors: three hadds and one fold (one reduction each
+ * would cost ~2.5x the shuffles; with short rows the reductions rival the multiply-adds) */
+static inline __m128 sum4_256(__m256 a, __m256 b, __m256 c, __m256 d) {
+    const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+/* out[k] = sum of v[k] - corr[k] for k < n (1..8) */
+static inline __attribute__((always_inline)) void reduce_256(const __m256 *v, const float *corr, const int n,
+                                                             float *out) {
+    const __m256 z = _mm256_setzero_ps();
+    for (int k = 0; k < n; k += 4) {
+        float r[4];
+        _mm_storeu_ps(r, sum4_256(v[k], k + 1 < n ? v[k + 1] : z, k + 2 < n ? v[k + 2] : z, k + 3 < n ? v[k + 3] : z));
+        for (int i = 0; i < 4 && k + i < n; i++) out[k + i] = r[i] - corr[k + i];
+    }
+}
+#endif
+#if defined(__AVX512F__)
+static inline __m256 fold512(__m512 v) {
+    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+static inline __attribute__((always_inline)) void reduce_512(const __m512 *v, const float *corr, const int n,
+                                                             float *out) {
+    __m256 h[8];
+    for (int k = 0; k < n; k++) h[k] = fold512(v[k]);
+    reduce_256(h, corr, n, out);
+}
+#endif
+
+/* --- INT4 rows ------------------------------------------------------------------------------- */
+
+/* acc[r * ald + t] = sum_g s_g * sum_j (q_j - z_g) * x_t[j] for R adjacent packed rows (row r's
+ * Kin/2 code bytes at q + r * rs; s and z point at row 0's entry of group 0, stride N between
+ * groups, row r one entry on) and NT tokens, R * NT <= 4; xe[t] / xo[t] are token t's even / odd
  * input columns and xs[t][g] the sum of its inputs in group g. The vector paths compute
  * s_g * (sum_j q_j x_j - z_g * xs[t][g]): the zero point leaves the inner loop (two fewer vector
- * ops per 32 weights in a loop that is bound by its vector ops, not by memory). NT (1..4) tokens
- * share each decoded vector of weights. */
-static inline __attribute__((always_inline)) void dot_rows_h(
-    const uint8_t *q, const uint16_t *s, const uint8_t *z, long N, int Kin, const int H,
-    const float *const *xe, const float *const *xo, const float *const *xs, const int NT, float *acc) {
-    const int ng = Kin / (2 * H);
-    int t;
+ * ops per 32 weights in a loop that is bound by its vector ops, not by memory). NT tokens share
+ * each decoded vector of weights; R rows share each load of the inputs and one reduction (the
+ * demo's 256-wide rows are only 8 vector steps, so a lone row paid its reduction and its loop
+ * set-up about as much as its multiply-adds). Each row x token sums the same way in any tile. */
+static inline __attribute__((always_inline)) void dot_tile_h(
+    const uint8_t *q, const long rs, const uint16_t *s, const uint8_t *z, long N, int Kin, const int H, const int R,
+    const float *const *xe, const float *const *xo, const float *const *xs, const int NT, float *acc, const long ald) {
+    const int ng = Kin / (2 * H), RN = R * NT;
+    float corr[4] = {0.0f, 0.0f, 0.0f, 0.0f}, out[4];
+    int t, r;
 #if defined(__AVX512F__)
     if (H % 16 == 0) {
         __m512 tot[4];
-        float corr[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         const __m512i m15 = _mm512_set1_epi32(15);
-        for (t = 0; t < NT; t++) tot[t] = _mm512_setzero_ps();
+        for (t = 0; t < RN; t++) tot[t] = _mm512_setzero_ps();
         for (int g = 0; g < ng; g++) {
-            const float sg = h2f(s[g * N]), zg = (float)(z ? z[g * N] : 8);
-            const uint8_t *qg = q + (long)g * H;
-            _mm_prefetch((const char *)qg + PREFETCH / 2, _MM_HINT_T0); /* the rows after this one */
             __m512 ae[4], ao[4];
-            for (t = 0; t < NT; t++) { ae[t] = _mm512_setzero_ps(); ao[t] = _mm512_setzero_ps(); }
-            for (int j = 0; j < H; j += 16) {
-                const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qg + j)));
-                const __m512 we = _mm512_cvtepi32_ps(_mm512_and_si512(b, m15));
-                const __m512 wo = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+            for (t = 0; t < RN; t++) { ae[t] = _mm512_setzero_ps(); ao[t] = _mm512_setzero_ps(); }
+            for (r = 0; r < R; r++) /* the rows after these */
+                _mm_prefetch((const char *)q + r * rs + (long)g * H + PREFETCH / 2, _MM_HINT_T0);
+            for (int j = 0; j < H; j += 16)
+                for (r = 0; r < R; r++) {
+                    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + r * rs + (long)g * H + j)));
+                    const __m512 we = _mm512_cvtepi32_ps(_mm512_and_si512(b, m15));
+                    const __m512 wo = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+                    for (t = 0; t < NT; t++) {
+                        ae[r * NT + t] = _mm512_fmadd_ps(we, _mm512_loadu_ps(xe[t] + g * H + j), ae[r * NT + t]);
+                        ao[r * NT + t] = _mm512_fmadd_ps(wo, _mm512_loadu_ps(xo[t] + g * H + j), ao[r * NT + t]);
+                    }
+                }
+            for (r = 0; r < R; r++) {
+                const float sg = h2f(s[g * N + r]), zg = (float)(z ? z[g * N + r] : 8);
+                const __m512 sv = _mm512_set1_ps(sg);
                 for (t = 0; t < NT; t++) {
-                    ae[t] = _mm512_fmadd_ps(we, _mm512_loadu_ps(xe[t] + g * H + j), ae[t]);
-                    ao[t] = _mm512_fmadd_ps(wo, _mm512_loadu_ps(xo[t] + g * H + j), ao[t]);
+                    tot[r * NT + t] = _mm512_fmadd_ps(sv, _mm512_add_ps(ae[r * NT + t], ao[r * NT + t]), tot[r * NT + t]);
+                    corr[r * NT + t] += sg * zg * xs[t][g];
                 }
             }
-            const __m512 sv = _mm512_set1_ps(sg);
-            for (t = 0; t < NT; t++) {
-                tot[t] = _mm512_fmadd_ps(sv, _mm512_add_ps(ae[t], ao[t]), tot[t]);
-                corr[t] += sg * zg * xs[t][g];
-            }
         }
-        for (t = 0; t < NT; t++) acc[t] = _mm512_reduce_add_ps(tot[t]) - corr[t];
+        reduce_512(tot, corr, RN, out);
+        for (r = 0; r < R; r++)
+            for (t = 0; t < NT; t++) acc[r * ald + t] = out[r * NT + t];
         return;
     }
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
     if (H % 8 == 0) {
         __m256 tot[4];
-        float corr[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         const __m256i m15 = _mm256_set1_epi32(15);
-        for (t = 0; t < NT; t++) tot[t] = _mm256_setzero_ps();
+        for (t = 0; t < RN; t++) tot[t] = _mm256_setzero_ps();
         for (int g = 0; g < ng; g++) {
-            const float sg = h2f(s[g * N]), zg = (float)(z ? z[g * N] : 8);
-            const uint8_t *qg = q + (long)g * H;
             __m256 ae[4], ao[4];
-            for (t = 0; t < NT; t++) { ae[t] = _mm256_setzero_ps(); ao[t] = _mm256_setzero_ps(); }
-            for (int j = 0; j < H; j += 8) {
-                const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qg + j)));
-                const __m256 we = _mm256_cvtepi32_ps(_mm256_and_si256(b, m15));
-                const __m256 wo = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+            for (t = 0; t < RN; t++) { ae[t] = _mm256_setzero_ps(); ao[t] = _mm256_setzero_ps(); }
+            for (int j = 0; j < H; j += 8)
+                for (r = 0; r < R; r++) {
+                    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + r * rs + (long)g * H + j)));
+                    const __m256 we = _mm256_cvtepi32_ps(_mm256_and_si256(b, m15));
+                    const __m256 wo = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+                    for (t = 0; t < NT; t++) {
+                        ae[r * NT + t] = _mm256_fmadd_ps(we, _mm256_loadu_ps(xe[t] + g * H + j), ae[r * NT + t]);
+                        ao[r * NT + t] = _mm256_fmadd_ps(wo, _mm256_loadu_ps(xo[t] + g * H + j), ao[r * NT + t]);
+                    }
+                }
+            for (r = 0; r < R; r++) {
+                const float sg = h2f(s[g * N + r]), zg = (float)(z ? z[g * N + r] : 8);
+                const __m256 sv = _mm256_set1_ps(sg);
                 for (t = 0; t < NT; t++) {
-                    ae[t] = _mm256_fmadd_ps(we, _mm256_loadu_ps(xe[t] + g * H + j), ae[t]);
-                    ao[t] = _mm256_fmadd_ps(wo, _mm256_loadu_ps(xo[t] + g * H + j), ao[t]);
+                    tot[r * NT + t] = _mm256_fmadd_ps(sv, _mm256_add_ps(ae[r * NT + t], ao[r * NT + t]), tot[r * NT + t]);
+                    corr[r * NT + t] += sg * zg * xs[t][g];
                 }
             }
-            const __m256 sv = _mm256_set1_ps(sg);
-            for (t = 0; t < NT; t++) {
-                tot[t] = _mm256_fmadd_ps(sv, _mm256_add_ps(ae[t], ao[t]), tot[t]);
-                corr[t] += sg * zg * xs[t][g];
-            }
         }
-        for (t = 0; t < NT; t++) acc[t] = hsum256(tot[t]) - corr[t];
+        reduce_256(tot, corr, RN, out);
+        for (r = 0; r < R; r++)
+            for (t = 0; t < NT; t++) acc[r * ald + t] = out[r * NT + t];
         return;
     }
 #endif
     /* portable: the compiler vectorises what it can (the zero point stays in the loop) */
-    (void)xs;
-    for (t = 0; t < NT; t++) acc[t] = 0.0f;
-    for (int g = 0; g < ng; g++) {
-        const int zz = z ? z[g * N] : 8;
-        const float sc = h2f(s[g * N]);
-        for (t = 0; t < NT; t++) {
-            const float *a = xe[t] + g * H, *c = xo[t] + g * H;
-            const uint8_t *qg = q + (long)g * H;
-            float p = 0.0f;
-            for (int j = 0; j < H; j++) p += (float)((qg[j] & 15) - zz) * a[j] + (float)((qg[j] >> 4) - zz) * c[j];
-            acc[t] += sc * p;
+    (void)xs; (void)corr; (void)out; (void)RN;
+    for (r = 0; r < R; r++) {
+        const uint8_t *qr = q + r * rs;
+        for (t = 0; t < NT; t++) acc[r * ald + t] = 0.0f;
+        for (int g = 0; g < ng; g++) {
+            const int zz = z ? z[g * N + r] : 8;
+            const float sc = h2f(s[g * N + r]);
+            for (t = 0; t < NT; t++) {
+                const float *a = xe[t] + g * H, *c = xo[t] + g * H;
+                const uint8_t *qg = qr + (long)g * H;
+                float p = 0.0f;
+                for (int j = 0; j < H; j++) p += (float)((qg[j] & 15) - zz) * a[j] + (float)((qg[j] >> 4) - zz) * c[j];
+                acc[r * ald + t] += sc * p;
+            }
         }
     }
 }
 
-/* dot_rows_h with the group's half-width H a compile-time constant for the usual group sizes */
-static inline __attribute__((always_inline)) void dot_rows(
-    const uint8_t *q, const uint16_t *s, const uint8_t *z, long N, int Kin, int G,
-    const float *const *xe, const float *const *xo, const float *const *xs, const int NT, float *acc) {
-    if (G == 128) dot_rows_h(q, s, z, N, Kin, 64, xe, xo, xs, NT, acc);
-    else if (G == 64) dot_rows_h(q, s, z, N, Kin, 32, xe, xo, xs, NT, acc);
-    else if (G == 32) dot_rows_h(q, s, z, N, Kin, 16, xe, xo, xs, NT, acc);
-    else dot_rows_h(q, s, z, N, Kin, G / 2, xe, xo, xs, NT, acc);
+/* dot_tile_h with the group's half-width H a compile-time constant for the usual group sizes */
+static inline __attribute__((always_inline)) void dot_tile(
+    const uint8_t *q, long rs, const uint16_t *s, const uint8_t *z, long N, int Kin, int G, const int R,
+    const float *const *xe, const float *const *xo, const float *const *xs, const int NT, float *acc, long ald) {
+    if (G == 128) dot_tile_h(q, rs, s, z, N, Kin, 64, R, xe, xo, xs, NT, acc, ald);
+    else if (G == 64) dot_tile_h(q, rs, s, z, N, Kin, 32, R, xe, xo, xs, NT, acc, ald);
+    else if (G == 32) dot_tile_h(q, rs, s, z, N, Kin, 16, R, xe, xo, xs, NT, acc, ald);
+    else dot_tile_h(q, rs, s, z, N, Kin, G / 2, R, xe, xo, xs, NT, acc, ald);
 }
 
-/* acc[0..n) for n tokens whose even/odd rows start at xe0/xo0 with row stride ld (group sums
- * at xs0, row stride Kin/G), four at a time */
-static void dot_slots(const uint8_t *q, const uint16_t *s, const uint8_t *z, long N, int Kin, int G,
+/* acc[r * ROWS_LD + t] for R (1..4) adjacent rows (as dot_tile_h) and n tokens whose even/odd rows
+ * start at xe0/xo0 with row stride ld (group sums at xs0, row stride Kin/G). Tiles: one token, all
+ * R rows at once (decode at B=1, and an expert with one slot); two tokens, two rows at a time;
+ * more, one row at a time with four tokens sharing each weight vector. */
+#define ROWS_LD 64 /* tokens per call (acc's row stride) */
+static void dot_block(const uint8_t *q, long rs, const uint16_t *s, const uint8_t *z, long N, int Kin, int G, int R,
                       const float *xe0, const float *xo0, long ld, const float *xs0, int n, float *acc) {
     const long ng = Kin / G;
     const float *xe[4], *xo[4], *xs[4];
-    int t = 0;
-    for (; t + 4 <= n; t += 4) {
-        for (int i = 0; i < 4; i++) { xe[i] = xe0 + (t + i) * ld; xo[i] = xo0 + (t + i) * ld; xs[i] = xs0 + (t + i) * ng; }
-        dot_rows(q, s, z, N, Kin, G, xe, xo, xs, 4, acc + t);
+    for (int i = 0; i < 4 && i < n; i++) { xe[i] = xe0 + i * ld; xo[i] = xo0 + i * ld; xs[i] = xs0 + i * ng; }
+    if (n == 1) {
+        if (R == 4) dot_tile(q, rs, s, z, N, Kin, G, 4, xe, xo, xs, 1, acc, ROWS_LD);
+        else if (R == 3) dot_tile(q, rs, s, z, N, Kin, G, 3, xe, xo, xs, 1, acc, ROWS_LD);
+        else if (R == 2) dot_tile(q, rs, s, z, N, Kin, G, 2, xe, xo, xs, 1, acc, ROWS_LD);
+        else dot_tile(q, rs, s, z, N, Kin, G, 1, xe, xo, xs, 1, acc, ROWS_LD);
+        return;
     }
-    const int r = n - t;
-    for (int i = 0; i < r; i++) { xe[i] = xe0 + (t + i) * ld; xo[i] = xo0 + (t + i) * ld; xs[i] = xs0 + (t + i) * ng; }
-    if (r == 3) dot_rows(q, s, z, N, Kin, G, xe, xo, xs, 3, acc + t);
-    else if (r == 2) dot_rows(q, s, z, N, Kin, G, xe, xo, xs, 2, acc + t);
-    else if (r == 1) dot_rows(q, s, z, N, Kin, G, xe, xo, xs, 1, acc + t);
+    if (n == 2) {
+        int r = 0;
+        for (; r + 2 <= R; r += 2) dot_tile(q + r * rs, rs, s + r, z ? z + r : NULL, N, Kin, G, 2, xe, xo, xs, 2,
+                                            acc + r * ROWS_LD, ROWS_LD);
+        if (r < R) dot_tile(q + r * rs, rs, s + r, z ? z + r : NULL, N, Kin, G, 1, xe, xo, xs, 2, acc + r * ROWS_LD,
+                            ROWS_LD);
+        return;
+    }
+    for (int r = 0; r < R; r++) {
+        const uint8_t *qr = q + r * rs, *zr = z ? z + r : NULL;
+        const uint16_t *sr = s + r;
+        float *ar = acc + r * ROWS_LD;
+        int t = 0;
+        for (; t + 4 <= n; t += 4) {
+            for (int i = 0; i < 4; i++) { xe[i] = xe0 + (t + i) * ld; xo[i] = xo0 + (t + i) * ld; xs[i] = xs0 + (t + i) * ng; }
+            dot_tile(qr, rs, sr, zr, N, Kin, G, 1, xe, xo, xs, 4, ar + t, 1);
+        }
+        const int m = n - t;
+        for (int i = 0; i < m; i++) { xe[i] = xe0 + (t + i) * ld; xo[i] = xo0 + (t + i) * ld; xs[i] = xs0 + (t + i) * ng; }
+        if (m == 3) dot_tile(qr, rs, sr, zr, N, Kin, G, 1, xe, xo, xs, 3, ar + t, 1);
+        else if (m == 2) dot_tile(qr, rs, sr, zr, N, Kin, G, 1, xe, xo, xs, 2, ar + t, 1);
+        else if (m == 1) dot_tile(qr, rs, sr, zr, N, Kin, G, 1, xe, xo, xs, 1, ar + t, 1);
+    }
 }
 
 /* a row's even / odd input columns (through the act-order permutation perm when not NULL: code
@@ -239,229 +312,297 @@ static void quant_q8(const float *xe, const float *xo, long S, int Kin, int G, i
     }
 }
 
-/* acc[t] for NT (1..4) tokens over one packed row q; s / z at this row's group 0 entry (stride N) */
-static inline __attribute__((always_inline)) void q8_rows(
-    const uint8_t *q, const uint16_t *s, const uint8_t *z, long N, int Kin, int G, const int8_t *const *xe,
-    const int8_t *const *xo, const float *const *d, const float *const *zx, const int NT, float *acc) {
-    const int ng = Kin / G;
-    float corr[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    int t;
-    for (int g = 0; g < ng; g++) {
-        const float sg = h2f(s[g * N]), zg = (float)(z ? z[g * N] : 8);
-        for (t = 0; t < NT; t++) corr[t] += sg * zg * zx[t][g];
-    }
+/* acc[r * ald + t] for R adjacent packed rows (as dot_tile_h) and NT tokens, R * NT <= 4; s / z at
+ * row 0's group 0 entry (stride N between groups, row r one entry on) */
+static inline __attribute__((always_inline)) void q8_tile(
+    const uint8_t *q, const long rs, const uint16_t *s, const uint8_t *z, long N, int Kin, int G, const int R,
+    const int8_t *const *xe, const int8_t *const *xo, const float *const *d, const float *const *zx, const int NT,
+    float *acc, const long ald) {
+    const int ng = Kin / G, RN = R * NT;
+    float corr[4] = {0.0f, 0.0f, 0.0f, 0.0f}, out[4];
+    int t, r;
+    for (int g = 0; g < ng; g++)
+        for (r = 0; r < R; r++) {
+            const float sg = h2f(s[g * N + r]), zg = (float)(z ? z[g * N + r] : 8);
+            for (t = 0; t < NT; t++) corr[r * NT + t] += sg * zg * zx[t][g];
+        }
 #if defined(__AVX512F__) && defined(__AVX512BW__)
     {
         __m512 tot[4];
-        for (t = 0; t < NT; t++) tot[t] = _mm512_setzero_ps();
+        for (t = 0; t < RN; t++) tot[t] = _mm512_setzero_ps();
         const __m512i m4 = _mm512_set1_epi8(15);
         const __m512i quarter = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
 #if !defined(__AVX512VNNI__)
         const __m512i ones = _mm512_set1_epi16(1);
 #endif
         for (int c = 0; c < Kin / 128; c++) { /* 64 bytes: 128 weights, 4 blocks of QB */
-            const __m512i w = _mm512_loadu_si512((const void *)(q + 64L * c));
-            _mm_prefetch((const char *)q + 64L * c + PREFETCH, _MM_HINT_T0);
-            const __m512i lo = _mm512_and_si512(w, m4), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), m4);
-            __m512 sv; /* s_g per lane: a group covers G/8 lanes */
-            if (G >= 128) sv = _mm512_set1_ps(h2f(s[(long)(c * 128 / G) * N]));
-            else if (G == 64)
-                sv = _mm512_insertf32x8(_mm512_set1_ps(h2f(s[(long)(2 * c) * N])), _mm256_set1_ps(h2f(s[(long)(2 * c + 1) * N])), 1);
-            else
-                sv = _mm512_permutexvar_ps(quarter, _mm512_castps128_ps512(_mm_setr_ps(
-                         h2f(s[(long)(4 * c) * N]), h2f(s[(long)(4 * c + 1) * N]), h2f(s[(long)(4 * c + 2) * N]),
-                         h2f(s[(long)(4 * c + 3) * N]))));
-            for (t = 0; t < NT; t++) {
-                const __m512i ve = _mm512_loadu_si512((const void *)(xe[t] + 64L * c));
-                const __m512i vo = _mm512_loadu_si512((const void *)(xo[t] + 64L * c));
+            __m512 dv[4];
+            for (t = 0; t < NT; t++) dv[t] = _mm512_permutexvar_ps(quarter, _mm512_castps128_ps512(_mm_loadu_ps(d[t] + 4L * c)));
+            for (r = 0; r < R; r++) {
+                const uint8_t *qr = q + r * rs;
+                const uint16_t *sr = s + r;
+                const __m512i w = _mm512_loadu_si512((const void *)(qr + 64L * c));
+                _mm_prefetch((const char *)qr + 64L * c + PREFETCH, _MM_HINT_T0);
+                const __m512i lo = _mm512_and_si512(w, m4), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), m4);
+                __m512 sv; /* s_g per lane: a group covers G/8 lanes */
+                if (G >= 128) sv = _mm512_set1_ps(h2f(sr[(long)(c * 128 / G) * N]));
+                else if (G == 64)
+                    sv = _mm512_insertf32x8(_mm512_set1_ps(h2f(sr[(long)(2 * c) * N])), _mm256_set1_ps(h2f(sr[(long)(2 * c + 1) * N])), 1);
+                else
+                    sv = _mm512_permutexvar_ps(quarter, _mm512_castps128_ps512(_mm_setr_ps(
+                             h2f(sr[(long)(4 * c) * N]), h2f(sr[(long)(4 * c + 1) * N]), h2f(sr[(long)(4 * c + 2) * N]),
+                             h2f(sr[(long)(4 * c + 3) * N]))));
+                for (t = 0; t < NT; t++) {
+                    const __m512i ve = _mm512_loadu_si512((const void *)(xe[t] + 64L * c));
+                    const __m512i vo = _mm512_loadu_si512((const void *)(xo[t] + 64L * c));
 #if defined(__AVX512VNNI__)
-                const __m512i a = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, ve), hi, vo);
+                    const __m512i a = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, ve), hi, vo);
 #else
-                const __m512i a = _mm512_madd_epi16(_mm512_add_epi16(_mm512_maddubs_epi16(lo, ve),
-                                                                     _mm512_maddubs_epi16(hi, vo)), ones);
+                    const __m512i a = _mm512_madd_epi16(_mm512_add_epi16(_mm512_maddubs_epi16(lo, ve),
+                                                                         _mm512_maddubs_epi16(hi, vo)), ones);
 #endif
-                const __m512 dv = _mm512_permutexvar_ps(quarter, _mm512_castps128_ps512(_mm_loadu_ps(d[t] + 4L * c)));
-                tot[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(dv, sv), tot[t]);
+                    tot[r * NT + t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(dv[t], sv), tot[r * NT + t]);
+                }
             }
         }
-        for (t = 0; t < NT; t++) acc[t] = _mm512_reduce_add_ps(tot[t]) - corr[t];
-        return;
+        reduce_512(tot, corr, RN, out);
     }
 #elif defined(__AVX2__) && defined(__FMA__)
     {
         __m256 tot[4];
-        for (t = 0; t < NT; t++) tot[t] = _mm256_setzero_ps();
+        for (t = 0; t < RN; t++) tot[t] = _mm256_setzero_ps();
         const __m256i m4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
         for (int c = 0; c < Kin / 64; c++) { /* 32 bytes: 64 weights, 2 blocks of QB */
-            const __m256i w = _mm256_loadu_si256((const __m256i *)(q + 32L * c));
-            const __m256i lo = _mm256_and_si256(w, m4), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), m4);
-            const float s0 = h2f(s[(long)(c * 64 / G) * N]);
-            const __m256 sv = G >= 64 ? _mm256_set1_ps(s0)
-                                      : _mm256_set_m128(_mm_set1_ps(h2f(s[(long)(2 * c + 1) * N])), _mm_set1_ps(s0));
-            for (t = 0; t < NT; t++) {
-                const __m256i ve = _mm256_loadu_si256((const __m256i *)(xe[t] + 32L * c));
-                const __m256i vo = _mm256_loadu_si256((const __m256i *)(xo[t] + 32L * c));
-                const __m256i a = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, ve),
-                                                                     _mm256_maddubs_epi16(hi, vo)), ones);
-                const __m256 dv = _mm256_set_m128(_mm_set1_ps(d[t][2 * c + 1]), _mm_set1_ps(d[t][2 * c]));
-                tot[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_mul_ps(dv, sv), tot[t]);
+            for (r = 0; r < R; r++) {
+                const uint8_t *qr = q + r * rs;
+                const uint16_t *sr = s + r;
+                const __m256i w = _mm256_loadu_si256((const __m256i *)(qr + 32L * c));
+                const __m256i lo = _mm256_and_si256(w, m4), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), m4);
+                const float s0 = h2f(sr[(long)(c * 64 / G) * N]);
+                const __m256 sv = G >= 64 ? _mm256_set1_ps(s0)
+                                          : _mm256_set_m128(_mm_set1_ps(h2f(sr[(long)(2 * c + 1) * N])), _mm_set1_ps(s0));
+                for (t = 0; t < NT; t++) {
+                    const __m256i ve = _mm256_loadu_si256((const __m256i *)(xe[t] + 32L * c));
+                    const __m256i vo = _mm256_loadu_si256((const __m256i *)(xo[t] + 32L * c));
+                    const __m256i a = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, ve),
+                                                                         _mm256_maddubs_epi16(hi, vo)), ones);
+                    const __m256 dv = _mm256_set_m128(_mm_set1_ps(d[t][2 * c + 1]), _mm_set1_ps(d[t][2 * c]));
+                    tot[r * NT + t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_mul_ps(dv, sv), tot[r * NT + t]);
+                }
             }
         }
-        for (t = 0; t < NT; t++) acc[t] = hsum256(tot[t]) - corr[t];
-        return;
+        reduce_256(tot, corr, RN, out);
     }
 #else
-    for (t = 0; t < NT; t++) {
-        float tot = 0.0f;
-        for (int b = 0; b < Kin / QB; b++) {
-            int a = 0;
-            for (int j = b * (QB / 2); j < (b + 1) * (QB / 2); j++) a += (q[j] & 15) * xe[t][j] + (q[j] >> 4) * xo[t][j];
-            tot += (float)a * d[t][b] * h2f(s[(long)(b * QB / G) * N]);
+    (void)RN;
+    for (r = 0; r < R; r++)
+        for (t = 0; t < NT; t++) {
+            const uint8_t *qr = q + r * rs;
+            float tot = 0.0f;
+            for (int b = 0; b < Kin / QB; b++) {
+                int a = 0;
+                for (int j = b * (QB / 2); j < (b + 1) * (QB / 2); j++)
+                    a += (qr[j] & 15) * xe[t][j] + (qr[j] >> 4) * xo[t][j];
+                tot += (float)a * d[t][b] * h2f(s[(long)(b * QB / G) * N + r]);
+            }
+            out[r * NT + t] = tot - corr[r * NT + t];
         }
-        acc[t] = tot - corr[t];
-    }
 #endif
+    for (r = 0; r < R; r++)
+        for (t = 0; t < NT; t++) acc[r * ald + t] = out[r * NT + t];
 }
 
-/* acc[0..n) for n tokens (rows of stride h / nb / ng from xe0, xo0, d0, zx0), four at a time */
-static void q8_slots(const uint8_t *q, const uint16_t *s, const uint8_t *z, long N, int Kin, int G, const int8_t *xe0,
-                     const int8_t *xo0, const float *d0, const float *zx0, int n, float *acc) {
+/* acc[r * ROWS_LD + t] for R (1..4) adjacent rows and n tokens (rows of stride h / nb / ng from
+ * xe0, xo0, d0, zx0): the tiles of dot_block */
+static void q8_block(const uint8_t *q, long rs, const uint16_t *s, const uint8_t *z, long N, int Kin, int G, int R,
+                     const int8_t *xe0, const int8_t *xo0, const float *d0, const float *zx0, int n, float *acc) {
     const long h = Kin / 2, nb = Kin / QB, ng = Kin / G;
     const int8_t *xe[4], *xo[4];
     const float *d[4], *zx[4];
-    for (int t = 0; t < n; t += 4) {
-        const int m = n - t < 4 ? n - t : 4;
-        for (int i = 0; i < m; i++) {
-            xe[i] = xe0 + (t + i) * h; xo[i] = xo0 + (t + i) * h; d[i] = d0 + (t + i) * nb; zx[i] = zx0 + (t + i) * ng;
-        }
-        if (m == 4) q8_rows(q, s, z, N, Kin, G, xe, xo, d, zx, 4, acc + t);
-        else if (m == 3) q8_rows(q, s, z, N, Kin, G, xe, xo, d, zx, 3, acc + t);
-        else if (m == 2) q8_rows(q, s, z, N, Kin, G, xe, xo, d, zx, 2, acc + t);
-        else q8_rows(q, s, z, N, Kin, G, xe, xo, d, zx, 1, acc + t);
+#define Q8_TOKENS(t0, m) \
+    for (int i = 0; i < (m); i++) { \
+        xe[i] = xe0 + ((t0) + i) * h; xo[i] = xo0 + ((t0) + i) * h; d[i] = d0 + ((t0) + i) * nb; zx[i] = zx0 + ((t0) + i) * ng; }
+    if (n == 1) {
+        Q8_TOKENS(0, 1)
+        if (R == 4) q8_tile(q, rs, s, z, N, Kin, G, 4, xe, xo, d, zx, 1, acc, ROWS_LD);
+        else if (R == 3) q8_tile(q, rs, s, z, N, Kin, G, 3, xe, xo, d, zx, 1, acc, ROWS_LD);
+        else if (R == 2) q8_tile(q, rs, s, z, N, Kin, G, 2, xe, xo, d, zx, 1, acc, ROWS_LD);
+        else q8_tile(q, rs, s, z, N, Kin, G, 1, xe, xo, d, zx, 1, acc, ROWS_LD);
+        return;
     }
+    if (n == 2) {
+        Q8_TOKENS(0, 2)
+        int r = 0;
+        for (; r + 2 <= R; r += 2)
+            q8_tile(q + r * rs, rs, s + r, z ? z + r : NULL, N, Kin, G, 2, xe, xo, d, zx, 2, acc + r * ROWS_LD, ROWS_LD);
+        if (r < R)
+            q8_tile(q + r * rs, rs, s + r, z ? z + r : NULL, N, Kin, G, 1, xe, xo, d, zx, 2, acc + r * ROWS_LD, ROWS_LD);
+        return;
+    }
+    for (int r = 0; r < R; r++) {
+        const uint8_t *qr = q + r * rs, *zr = z ? z + r : NULL;
+        float *ar = acc + r * ROWS_LD;
+        for (int t = 0; t < n; t += 4) {
+            const int m = n - t < 4 ? n - t : 4;
+            Q8_TOKENS(t, m)
+            if (m == 4) q8_tile(qr, rs, s + r, zr, N, Kin, G, 1, xe, xo, d, zx, 4, ar + t, 1);
+            else if (m == 3) q8_tile(qr, rs, s + r, zr, N, Kin, G, 1, xe, xo, d, zx, 3, ar + t, 1);
+            else if (m == 2) q8_tile(qr, rs, s + r, zr, N, Kin, G, 1, xe, xo, d, zx, 2, ar + t, 1);
+            else q8_tile(qr, rs, s + r, zr, N, Kin, G, 1, xe, xo, d, zx, 1, ar + t, 1);
+        }
+    }
+#undef Q8_TOKENS
 }
-
-/* --- horizontal sums ------------------------------------------------------------------------- */
-
-#if defined(__AVX2__)
-/* [sum a, sum b, sum c, sum d] of four 8-lane vectors: three hadds and one fold (one reduction each
- * would cost ~2.5x the shuffles; with short rows the reductions rival the multiply-adds) */
-static inline __m128 sum4_256(__m256 a, __m256 b, __m256 c, __m256 d) {
-    const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
-    return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
-}
-#endif
-#if defined(__AVX512F__)
-static inline __m256 fold512(__m512 v) {
-    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-}
-#endif
 
 /* --- 16/32-bit rows --------------------------------------------------------------------------- */
 
 enum { FMT_INT4 = 0, FMT_F32 = 1, FMT_BF16 = 2, FMT_MXFP4 = 3, FMT_FP8 = 4 };
 
-/* acc[t] = sum_j w[j] * x_t[j] over one row w (fp32 or bf16: bf16 widens exactly by a shift) */
-static inline __attribute__((always_inline)) void dense_rows(const void *w, const int FMT, int Kin,
-                                                             const float *const *x, const int NT, float *acc) {
-    int t, j = 0;
-    const float *wf = (const float *)w;
-    const uint16_t *wb = (const uint16_t *)w;
+/* acc[r * ald + t] = sum_j w_r[j] * x_t[j] for R adjacent rows (row r at w + r * rs bytes; fp32 or
+ * bf16: bf16 widens exactly by a shift) and NT tokens, R * NT <= 4 */
+static inline __attribute__((always_inline)) void dense_tile(const uint8_t *w, const long rs, const int FMT, int Kin,
+                                                             const int R, const float *const *x, const int NT,
+                                                             float *acc, const long ald) {
+    int t, r, j = 0;
+    const int RN = R * NT;
+    float out[4];
+#define WF(r) ((const float *)(w + (r) * rs))
+#define WB(r) ((const uint16_t *)(w + (r) * rs))
 #if defined(__AVX512F__)
-    /* every token sums the same way whatever NT (1..4): four partial sums per 64 inputs (or the FMA
-     * latency chain bounds a one-token row), then 16 at a time, then one fixed reduction. So a
-     * token's result does not depend on which tokens share the call: decode is batch-invariant
-     * (a row's output alone equals it inside any batch). */
+    /* every row x token sums the same way whatever R and NT: four partial sums per 64 inputs (or
+     * the FMA latency chain bounds a one-token row), then 16 at a time, then one fixed reduction
+     * (reduce_512). So a token's result does not depend on which tokens or rows share the call:
+     * decode is batch-invariant (a row's output alone equals it inside any batch). */
     __m512 a[4][4], s[4];
-    for (t = 0; t < NT; t++) a[t][0] = a[t][1] = a[t][2] = a[t][3] = _mm512_setzero_ps();
-    for (; j + 64 <= Kin; j += 64) {
-#define W16(o) (FMT == FMT_F32 ? _mm512_loadu_ps(wf + j + (o)) \
-                : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(wb + j + (o)))), 16)))
-        const char *pf = (const char *)w + (long)j * (FMT == FMT_F32 ? 4 : 2) + PREFETCH;
-        _mm_prefetch(pf, _MM_HINT_T0);
-        _mm_prefetch(pf + 64, _MM_HINT_T0);
-        if (FMT == FMT_F32) { _mm_prefetch(pf + 128, _MM_HINT_T0); _mm_prefetch(pf + 192, _MM_HINT_T0); }
-        const __m512 w0 = W16(0), w1 = W16(16), w2 = W16(32), w3 = W16(48);
-#undef W16
-        for (t = 0; t < NT; t++) {
-            a[t][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x[t] + j), a[t][0]);
-            a[t][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x[t] + j + 16), a[t][1]);
-            a[t][2] = _mm512_fmadd_ps(w2, _mm512_loadu_ps(x[t] + j + 32), a[t][2]);
-            a[t][3] = _mm512_fmadd_ps(w3, _mm512_loadu_ps(x[t] + j + 48), a[t][3]);
+    for (t = 0; t < RN; t++) a[t][0] = a[t][1] = a[t][2] = a[t][3] = _mm512_setzero_ps();
+#define W16(r, o) (FMT == FMT_F32 ? _mm512_loadu_ps(WF(r) + j + (o)) \
+                : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(WB(r) + j + (o)))), 16)))
+    for (; j + 64 <= Kin; j += 64)
+        for (r = 0; r < R; r++) {
+            const char *pf = (const char *)(w + r * rs) + (long)j * (FMT == FMT_F32 ? 4 : 2) + PREFETCH;
+            _mm_prefetch(pf, _MM_HINT_T0);
+            _mm_prefetch(pf + 64, _MM_HINT_T0);
+            if (FMT == FMT_F32) { _mm_prefetch(pf + 128, _MM_HINT_T0); _mm_prefetch(pf + 192, _MM_HINT_T0); }
+            const __m512 w0 = W16(r, 0), w1 = W16(r, 16), w2 = W16(r, 32), w3 = W16(r, 48);
+            for (t = 0; t < NT; t++) {
+                const int k = r * NT + t;
+                a[k][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x[t] + j), a[k][0]);
+                a[k][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x[t] + j + 16), a[k][1]);
+                a[k][2] = _mm512_fmadd_ps(w2, _mm512_loadu_ps(x[t] + j + 32), a[k][2]);
+                a[k][3] = _mm512_fmadd_ps(w3, _mm512_loadu_ps(x[t] + j + 48), a[k][3]);
+            }
         }
-    }
-    for (t = 0; t < NT; t++) s[t] = _mm512_add_ps(_mm512_add_ps(a[t][0], a[t][1]), _mm512_add_ps(a[t][2], a[t][3]));
-    for (; j + 16 <= Kin; j += 16) {
-        const __m512 wv = FMT == FMT_F32 ? _mm512_loadu_ps(wf + j)
-            : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(wb + j))), 16));
-        for (t = 0; t < NT; t++) s[t] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x[t] + j), s[t]);
-    }
-    { /* one reduction for all: absent tokens are zero vectors, which add nothing to the others */
+    for (t = 0; t < RN; t++) s[t] = _mm512_add_ps(_mm512_add_ps(a[t][0], a[t][1]), _mm512_add_ps(a[t][2], a[t][3]));
+    for (; j + 16 <= Kin; j += 16)
+        for (r = 0; r < R; r++) {
+            const __m512 wv = W16(r, 0);
+            for (t = 0; t < NT; t++) s[r * NT + t] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x[t] + j), s[r * NT + t]);
+        }
+#undef W16
+    {
         const __m256 z = _mm256_setzero_ps();
-        float r[4];
-        _mm_storeu_ps(r, sum4_256(fold512(s[0]), NT > 1 ? fold512(s[1]) : z, NT > 2 ? fold512(s[2]) : z,
-                                  NT > 3 ? fold512(s[3]) : z));
-        for (t = 0; t < NT; t++) acc[t] = r[t];
+        _mm_storeu_ps(out, sum4_256(fold512(s[0]), RN > 1 ? fold512(s[1]) : z, RN > 2 ? fold512(s[2]) : z,
+                                    RN > 3 ? fold512(s[3]) : z));
     }
 #elif defined(__AVX2__) && defined(__FMA__)
-    __m256 a[8];
-    for (t = 0; t < NT; t++) a[t] = _mm256_setzero_ps();
-    for (; j + 8 <= Kin; j += 8) {
-        const __m256 wv = FMT == FMT_F32 ? _mm256_loadu_ps(wf + j)
-            : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(wb + j))), 16));
-        for (t = 0; t < NT; t++) a[t] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x[t] + j), a[t]);
-    }
-    for (t = 0; t < NT; t += 4) {
-        const __m256 z = _mm256_setzero_ps();
-        float r[4];
-        _mm_storeu_ps(r, sum4_256(a[t], t + 1 < NT ? a[t + 1] : z, t + 2 < NT ? a[t + 2] : z, t + 3 < NT ? a[t + 3] : z));
-        for (int i = 0; i < 4 && t + i < NT; i++) acc[t + i] = r[i];
-    }
-#else
-    /* portable: eight partial sums per token (as vector lanes would; the compiler may vectorise
-     * them) — one running sum over a long row would lose more to rounding */
-    float lane[8][8];
-    for (t = 0; t < NT; t++)
-        for (int l = 0; l < 8; l++) lane[t][l] = 0.0f;
+    __m256 a[4];
+    for (t = 0; t < RN; t++) a[t] = _mm256_setzero_ps();
     for (; j + 8 <= Kin; j += 8)
-        for (int l = 0; l < 8; l++) {
-            union { uint32_t u; float f; } c = {(uint32_t)wb[j + l] << 16};
-            const float wj = FMT == FMT_F32 ? wf[j + l] : c.f;
-            for (t = 0; t < NT; t++) lane[t][l] += wj * x[t][j + l];
+        for (r = 0; r < R; r++) {
+            const __m256 wv = FMT == FMT_F32 ? _mm256_loadu_ps(WF(r) + j)
+                : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(WB(r) + j))), 16));
+            for (t = 0; t < NT; t++) a[r * NT + t] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x[t] + j), a[r * NT + t]);
         }
-    for (t = 0; t < NT; t++) {
-        float sum = 0.0f;
-        for (int l = 0; l < 8; l++) sum += lane[t][l];
-        acc[t] = sum;
-    }
+    const float zero[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    reduce_256(a, zero, RN, out);
+#else
+    /* portable: eight partial sums per row x token (as vector lanes would; the compiler may
+     * vectorise them) — one running sum over a long row would lose more to rounding */
+    for (r = 0; r < R; r++)
+        for (t = 0; t < NT; t++) {
+            float lane[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f}, sum = 0.0f;
+            int jj = 0;
+            for (; jj + 8 <= Kin; jj += 8)
+                for (int l = 0; l < 8; l++) {
+                    union { uint32_t u; float f; } c = {(uint32_t)WB(r)[jj + l] << 16};
+                    lane[l] += (FMT == FMT_F32 ? WF(r)[jj + l] : c.f) * x[t][jj + l];
+                }
+            for (int l = 0; l < 8; l++) sum += lane[l];
+            out[r * NT + t] = sum;
+            j = jj;
+        }
+    (void)RN;
 #endif
-    for (; j < Kin; j++) { /* the tail */
-        union { uint32_t u; float f; } c = {(uint32_t)wb[j] << 16};
-        const float wj = FMT == FMT_F32 ? wf[j] : c.f;
-        for (t = 0; t < NT; t++) acc[t] += wj * x[t][j];
-    }
+    for (r = 0; r < R; r++)
+        for (t = 0; t < NT; t++) acc[r * ald + t] = out[r * NT + t];
+    for (; j < Kin; j++) /* the tail */
+        for (r = 0; r < R; r++) {
+            union { uint32_t u; float f; } c = {(uint32_t)WB(r)[j] << 16};
+            const float wj = FMT == FMT_F32 ? WF(r)[j] : c.f;
+            for (t = 0; t < NT; t++) acc[r * ald + t] += wj * x[t][j];
+        }
+#undef WF
+#undef WB
 }
 
-/* acc[0..n) for n tokens (rows x0 + t*ld), four at a time (four tokens' partial sums and the weight
- * vectors fit the vector registers; each token sums the same way in any group: dense_rows) */
-static inline __attribute__((always_inline)) void dense_slots_f(const void *w, const int FMT, int Kin,
-                                                                const float *x0, long ld, int n, float *acc) {
-    int t = 0;
+/* acc[0..n) for one row w and n tokens (rows x0 + t*ld), four at a time (four tokens' partial sums
+ * and the weight vectors fit the vector registers). Its own function: inlined into dense_block
+ * beside the multi-row tiles, GCC's code for it ran 1.7x slower. */
+static __attribute__((noinline)) void dense_row_f32(const uint8_t *w, int Kin, const float *x0, long ld, int n, float *acc) {
     const float *x[4];
+    int t = 0;
     for (; t + 4 <= n; t += 4) {
         for (int i = 0; i < 4; i++) x[i] = x0 + (t + i) * ld;
-        dense_rows(w, FMT, Kin, x, 4, acc + t);
+        dense_tile(w, 0, FMT_F32, Kin, 1, x, 4, acc + t, 1);
     }
-    const int r = n - t;
-    for (int i = 0; i < r; i++) x[i] = x0 + (t + i) * ld;
-    if (r == 3) dense_rows(w, FMT, Kin, x, 3, acc + t);
-    else if (r == 2) dense_rows(w, FMT, Kin, x, 2, acc + t);
-    else if (r == 1) dense_rows(w, FMT, Kin, x, 1, acc + t);
+    const int m = n - t;
+    for (int i = 0; i < m; i++) x[i] = x0 + (t + i) * ld;
+    if (m == 3) dense_tile(w, 0, FMT_F32, Kin, 1, x, 3, acc + t, 1);
+    else if (m == 2) dense_tile(w, 0, FMT_F32, Kin, 1, x, 2, acc + t, 1);
+    else if (m == 1) dense_tile(w, 0, FMT_F32, Kin, 1, x, 1, acc + t, 1);
+}
+static __attribute__((noinline)) void dense_row_bf16(const uint8_t *w, int Kin, const float *x0, long ld, int n, float *acc) {
+    const float *x[4];
+    int t = 0;
+    for (; t + 4 <= n; t += 4) {
+        for (int i = 0; i < 4; i++) x[i] = x0 + (t + i) * ld;
+        dense_tile(w, 0, FMT_BF16, Kin, 1, x, 4, acc + t, 1);
+    }
+    const int m = n - t;
+    for (int i = 0; i < m; i++) x[i] = x0 + (t + i) * ld;
+    if (m == 3) dense_tile(w, 0, FMT_BF16, Kin, 1, x, 3, acc + t, 1);
+    else if (m == 2) dense_tile(w, 0, FMT_BF16, Kin, 1, x, 2, acc + t, 1);
+    else if (m == 1) dense_tile(w, 0, FMT_BF16, Kin, 1, x, 1, acc + t, 1);
 }
 
-static void dense_slots(const void *w, int fmt, int Kin, const float *x0, long ld, int n, float *acc) {
-    if (fmt == FMT_F32) dense_slots_f(w, FMT_F32, Kin, x0, ld, n, acc);
-    else dense_slots_f(w, FMT_BF16, Kin, x0, ld, n, acc);
+/* acc[r * ROWS_LD + t] for R (1..4) adjacent rows (stride rs bytes) and n tokens (rows x0 + t*ld):
+ * the tiles of dot_block */
+static inline __attribute__((always_inline)) void dense_block_f(const uint8_t *w, long rs, const int FMT, int Kin,
+                                                                int R, const float *x0, long ld, int n, float *acc) {
+    const float *x[4];
+    for (int i = 0; i < 4 && i < n; i++) x[i] = x0 + i * ld;
+    if (n == 1) {
+        if (R == 4) dense_tile(w, rs, FMT, Kin, 4, x, 1, acc, ROWS_LD);
+        else if (R == 3) dense_tile(w, rs, FMT, Kin, 3, x, 1, acc, ROWS_LD);
+        else if (R == 2) dense_tile(w, rs, FMT, Kin, 2, x, 1, acc, ROWS_LD);
+        else dense_tile(w, rs, FMT, Kin, 1, x, 1, acc, ROWS_LD);
+        return;
+    }
+    if (n == 2) {
+        int r = 0;
+        for (; r + 2 <= R; r += 2) dense_tile(w + r * rs, rs, FMT, Kin, 2, x, 2, acc + r * ROWS_LD, ROWS_LD);
+        if (r < R) dense_tile(w + r * rs, rs, FMT, Kin, 1, x, 2, acc + r * ROWS_LD, ROWS_LD);
+        return;
+    }
+    for (int r = 0; r < R; r++)
+        if (FMT == FMT_F32) dense_row_f32(w + r * rs, Kin, x0, ld, n, acc + r * ROWS_LD);
+        else dense_row_bf16(w + r * rs, Kin, x0, ld, n, acc + r * ROWS_LD);
+}
+
+static void dense_block(const uint8_t *w, long rs, int fmt, int Kin, int R, const float *x0, long ld, int n,
+                        float *acc) {
+    if (fmt == FMT_F32) dense_block_f(w, rs, FMT_F32, Kin, R, x0, ld, n, acc);
+    else dense_block_f(w, rs, FMT_BF16, Kin, R, x0, ld, n, acc);
 }
 
 /* --- MXFP4 rows (gpt-oss) ---------------------------------------------------------------------- */
@@ -732,39 +873,50 @@ static void gate_up_item(const void *arg, long item) {
     if (L->fmt != FMT_INT4) {
         const long es = L->nbytes;
         const uint8_t *gu = L->gu + e * 2L * I * D * es;
-        for (int i = i0; i < I && i < i0 + ROW_BLOCK; i++)
-            for (int64_t c = 0; c < n; c += 64) { /* slots of this expert, 64 at a time */
-                const int m = (int)(n - c < 64 ? n - c : 64);
+        float gate4[4 * ROWS_LD], up4[4 * ROWS_LD];
+        for (int i = i0; i < I && i < i0 + ROW_BLOCK; i += 4) { /* four rows at a time: dense_block */
+            const int R = I - i < 4 ? I - i : 4;
+            for (int64_t c = 0; c < n; c += ROWS_LD) { /* slots of this expert, 64 at a time */
+                const int m = (int)(n - c < ROWS_LD ? n - c : ROWS_LD);
                 const float *x = L->xe + (r0 + c) * D;
-                dense_slots(gu + (long)i * D * es, L->fmt, D, x, D, m, gate);
-                dense_slots(gu + (long)(I + i) * D * es, L->fmt, D, x, D, m, up);
-                for (int t = 0; t < m; t++) L->he[(r0 + c + t) * I + i] = activate(L, e, i, gate[t], up[t]);
+                dense_block(gu + (long)i * D * es, (long)D * es, L->fmt, D, R, x, D, m, gate4);
+                dense_block(gu + (long)(I + i) * D * es, (long)D * es, L->fmt, D, R, x, D, m, up4);
+                for (int r = 0; r < R; r++)
+                    for (int t = 0; t < m; t++)
+                        L->he[(r0 + c + t) * I + i + r] = activate(L, e, i + r, gate4[r * ROWS_LD + t], up4[r * ROWS_LD + t]);
             }
+        }
         return;
     }
     const uint8_t *blk = L->data + e * L->nbytes;
     const uint8_t *q = blk + L->offs[0];
     const uint16_t *s = (const uint16_t *)(blk + L->offs[1]);
     const uint8_t *z = L->sym ? NULL : blk + L->offs[2];
-    for (int i = i0; i < I && i < i0 + ROW_BLOCK; i++) {
-        for (int64_t c = 0; c < n; c += 64) {
-            const int m = (int)(n - c < 64 ? n - c : 64);
-            const float *xe = L->xe + (r0 + c) * (D / 2), *xo = L->xo + (r0 + c) * (D / 2);
+    const long rs = D / 2;
+    float gate4[4 * ROWS_LD], up4[4 * ROWS_LD];
+    for (int i = i0; i < I && i < i0 + ROW_BLOCK; i += 4) { /* four rows at a time: dot_block */
+        const int R = I - i < 4 ? I - i : 4;
+        for (int64_t c = 0; c < n; c += ROWS_LD) {
+            const int m = (int)(n - c < ROWS_LD ? n - c : ROWS_LD);
             if (L->xqe) {
                 const long o = (r0 + c) * (D / 2);
                 const float *xd = L->xd + (r0 + c) * (D / QB), *xz = L->xz + (r0 + c) * (D / L->G);
-                q8_slots(q + (long)i * (D / 2), s + i, z ? z + i : NULL, 2L * I, D, L->G, L->xqe + o, L->xqo + o, xd,
-                         xz, m, gate);
-                q8_slots(q + (long)(I + i) * (D / 2), s + I + i, z ? z + I + i : NULL, 2L * I, D, L->G, L->xqe + o,
-                         L->xqo + o, xd, xz, m, up);
+                q8_block(q + i * rs, rs, s + i, z ? z + i : NULL, 2L * I, D, L->G, R, L->xqe + o, L->xqo + o, xd, xz,
+                         m, gate4);
+                q8_block(q + (I + i) * rs, rs, s + I + i, z ? z + I + i : NULL, 2L * I, D, L->G, R, L->xqe + o,
+                         L->xqo + o, xd, xz, m, up4);
             } else {
+                const float *xe = L->xe + (r0 + c) * (D / 2), *xo = L->xo + (r0 + c) * (D / 2);
                 const float *xs = L->xsum + (r0 + c) * (D / L->G);
-                dot_slots(q + (long)i * (D / 2), s + i, z ? z + i : NULL, 2L * I, D, L->G, xe, xo, D / 2, xs, m, gate);
-                dot_slots(q + (long)(I + i) * (D / 2), s + I + i, z ? z + I + i : NULL, 2L * I, D, L->G, xe, xo, D / 2,
-                          xs, m, up);
+                dot_block(q + i * rs, rs, s + i, z ? z + i : NULL, 2L * I, D, L->G, R, xe, xo, D / 2, xs, m, gate4);
+                dot_block(q + (I + i) * rs, rs, s + I + i, z ? z + I + i : NULL, 2L * I, D, L->G, R, xe, xo, D / 2,
+                          xs, m, up4);
             }
-            float *dst = ((i & 1) ? L->ho : L->he) + (r0 + c) * (I / 2) + i / 2;
-            for (int t = 0; t < m; t++) dst[(long)t * (I / 2)] = activate(L, e, i, gate[t], up[t]);
+            for (int r = 0; r < R; r++) {
+                float *dst = (((i + r) & 1) ? L->ho : L->he) + (r0 + c) * (I / 2) + (i + r) / 2;
+                for (int t = 0; t < m; t++)
+                    dst[(long)t * (I / 2)] = activate(L, e, i + r, gate4[r * ROWS_LD + t], up4[r * ROWS_LD + t]);
+            }
         }
     }
 }
@@ -780,30 +932,38 @@ static void down_item(const void *arg, long item) {
     const uint16_t *s = int4 ? (const uint16_t *)(blk + L->offs[4]) : NULL;
     const uint8_t *z = int4 && !L->sym ? blk + L->offs[5] : NULL;
     const long es = L->nbytes;
-    float acc[64];
-    for (int d = d0; d < D && d < d0 + ROW_BLOCK; d++) {
-        for (int64_t c = 0; c < n; c += 64) {
-            const int m = (int)(n - c < 64 ? n - c : 64);
-            if (L->fmt == FMT_MXFP4)
-                mx_slots(L->dn + (e * (long)D + d) * (I / 2), L->dns + (e * (long)D + d) * (I / 32), I,
-                         L->he + (r0 + c) * (I / 2), L->ho + (r0 + c) * (I / 2), I / 2, m, acc);
-            else if (int4 && L->hqe)
-                q8_slots(q + (long)d * (I / 2), s + d, z ? z + d : NULL, D, I, L->G, L->hqe + (r0 + c) * (I / 2),
-                         L->hqo + (r0 + c) * (I / 2), L->hd + (r0 + c) * (I / QB), L->hz + (r0 + c) * (I / L->G), m,
-                         acc);
+    float acc[4 * ROWS_LD];
+    for (int d = d0; d < D && d < d0 + ROW_BLOCK; d += 4) { /* four rows at a time where the format tiles */
+        const int R = D - d < 4 ? D - d : 4;
+        for (int64_t c = 0; c < n; c += ROWS_LD) {
+            const int m = (int)(n - c < ROWS_LD ? n - c : ROWS_LD);
+            if (int4 && L->hqe)
+                q8_block(q + (long)d * (I / 2), I / 2, s + d, z ? z + d : NULL, D, I, L->G, R,
+                         L->hqe + (r0 + c) * (I / 2), L->hqo + (r0 + c) * (I / 2), L->hd + (r0 + c) * (I / QB),
+                         L->hz + (r0 + c) * (I / L->G), m, acc);
             else if (int4)
-                dot_slots(q + (long)d * (I / 2), s + d, z ? z + d : NULL, D, I, L->G, L->he + (r0 + c) * (I / 2),
-                          L->ho + (r0 + c) * (I / 2), I / 2, L->hsum + (r0 + c) * (I / L->G), m, acc);
-            else if (L->fmt == FMT_FP8)
-                f8_slots(L->dn + (e * (long)D + d) * I,
-                         (const float *)L->dns + (e * (long)(D / L->bn) + d / L->bn) * (I / L->bk), I, L->bk,
-                         L->he + (r0 + c) * I, I, m, acc);
+                dot_block(q + (long)d * (I / 2), I / 2, s + d, z ? z + d : NULL, D, I, L->G, R,
+                          L->he + (r0 + c) * (I / 2), L->ho + (r0 + c) * (I / 2), I / 2,
+                          L->hsum + (r0 + c) * (I / L->G), m, acc);
+            else if (L->fmt == FMT_F32 || L->fmt == FMT_BF16)
+                dense_block(L->dn + (e * (long)D * I + (long)d * I) * es, (long)I * es, L->fmt, I, R,
+                            L->he + (r0 + c) * I, I, m, acc);
             else
-                dense_slots(L->dn + (e * (long)D * I + (long)d * I) * es, L->fmt, I, L->he + (r0 + c) * I, I, m, acc);
-            for (int t = 0; t < m; t++) {
-                const int64_t sl = L->order[r0 + c + t];
-                const float b = L->dnb ? L->dnb[e * (long)D + d] : 0.0f;
-                L->y[(r0 + c + t) * D + d] = (acc[t] + b) * L->w[(sl / K) * K + sl % K];
+                for (int r = 0; r < R; r++) {
+                    if (L->fmt == FMT_MXFP4)
+                        mx_slots(L->dn + (e * (long)D + d + r) * (I / 2), L->dns + (e * (long)D + d + r) * (I / 32), I,
+                                 L->he + (r0 + c) * (I / 2), L->ho + (r0 + c) * (I / 2), I / 2, m, acc + r * ROWS_LD);
+                    else
+                        f8_slots(L->dn + (e * (long)D + d + r) * I,
+                                 (const float *)L->dns + (e * (long)(D / L->bn) + (d + r) / L->bn) * (I / L->bk), I,
+                                 L->bk, L->he + (r0 + c) * I, I, m, acc + r * ROWS_LD);
+                }
+            for (int r = 0; r < R; r++) {
+                const float b = L->dnb ? L->dnb[e * (long)D + d + r] : 0.0f;
+                for (int t = 0; t < m; t++) {
+                    const int64_t sl = L->order[r0 + c + t];
+                    L->y[(r0 + c + t) * D + d + r] = (acc[r * ROWS_LD + t] + b) * L->w[(sl / K) * K + sl % K];
+                }
             }
         }
     }
@@ -922,14 +1082,19 @@ typedef struct {
 
 static void linear_item(const void *arg, long item) {
     const linear_t *P = arg;
-    float acc[64];
-    for (int n = (int)item * ROW_BLOCK; n < P->N && n < (item + 1) * ROW_BLOCK; n++)
-        for (int c = 0; c < P->T; c += 64) {
-            const int m = P->T - c < 64 ? P->T - c : 64;
-            dense_slots(P->w + (long)n * P->Kin * P->es, P->fmt, P->Kin, P->x + (long)c * P->Kin, P->Kin, m, acc);
-            const float b = P->bias ? P->bias[n] : 0.0f;
-            for (int t = 0; t < m; t++) P->out[(long)(c + t) * P->N + n] = acc[t] + b;
+    float acc[4 * ROWS_LD];
+    for (int n = (int)item * ROW_BLOCK; n < P->N && n < (item + 1) * ROW_BLOCK; n += 4) {
+        const int R = P->N - n < 4 ? P->N - n : 4;
+        for (int c = 0; c < P->T; c += ROWS_LD) {
+            const int m = P->T - c < ROWS_LD ? P->T - c : ROWS_LD;
+            dense_block(P->w + (long)n * P->Kin * P->es, (long)P->Kin * P->es, P->fmt, P->Kin, R,
+                        P->x + (long)c * P->Kin, P->Kin, m, acc);
+            for (int r = 0; r < R; r++) {
+                const float b = P->bias ? P->bias[n + r] : 0.0f;
+                for (int t = 0; t < m; t++) P->out[(long)(c + t) * P->N + n + r] = acc[r * ROWS_LD + t] + b;
+            }
         }
+    }
 }
 
 /* out [T, N] = x [T, Kin] fp32 @ w [N, Kin]^T (+ bias [N] fp32 or NULL); fmt FMT_F32 / FMT_BF16. */
@@ -951,20 +1116,25 @@ typedef struct {
 
 static void qlinear_item(const void *arg, long item) {
     const qlinear_t *P = arg;
-    float acc[64];
+    float acc[4 * ROWS_LD];
     const int Kin = P->Kin, h = Kin / 2, ng = Kin / P->G;
-    for (int n = (int)item * ROW_BLOCK; n < P->N && n < (item + 1) * ROW_BLOCK; n++)
-        for (int c = 0; c < P->T; c += 64) {
-            const int m = P->T - c < 64 ? P->T - c : 64;
+    for (int n = (int)item * ROW_BLOCK; n < P->N && n < (item + 1) * ROW_BLOCK; n += 4) {
+        const int R = P->N - n < 4 ? P->N - n : 4;
+        for (int c = 0; c < P->T; c += ROWS_LD) {
+            const int m = P->T - c < ROWS_LD ? P->T - c : ROWS_LD;
             if (P->qe)
-                q8_slots(P->q + (long)n * h, P->s + n, P->z ? P->z + n : NULL, P->N, Kin, P->G, P->qe + (long)c * h,
-                         P->qo + (long)c * h, P->d + (long)c * (Kin / QB), P->zx + (long)c * ng, m, acc);
+                q8_block(P->q + (long)n * h, h, P->s + n, P->z ? P->z + n : NULL, P->N, Kin, P->G, R,
+                         P->qe + (long)c * h, P->qo + (long)c * h, P->d + (long)c * (Kin / QB), P->zx + (long)c * ng,
+                         m, acc);
             else
-                dot_slots(P->q + (long)n * h, P->s + n, P->z ? P->z + n : NULL, P->N, Kin, P->G, P->xe + (long)c * h,
-                          P->xo + (long)c * h, h, P->xs + (long)c * ng, m, acc);
-            const float b = P->bias ? P->bias[n] : 0.0f;
-            for (int t = 0; t < m; t++) P->out[(long)(c + t) * P->N + n] = acc[t] + b;
+                dot_block(P->q + (long)n * h, h, P->s + n, P->z ? P->z + n : NULL, P->N, Kin, P->G, R,
+                          P->xe + (long)c * h, P->xo + (long)c * h, h, P->xs + (long)c * ng, m, acc);
+            for (int r = 0; r < R; r++) {
+                const float b = P->bias ? P->bias[n + r] : 0.0f;
+                for (int t = 0; t < m; t++) P->out[(long)(c + t) * P->N + n + r] = acc[r * ROWS_LD + t] + b;
+            }
         }
+    }
 }
 
 /* out [T, N] = x [T, Kin] fp32 @ W^T (+ bias [N] fp32 or NULL) for one INT4 linear W [N, Kin] kept
@@ -1171,7 +1341,7 @@ static void attn_item(const void *arg, long item) {
     const float *row = A->qkv + b * width, *cs = A->cos + (long)b * A->rd, *sn = A->sin + (long)b * A->rd;
     const long base = ((long)A->rows[b] * A->Hkv + g) * A->S; /* this (row, kv head)'s [S, hd] */
     uint8_t *kc = A->kc + base * hd * es, *vc = A->vc + base * hd * es;
-    float q[MAX_GROUP * MAX_HD], o[MAX_GROUP * MAX_HD], vr[MAX_HD], acc[MAX_GROUP];
+    float q[MAX_GROUP * MAX_HD], o[MAX_GROUP * MAX_HD], vr[MAX_HD], acc[4 * ROWS_LD];
     /* the group's queries, normed, rotated and scaled (this step's keys are already cached) */
     for (int i = 0; i < G; i++) {
         float *qi = q + i * hd;
@@ -1180,9 +1350,11 @@ static void attn_item(const void *arg, long item) {
         for (int j = 0; j < hd; j++) qi[j] *= A->scale;
     }
     float *sc = A->scores + item * A->Lmax * G; /* scores [L, G] */
-    for (long s = 0; s < L; s++) {
-        dense_slots(kc + (lo + s) * hd * es, A->cfmt, hd, q, hd, G, acc);
-        for (int i = 0; i < G; i++) sc[s * G + i] = acc[i];
+    for (long s = 0; s < L; s += 4) { /* four keys at a time (adjacent rows of the cache) */
+        const int R = L - s < 4 ? (int)(L - s) : 4;
+        dense_block(kc + (lo + s) * hd * es, hd * es, A->cfmt, hd, R, q, hd, G, acc);
+        for (int r = 0; r < R; r++)
+            for (int i = 0; i < G; i++) sc[(s + r) * G + i] = acc[r * ROWS_LD + i];
     }
     for (int i = 0; i < G; i++) { /* softmax over the L positions, fp32 */
         float m = -INFINITY, sum = 0.0f;
