@@ -43,6 +43,7 @@ class LoadOptions:
     int4_group: int = 128
     int4_act: str | None = None  # CPU INT4 activations: "f32" (exact) | "q8" (int8, approximate); None: $LYNX_EDGE_INT4_ACT or f32
     int4_attn: bool = False  # CPU: a 16-bit checkpoint's attention / dense projections INT4 too (RTN at load)
+    int8_head: bool = False  # CPU: the output head int8 with row scales (quant/int8.py; approximate)
     allow_pickle: bool = False
     ctx: int = 4096  # for the offload plan's KV share
     batch: int = 1  # KV rows the caller will allocate (serve: --max-num-seqs), for the plans' KV share
@@ -97,6 +98,7 @@ class Placement:
     dense_layers: tuple[int, ...] = ()  # mixed layers kept 16-bit (a 4-bit checkpoint with 16-bit experts)
     packed_linears: int = 0  # 4-bit / FP8 non-expert linears read packed (CPU: Int4Linear, Fp8Linear)
     int4_act: str | None = None  # CPU INT4 kernels' activations: f32 | q8 (None: not an INT4 CPU model)
+    int8_head: bool = False  # the output head read as int8 rows (quant/int8.py)
 
 
 def load_model(model_dir: Path, cfg: ModelConfig, opts: LoadOptions, progress: ProgressFn | None = None):
@@ -149,6 +151,8 @@ def load_model(model_dir: Path, cfg: ModelConfig, opts: LoadOptions, progress: P
         placement.int4_act = act
     load_weights(model, ckpt, family, qc, progress)
     ckpt.close()
+    if opts.int8_head:
+        placement.int8_head = _int8_head(model, dev)
     model.placement = placement
     if rt is not None:
         from .offload.runtime import _install_route
@@ -208,6 +212,20 @@ def _keep_linears_packed(model, ckpt: Checkpoint, family, dev, act: str | None =
         setattr(owner, leaf, new)
         n += 1
     return n
+
+
+def _int8_head(model, dev) -> bool:
+    """`int8_head`: on a CPU with the native kernels the output head becomes int8 rows with fp32
+    scales (quant/int8.py), read at half of bf16's bytes every token; elsewhere it stays 16-bit
+    (RuntimeWarning). → whether it was made int8."""
+    from .kernels import native
+
+    if dev.type != "cpu" or native.lib() is None:
+        warnings.warn("int8_head applies on a CPU with the native kernels; the head stays 16-bit here",
+                      RuntimeWarning, stacklevel=3)
+        return False
+    model.quantize_head()
+    return True
 
 
 def _int4_linears(model, dev, group: int, act: str | None) -> int:

@@ -51,6 +51,7 @@ class EngineConfig:
     int4_group: int = 128
     int4_act: str | None = None  # CPU INT4 kernels: "f32" (exact) | "q8" (int8 activations, approximate)
     int4_attn: bool = False  # CPU: attention / dense projections INT4 too, RTN at load (approximate)
+    int8_head: bool = False  # CPU: the output head int8 with row scales, at load (approximate; quant/int8.py)
     threads: int | None = None  # torch CPU threads, set once at build (None: lynx_edge.threads default)
     # greedy decode steps per call (vLLM's multi-step scheduling; core.EngineCore._burst): with the
     # whole model in one native CPU call, up to this many steps run with no Python between them,
@@ -111,6 +112,7 @@ class Engine:
                            policy=config.policy, profile=config.profile)
         opts = LoadOptions(device=device, dtype=dtype, offload=config.offload, int4=config.int4,
                            int4_group=config.int4_group, int4_act=config.int4_act, int4_attn=config.int4_attn,
+                           int8_head=config.int8_head,
                            allow_pickle=config.allow_pickle,
                            ctx=config.ctx_size or min(cfg.max_position_embeddings, 4096), batch=config.max_num_seqs,
                            offload_options=offload)

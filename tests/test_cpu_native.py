@@ -583,7 +583,7 @@ def test_fp8_linear_matches_reference(T, N, Kin, block, bias):
 
 # --- row tiles: every row x token sums the same way alone or in any tile ------------------------
 
-@pytest.mark.parametrize("kind", ["f32", "bf16", "int4", "int4-q8"])
+@pytest.mark.parametrize("kind", ["f32", "bf16", "int8", "int4", "int4-q8"])
 def test_row_tiles_are_batch_and_row_invariant(kind):
     """The kernels run up to four adjacent rows and up to four tokens per tile (one token: four rows
     at once; two tokens: two rows at once; more: one row, four tokens). Each output must be
@@ -598,6 +598,13 @@ def test_row_tiles_are_batch_and_row_invariant(kind):
 
         def run(xs, rows):
             return native.linear(xs, W[rows].contiguous())
+    elif kind == "int8":
+        from lynx_edge.quant.int8 import quantize_rows
+
+        q, s = quantize_rows(torch.randn(N, Kin, generator=g))
+
+        def run(xs, rows):
+            return native.linear_int8(xs, q[rows].contiguous(), s[rows].contiguous())
     else:
         ql, _, _, _ = _q4_problem(1, N, Kin, 64, False, False, False)
 

@@ -19,6 +19,8 @@ Offload = Annotated[bool, typer.Option("--offload", metavar="", help="keep exper
 Int4 = Annotated[bool, typer.Option("--int4", metavar="", help="INT4 experts (quantized at load time or from a GPTQ checkpoint)")]
 Int4Attn = Annotated[bool, typer.Option("--int4-attn", metavar="", help="CPU: attention and dense projections INT4 "
                                          "too, quantized at load (RTN; approximate, like llama.cpp's Q4_0)")]
+Int8Head = Annotated[bool, typer.Option("--int8-head", metavar="", help="CPU: the output head int8 with a scale per "
+                                        "row, quantized at load (half of bf16's bytes per token; approximate)")]
 
 
 class Int4ActChoice(str, Enum):

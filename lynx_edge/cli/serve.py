@@ -8,7 +8,7 @@ import typer
 
 from . import ui
 from .common import CliError, engine_options, load_engine
-from .options import (ChatTemplateKwargs, CtxSize, Device, Dtype, Int4, Int4Act, Int4Attn, Lynx, Model, Offload, Profile,
+from .options import (ChatTemplateKwargs, CtxSize, Device, Dtype, Int4, Int4Act, Int4Attn, Int8Head, Lynx, Model, Offload, Profile,
                       parse_json_object)
 
 _DEFAULT = "[default: the model's generation_config.json, else OpenAI's]"
@@ -42,6 +42,7 @@ def serve(
     int4: Int4 = False,
     int4_act: Int4Act = None,
     int4_attn: Int4Attn = False,
+    int8_head: Int8Head = False,
     profile: Profile = None,
     dtype: Dtype = None,
     device: Device = None,
@@ -57,7 +58,7 @@ def serve(
                                   ("repetition_penalty", repeat_penalty), ("max_new_tokens", max_tokens)) if v is not None}
     if temp is not None:
         defaults["do_sample"] = temp > 0  # --temp 0: greedy
-    opts = engine_options(lynx=lynx, offload=offload, int4=int4, profile=profile, ctx_size=ctx_size, int4_act=int4_act, int4_attn=int4_attn)
+    opts = engine_options(lynx=lynx, offload=offload, int4=int4, profile=profile, ctx_size=ctx_size, int4_act=int4_act, int4_attn=int4_attn, int8_head=int8_head)
     # the memory plan (and --offload's expert slots) count the KV cache of max_num_seqs rows
     engine = load_engine(model, dtype=dtype, device=device, max_num_seqs=max_num_seqs, **opts)
     if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:

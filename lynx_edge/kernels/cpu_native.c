@@ -60,6 +60,11 @@ static inline float hsum256(__m256 t) { /* the sum of 8 lanes */
 }
 #endif
 
+static inline float bf16_f(uint16_t b) { /* bf16 bits -> fp32, exactly */
+    union { uint32_t u; float f; } c = {(uint32_t)b << 16};
+    return c.f;
+}
+
 /* Up to four sums reduced at once, each lane's result through the same fixed tree whatever the
  * other inputs (absent ones are zero vectors): so a row x token sum does not depend on which rows
  * or tokens share the call, and decode stays batch-invariant (a row alone equals it in a batch). */
@@ -456,10 +461,11 @@ static void q8_block(const uint8_t *q, long rs, const uint16_t *s, const uint8_t
 
 /* --- 16/32-bit rows --------------------------------------------------------------------------- */
 
-enum { FMT_INT4 = 0, FMT_F32 = 1, FMT_BF16 = 2, FMT_MXFP4 = 3, FMT_FP8 = 4 };
+enum { FMT_INT4 = 0, FMT_F32 = 1, FMT_BF16 = 2, FMT_MXFP4 = 3, FMT_FP8 = 4, FMT_I8 = 5 };
 
-/* acc[r * ald + t] = sum_j w_r[j] * x_t[j] for R adjacent rows (row r at w + r * rs bytes; fp32 or
- * bf16: bf16 widens exactly by a shift) and NT tokens, R * NT <= 4 */
+/* acc[r * ald + t] = sum_j w_r[j] * x_t[j] for R adjacent rows (row r at w + r * rs bytes; fp32,
+ * bf16 — it widens exactly by a shift — or int8 codes, FMT_I8, whose row scale the caller applies)
+ * and NT tokens, R * NT <= 4 */
 static inline __attribute__((always_inline)) void dense_tile(const uint8_t *w, const long rs, const int FMT, int Kin,
                                                              const int R, const float *const *x, const int NT,
                                                              float *acc, const long ald) {
@@ -468,6 +474,9 @@ static inline __attribute__((always_inline)) void dense_tile(const uint8_t *w, c
     float out[4];
 #define WF(r) ((const float *)(w + (r) * rs))
 #define WB(r) ((const uint16_t *)(w + (r) * rs))
+#define WI(r) ((const int8_t *)(w + (r) * rs))
+#define WS(r, j) (FMT == FMT_F32 ? WF(r)[j] : FMT == FMT_I8 ? (float)WI(r)[j] : bf16_f(WB(r)[j])) /* one weight */
+    const long ES = FMT == FMT_F32 ? 4 : FMT == FMT_BF16 ? 2 : 1; /* bytes per weight */
 #if defined(__AVX512F__)
     /* every row x token sums the same way whatever R and NT: four partial sums per 64 inputs (or
      * the FMA latency chain bounds a one-token row), then 16 at a time, then one fixed reduction
@@ -476,13 +485,12 @@ static inline __attribute__((always_inline)) void dense_tile(const uint8_t *w, c
     __m512 a[4][4], s[4];
     for (t = 0; t < RN; t++) a[t][0] = a[t][1] = a[t][2] = a[t][3] = _mm512_setzero_ps();
 #define W16(r, o) (FMT == FMT_F32 ? _mm512_loadu_ps(WF(r) + j + (o)) \
+                : FMT == FMT_I8 ? _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(WI(r) + j + (o))))) \
                 : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(WB(r) + j + (o)))), 16)))
     for (; j + 64 <= Kin; j += 64)
         for (r = 0; r < R; r++) {
-            const char *pf = (const char *)(w + r * rs) + (long)j * (FMT == FMT_F32 ? 4 : 2) + PREFETCH;
-            _mm_prefetch(pf, _MM_HINT_T0);
-            _mm_prefetch(pf + 64, _MM_HINT_T0);
-            if (FMT == FMT_F32) { _mm_prefetch(pf + 128, _MM_HINT_T0); _mm_prefetch(pf + 192, _MM_HINT_T0); }
+            const char *pf = (const char *)(w + r * rs) + (long)j * ES + PREFETCH;
+            for (long b = 0; b < 64 * ES; b += 64) _mm_prefetch(pf + b, _MM_HINT_T0);
             const __m512 w0 = W16(r, 0), w1 = W16(r, 16), w2 = W16(r, 32), w3 = W16(r, 48);
             for (t = 0; t < NT; t++) {
                 const int k = r * NT + t;
@@ -510,6 +518,7 @@ static inline __attribute__((always_inline)) void dense_tile(const uint8_t *w, c
     for (; j + 8 <= Kin; j += 8)
         for (r = 0; r < R; r++) {
             const __m256 wv = FMT == FMT_F32 ? _mm256_loadu_ps(WF(r) + j)
+                : FMT == FMT_I8 ? _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(WI(r) + j))))
                 : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(WB(r) + j))), 16));
             for (t = 0; t < NT; t++) a[r * NT + t] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x[t] + j), a[r * NT + t]);
         }
@@ -523,10 +532,7 @@ static inline __attribute__((always_inline)) void dense_tile(const uint8_t *w, c
             float lane[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f}, sum = 0.0f;
             int jj = 0;
             for (; jj + 8 <= Kin; jj += 8)
-                for (int l = 0; l < 8; l++) {
-                    union { uint32_t u; float f; } c = {(uint32_t)WB(r)[jj + l] << 16};
-                    lane[l] += (FMT == FMT_F32 ? WF(r)[jj + l] : c.f) * x[t][jj + l];
-                }
+                for (int l = 0; l < 8; l++) lane[l] += WS(r, jj + l) * x[t][jj + l];
             for (int l = 0; l < 8; l++) sum += lane[l];
             out[r * NT + t] = sum;
             j = jj;
@@ -537,43 +543,37 @@ static inline __attribute__((always_inline)) void dense_tile(const uint8_t *w, c
         for (t = 0; t < NT; t++) acc[r * ald + t] = out[r * NT + t];
     for (; j < Kin; j++) /* the tail */
         for (r = 0; r < R; r++) {
-            union { uint32_t u; float f; } c = {(uint32_t)WB(r)[j] << 16};
-            const float wj = FMT == FMT_F32 ? WF(r)[j] : c.f;
+            const float wj = WS(r, j);
             for (t = 0; t < NT; t++) acc[r * ald + t] += wj * x[t][j];
         }
+    (void)ES;
 #undef WF
 #undef WB
+#undef WI
+#undef WS
 }
 
 /* acc[0..n) for one row w and n tokens (rows x0 + t*ld), four at a time (four tokens' partial sums
- * and the weight vectors fit the vector registers). Its own function: inlined into dense_block
- * beside the multi-row tiles, GCC's code for it ran 1.7x slower. */
-static __attribute__((noinline)) void dense_row_f32(const uint8_t *w, int Kin, const float *x0, long ld, int n, float *acc) {
-    const float *x[4];
-    int t = 0;
-    for (; t + 4 <= n; t += 4) {
-        for (int i = 0; i < 4; i++) x[i] = x0 + (t + i) * ld;
-        dense_tile(w, 0, FMT_F32, Kin, 1, x, 4, acc + t, 1);
+ * and the weight vectors fit the vector registers). Its own function per format: inlined into
+ * dense_block beside the multi-row tiles, GCC's code for it ran 1.2-1.7x slower. */
+#define DENSE_ROW(name, FMT) \
+    static __attribute__((noinline)) void name(const uint8_t *w, int Kin, const float *x0, long ld, int n, float *acc) { \
+        const float *x[4]; \
+        int t = 0; \
+        for (; t + 4 <= n; t += 4) { \
+            for (int i = 0; i < 4; i++) x[i] = x0 + (t + i) * ld; \
+            dense_tile(w, 0, FMT, Kin, 1, x, 4, acc + t, 1); \
+        } \
+        const int m = n - t; \
+        for (int i = 0; i < m; i++) x[i] = x0 + (t + i) * ld; \
+        if (m == 3) dense_tile(w, 0, FMT, Kin, 1, x, 3, acc + t, 1); \
+        else if (m == 2) dense_tile(w, 0, FMT, Kin, 1, x, 2, acc + t, 1); \
+        else if (m == 1) dense_tile(w, 0, FMT, Kin, 1, x, 1, acc + t, 1); \
     }
-    const int m = n - t;
-    for (int i = 0; i < m; i++) x[i] = x0 + (t + i) * ld;
-    if (m == 3) dense_tile(w, 0, FMT_F32, Kin, 1, x, 3, acc + t, 1);
-    else if (m == 2) dense_tile(w, 0, FMT_F32, Kin, 1, x, 2, acc + t, 1);
-    else if (m == 1) dense_tile(w, 0, FMT_F32, Kin, 1, x, 1, acc + t, 1);
-}
-static __attribute__((noinline)) void dense_row_bf16(const uint8_t *w, int Kin, const float *x0, long ld, int n, float *acc) {
-    const float *x[4];
-    int t = 0;
-    for (; t + 4 <= n; t += 4) {
-        for (int i = 0; i < 4; i++) x[i] = x0 + (t + i) * ld;
-        dense_tile(w, 0, FMT_BF16, Kin, 1, x, 4, acc + t, 1);
-    }
-    const int m = n - t;
-    for (int i = 0; i < m; i++) x[i] = x0 + (t + i) * ld;
-    if (m == 3) dense_tile(w, 0, FMT_BF16, Kin, 1, x, 3, acc + t, 1);
-    else if (m == 2) dense_tile(w, 0, FMT_BF16, Kin, 1, x, 2, acc + t, 1);
-    else if (m == 1) dense_tile(w, 0, FMT_BF16, Kin, 1, x, 1, acc + t, 1);
-}
+DENSE_ROW(dense_row_f32, FMT_F32)
+DENSE_ROW(dense_row_bf16, FMT_BF16)
+DENSE_ROW(dense_row_i8, FMT_I8)
+#undef DENSE_ROW
 
 /* acc[r * ROWS_LD + t] for R (1..4) adjacent rows (stride rs bytes) and n tokens (rows x0 + t*ld):
  * the tiles of dot_block */
@@ -596,12 +596,14 @@ static inline __attribute__((always_inline)) void dense_block_f(const uint8_t *w
     }
     for (int r = 0; r < R; r++)
         if (FMT == FMT_F32) dense_row_f32(w + r * rs, Kin, x0, ld, n, acc + r * ROWS_LD);
+        else if (FMT == FMT_I8) dense_row_i8(w + r * rs, Kin, x0, ld, n, acc + r * ROWS_LD);
         else dense_row_bf16(w + r * rs, Kin, x0, ld, n, acc + r * ROWS_LD);
 }
 
 static void dense_block(const uint8_t *w, long rs, int fmt, int Kin, int R, const float *x0, long ld, int n,
                         float *acc) {
     if (fmt == FMT_F32) dense_block_f(w, rs, FMT_F32, Kin, R, x0, ld, n, acc);
+    else if (fmt == FMT_I8) dense_block_f(w, rs, FMT_I8, Kin, R, x0, ld, n, acc);
     else dense_block_f(w, rs, FMT_BF16, Kin, R, x0, ld, n, acc);
 }
 
@@ -1078,6 +1080,7 @@ typedef struct {
     const uint8_t *w;
     long es;
     float *out;
+    const float *scale; /* FMT_I8: fp32 [N], one per row; else NULL */
 } linear_t;
 
 static void linear_item(const void *arg, long item) {
@@ -1091,7 +1094,11 @@ static void linear_item(const void *arg, long item) {
                         P->x + (long)c * P->Kin, P->Kin, m, acc);
             for (int r = 0; r < R; r++) {
                 const float b = P->bias ? P->bias[n + r] : 0.0f;
-                for (int t = 0; t < m; t++) P->out[(long)(c + t) * P->N + n + r] = acc[r * ROWS_LD + t] + b;
+                if (P->scale) {
+                    const float sc = P->scale[n + r];
+                    for (int t = 0; t < m; t++) P->out[(long)(c + t) * P->N + n + r] = acc[r * ROWS_LD + t] * sc + b;
+                } else
+                    for (int t = 0; t < m; t++) P->out[(long)(c + t) * P->N + n + r] = acc[r * ROWS_LD + t] + b;
             }
         }
     }
@@ -1100,7 +1107,15 @@ static void linear_item(const void *arg, long item) {
 /* out [T, N] = x [T, Kin] fp32 @ w [N, Kin]^T (+ bias [N] fp32 or NULL); fmt FMT_F32 / FMT_BF16. */
 void lynx_linear(int fmt, const float *x, const uint8_t *w, const float *bias, int T, int Kin, int N, float *out,
                  int nthreads) {
-    linear_t P = {fmt, T, Kin, N, x, bias, w, fmt == FMT_F32 ? 4 : 2, out};
+    linear_t P = {fmt, T, Kin, N, x, bias, w, fmt == FMT_F32 ? 4 : 2, out, NULL};
+    parallel(linear_item, &P, (N + ROW_BLOCK - 1) / ROW_BLOCK, nthreads);
+}
+
+/* out [T, N] = (x [T, Kin] fp32 @ q [N, Kin]^T) * scale [N] (+ bias [N] fp32 or NULL) for int8 rows
+ * with one fp32 scale each (quant/int8.py: the int8 head); products and sums in fp32. */
+void lynx_linear_int8(const float *x, const int8_t *q, const float *scale, const float *bias, int T, int Kin, int N,
+                      float *out, int nthreads) {
+    linear_t P = {FMT_I8, T, Kin, N, x, bias, (const uint8_t *)q, 1, out, scale};
     parallel(linear_item, &P, (N + ROW_BLOCK - 1) / ROW_BLOCK, nthreads);
 }
 
@@ -1458,7 +1473,8 @@ int lynx_rmsnorm(int fmt, const uint8_t *x, const uint8_t *w, float eps, long N,
 
 typedef struct {
     int kind; /* FMT_F32 / FMT_BF16 dense [N, K], FMT_INT4 packed (codes [N, K/2], scales, zeros, perm),
-               * FMT_FP8 codes [N, K] with fp32 block scales s [ceil(N/bn), K/G] */
+               * FMT_FP8 codes [N, K] with fp32 block scales s [ceil(N/bn), K/G], FMT_I8 int8 rows [N, K]
+               * with fp32 row scales s [N] */
     const uint8_t *w;
     const uint16_t *s;
     const uint8_t *z;
@@ -1474,6 +1490,10 @@ static int lin_run(const lin_t *l, const float *x, int T, float *out, int nthrea
     }
     if (l->kind == FMT_INT4)
         return lynx_linear_int4(x, l->w, l->s, l->z, l->perm, l->bias, T, l->K, l->N, l->G, out, nthreads, l->q8);
+    if (l->kind == FMT_I8) {
+        lynx_linear_int8(x, (const int8_t *)l->w, (const float *)l->s, l->bias, T, l->K, l->N, out, nthreads);
+        return 0;
+    }
     lynx_linear(l->kind, x, l->w, l->bias, T, l->K, l->N, out, nthreads);
     return 0;
 }

@@ -121,6 +121,8 @@ def lib() -> ctypes.CDLL | None:
     so.lynx_moe.restype = i
     so.lynx_linear.argtypes = [i, p, p, p, i, i, i, p, i]
     so.lynx_linear.restype = None
+    so.lynx_linear_int8.argtypes = [p, p, p, p, i, i, i, p, i]
+    so.lynx_linear_int8.restype = None
     so.lynx_linear_int4.argtypes = [p, p, p, p, p, p, i, i, i, i, p, i, i]
     so.lynx_linear_int4.restype = i
     so.lynx_linear_fp8.argtypes = [p, p, p, i, i, p, i, i, i, p, i]
@@ -149,7 +151,7 @@ def lib() -> ctypes.CDLL | None:
     return so
 
 
-FMT_INT4, FMT_F32, FMT_BF16, FMT_MXFP4, FMT_FP8 = 0, 1, 2, 3, 4
+FMT_INT4, FMT_F32, FMT_BF16, FMT_MXFP4, FMT_FP8, FMT_I8 = 0, 1, 2, 3, 4, 5
 # INT4 weights against "f32" activations (exact to fp32 rounding of the dequantised weight) or
 # "q8" (int8 activations in blocks of 32, integer dot products: llama.cpp's Q4_0 × Q8_0 scheme,
 # approximate; see q8_rows in the C file). LYNX_EDGE_INT4_ACT sets the default; Engine option
@@ -268,6 +270,21 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
                           x2.shape[0], Kin, N, out.data_ptr(), torch.get_num_threads())
     out = out.view(*x.shape[:-1], N)
     return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+
+def linear_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+                ) -> torch.Tensor:
+    """x [..., K] @ (q * scale[:, None])ᵀ (+ bias) for int8 rows q [N, K] with fp32 row scales [N]
+    (quant/int8.py), fp32 products and sums → [..., N] fp32."""
+    N, Kin = q.shape
+    x2 = _as(x.reshape(-1, Kin), torch.float32)
+    b = None if bias is None else _as(bias, torch.float32)
+    out = torch.empty(x2.shape[0], N, dtype=torch.float32)
+    if x2.shape[0]:
+        lib().lynx_linear_int8(x2.data_ptr(), _as(q, torch.int8).data_ptr(), _as(scale, torch.float32).data_ptr(),
+                               None if b is None else b.data_ptr(), x2.shape[0], Kin, N, out.data_ptr(),
+                               torch.get_num_threads())
+    return out.view(*x.shape[:-1], N)
 
 
 def linear_int4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
@@ -413,6 +430,13 @@ def dense_lin(weight: torch.Tensor, bias32: torch.Tensor | None) -> Lin:
     """A Lin over a contiguous CPU fp32/bf16 weight [N, K] (bias fp32 or None; the caller keeps them alive)."""
     N, K = weight.shape
     return Lin(_FMT[weight.dtype], weight.data_ptr(), None, None, None, None if bias32 is None else bias32.data_ptr(),
+               N, K, 0, 0)
+
+
+def int8_lin(q: torch.Tensor, scale: torch.Tensor, bias32: torch.Tensor | None) -> Lin:
+    """A Lin over int8 rows q [N, K] with fp32 row scales [N] (contiguous; quant/int8.py)."""
+    N, K = q.shape
+    return Lin(FMT_I8, q.data_ptr(), scale.data_ptr(), None, None, None if bias32 is None else bias32.data_ptr(),
                N, K, 0, 0)
 
 

@@ -150,16 +150,18 @@ def head_plan(model, x: torch.Tensor) -> tuple | None:
     """(final norm weight, eps, native.Lin of the head) when the module path would run the model's
     last RMSNorm and head natively for x [B, 1, D] (the same kernels, so the same logits), else None.
     Decided once per norm, head weight and dtype (kept on the model): a replaced weight decides again."""
-    norm, W = model.norm, model.head_weight()
+    norm, q8 = model.norm, model.head_int8
+    W = q8[0] if q8 is not None else model.head_weight()
     key = (norm, W.data_ptr(), norm.weight.data_ptr(), norm.eps, x.dtype)
     got = model.__dict__.get("_native_head")
     if got is None or got[0] != key:  # first use, or a weight replaced
-        ok = (type(norm) is RMSNorm and norm.weight.dtype is x.dtype and W.dtype in NATIVE_ROWS
-              and native.dense_ok(W) and native.dense_ok(norm.weight))
-        got = model.__dict__["_native_head"] = (key, (norm.weight, norm.eps, native.dense_lin(W, None)) if ok else None)
+        ok = (type(norm) is RMSNorm and norm.weight.dtype is x.dtype and native.dense_ok(norm.weight)
+              and (q8 is not None or (W.dtype in NATIVE_ROWS and native.dense_ok(W))))
+        lin = native.int8_lin(*q8, None) if q8 is not None else native.dense_lin(W, None)
+        got = model.__dict__["_native_head"] = (key, (norm.weight, norm.eps, lin) if ok else None)
     if got[1] is None:
         return None
-    lo, hi = NATIVE_ROWS[W.dtype]
+    lo, hi = NATIVE_ROWS[x.dtype if q8 is not None else W.dtype]
     return got[1] if lo <= x.shape[0] <= hi else None
 
 

@@ -14,6 +14,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..config import ModelConfig
+from ..kernels import native
 from ..routing import RouterSpec
 from .layers import AttnBatch, DenseMLP, Linear, MoEBlock, RMSNorm, Rope, RoutingContext, _param, linear
 from . import native_layer
@@ -91,9 +92,34 @@ class MoEForCausalLM(nn.Module):
         self.norm = getattr(family_of(cfg), "norm", RMSNorm)(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.vocab_size, cfg.hidden_size, False, dtype, device)
         self.rope = Rope(cfg, device)
+        # int8_head (quant/int8.py): (q int8 [V, D], s fp32 [V]) read instead of the 16-bit head
+        self.head_int8: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def head_weight(self) -> torch.Tensor:
+        assert self.head_int8 is None, "the head is int8 (head_int8)"
         return self.embed_tokens if self.lm_head is None else self.lm_head.weight
+
+    def quantize_head(self) -> None:
+        """int8_head: the output head becomes int8 rows with fp32 scales (quant/int8.py). An untied
+        lm_head's 16-bit weight is freed; a tied one stays (it is also the embedding)."""
+        from ..quant.int8 import quantize_rows
+
+        self.head_int8 = quantize_rows(self.head_weight())
+        self.lm_head = None
+        self.__dict__.pop("_native_head", None)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., D] (after the final norm) → logits [..., V] fp32."""
+        if self.head_int8 is None:
+            return linear(x, self.head_weight()).float()
+        q, s = self.head_int8
+        if native.lib() is not None and x.device.type == "cpu":
+            y = native.linear_int8(x, q, s)
+        else:
+            from ..quant.int8 import linear_int8_torch
+
+            y = linear_int8_torch(x, q, s)
+        return y.to(x.dtype).float()  # rounded as a 16-bit head's logits are (and the native stack's)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, ab: AttnBatch, kv_cache: list, is_decode: torch.Tensor,
@@ -129,8 +155,7 @@ class MoEForCausalLM(nn.Module):
             x = layer(x, ab, kv, is_decode)
         if logits_for == "last":
             x = x[:, -1]
-        x = self.norm(x)
-        return linear(x, self.head_weight()).float()
+        return self.logits(self.norm(x))
 
 
 @functools.lru_cache(maxsize=16)

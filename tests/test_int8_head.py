@@ -1,0 +1,147 @@
+"""`int8_head` (`--int8-head`): the output head as int8 rows with one fp32 scale each (quant/int8.py),
+read by the native kernel (kernels/native.linear_int8) on a CPU.
+
+References: the kernel against fp64 math on the dequantised rows; the model against the same
+checkpoint with its lm_head replaced by that dequantisation, loaded as a plain float model — the
+logits must agree to the kernels' fp32 rounding. The one-call decode stack (its head plan) must
+equal the module path bit for bit.
+"""
+from __future__ import annotations
+
+import shutil
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from conftest import make_tiny
+from lynx_edge.kernels import native
+from lynx_edge.quant.int8 import dequant, linear_int8_torch, quantize_rows
+
+pytestmark = pytest.mark.skipif(native.lib() is None, reason="native kernels not built (no C compiler)")
+PROMPT = [5, 17, 42, 99, 3, 125, 7, 8, 120, 64, 33, 2]
+TOL = 1.5e-6  # max |Δ| / output scale; observed 3.5e-7 over these cases
+
+
+def _rel(y, ref):
+    return (y.double() - ref.double()).abs().max().item() / max(1.0, ref.abs().max().item())
+
+
+def test_quantize_rows_rounds_each_row_to_its_scale():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(37, 90, generator=g) * torch.rand(37, 1, generator=g)
+    w[5] = 0.0  # an all-zero row: scale 0, codes 0 (no division by zero)
+    q, s = quantize_rows(w.bfloat16())
+    assert q.dtype == torch.int8 and s.dtype == torch.float32 and q.shape == w.shape and s.shape == (37,)
+    wb = w.bfloat16().float()
+    assert torch.allclose(s, wb.abs().amax(1) / 127)
+    assert q.abs().max() == 127 and not q[5].any() and s[5] == 0
+    err = (dequant(q, s) - wb).abs()
+    assert (err <= s[:, None] / 2 * (1 + 1e-5) + 1e-12).all()  # round to nearest: half a step at most
+
+
+@pytest.mark.parametrize("T,N,Kin,bias", [(1, 7, 64, False), (2, 40, 200, True), (3, 33, 256, False),
+                                          (6, 130, 128, True), (70, 24, 96, False)])
+def test_int8_linear_matches_reference(T, N, Kin, bias):
+    g = torch.Generator().manual_seed(T + N)
+    q, s = quantize_rows(torch.randn(N, Kin, generator=g))
+    x = torch.randn(T, Kin, generator=g)
+    b = torch.randn(N, generator=g) if bias else None
+    ref = F.linear(x.double(), dequant(q, s).double(), None if b is None else b.double())
+    y = native.linear_int8(x, q, s, b)
+    assert y.shape == (T, N) and y.dtype == torch.float32
+    assert _rel(y, ref) < TOL, _rel(y, ref)
+    assert _rel(linear_int8_torch(x, q, s) + (0 if b is None else b), ref) < TOL  # the fallback
+    bad = s.clone()
+    bad[N // 2] *= 1.01  # one row's scale 1% off
+    assert _rel(native.linear_int8(x, q, bad, b), ref) > 10 * TOL
+    q2 = q.clone()
+    q2[0, Kin - 1] += 1 if q2[0, Kin - 1] < 127 else -1  # the last weight of a row (the tail)
+    assert _rel(native.linear_int8(x, q2, s, b), ref) > 10 * TOL * (1 if Kin % 16 else 0.01)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory) -> tuple[Path, Path]:
+    """(an untied 16-bit checkpoint, its reference with lm_head replaced by the int8 dequantisation)."""
+    root = tmp_path_factory.mktemp("i8h")
+    src = make_tiny(root / "src", "qwen3_moe", hidden_size=128, moe_intermediate_size=64, head_dim=32)
+    ref = root / "ref"
+    shutil.copytree(src, ref)
+    with safe_open(str(src / "model.safetensors"), "pt") as f:
+        t = {k: f.get_tensor(k) for k in f.keys()}
+    t["lm_head.weight"] = dequant(*quantize_rows(t["lm_head.weight"])).to(t["lm_head.weight"].dtype)
+    save_file(t, str(ref / "model.safetensors"), metadata={"format": "pt"})
+    return src, ref
+
+
+def _logits(path: Path, **kw) -> tuple[torch.Tensor, object]:
+    from lynx_edge import Engine
+    from lynx_edge.step import decode_step, prefill
+
+    eng = Engine.from_pretrained(path, device="cpu", dtype="float32", **kw)
+    kv = eng._cache(1)
+    out = [prefill(eng.model, kv, 0, PROMPT, 0, logits_for="all")[0]]
+    tok = out[0][-1].argmax(-1, keepdim=True)
+    for _ in range(3):
+        out.append(decode_step(eng.model, kv, [0], tok).reshape(1, -1))
+        tok = out[-1].argmax(-1)
+    return torch.cat(out), eng
+
+
+def test_int8_head_matches_its_dequantised_reference(pair):
+    src, ref_dir = pair
+    ref, _ = _logits(ref_dir)
+    got, eng = _logits(src, int8_head=True)
+    m = eng.model
+    assert m.placement.int8_head and m.lm_head is None  # the 16-bit head is freed (untied)
+    assert m.head_int8[0].dtype == torch.int8 and m.head_int8[0].shape == (m.cfg.vocab_size, m.cfg.hidden_size)
+    err = (got - ref).abs().max().item()
+    assert err < 2e-6, err  # observed 4.8e-7: the int8 kernel vs fp32 GEMMs on the same values
+    plain, _ = _logits(src)  # without the flag: the head is 16-bit, logits differ by the rounding
+    assert (plain - ref).abs().max().item() > 100 * 2e-6
+
+
+def test_decode_stack_head_equals_module_path(monkeypatch):
+    """The demo (tied head: the embedding stays) with int8_head, one decode step through the one-call
+    stack (its head plan reads the int8 rows) and through the module path: the same logits."""
+    from lynx_edge import Engine
+    from lynx_edge.models import native_layer
+    from lynx_edge.step import decode_step, prefill
+
+    eng = Engine.from_pretrained("demo", device="cpu", dtype="bfloat16", int8_head=True)
+    assert eng.model.head_int8 is not None and eng.model.embed_tokens.dtype == torch.bfloat16
+    outs = []
+    for stack in (True, False):
+        monkeypatch.setattr(native_layer, "NATIVE_LAYERS", stack)
+        kv = eng._cache(2)
+        for b in range(2):
+            prefill(eng.model, kv, b, PROMPT[b:])
+        outs.append(decode_step(eng.model, kv, [0, 1], torch.tensor([7, 9])))
+    assert torch.equal(outs[0], outs[1])
+    assert eng.model.__dict__["_native_head"][1][2].kind == native.FMT_I8  # the stack's head was int8
+
+
+def test_int8_head_without_native_kernels_warns_and_keeps_16bit(pair, monkeypatch):
+    from lynx_edge import Engine
+
+    monkeypatch.setattr(native, "lib", lambda: None)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        eng = Engine.from_pretrained(pair[0], device="cpu", dtype="float32", int8_head=True)
+    assert any("int8_head applies on a CPU with the native kernels" in str(x.message) for x in w)
+    assert eng.model.head_int8 is None and eng.model.lm_head is not None and not eng.model.placement.int8_head
+
+
+def test_cli_flag():
+    from typer.testing import CliRunner
+
+    from lynx_edge.cli.main import app
+    from lynx_edge.cli.common import engine_options
+
+    assert engine_options(int8_head=True)["int8_head"] is True and "int8_head" not in engine_options()
+    for cmd in ("bench", "chat", "serve"):
+        assert "--int8-head" in CliRunner().invoke(app, [cmd, "--help"], env={"COLUMNS": "200"}).output
