@@ -293,6 +293,25 @@ static void quant_q8(const float *xe, const float *xo, long S, int Kin, int G, i
         int8_t *ge = qe + r * h, *go = qo + r * h;
         float zsum = 0.0f;
         for (int b = 0; b < nb; b++) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+            { /* the scalar loop below in vector lanes, to the same bits: |x| max is exact, x * id is
+               * the same fp32 product, and cvtps rounds to nearest-even as nearbyintf does */
+                const __m512 ve = _mm512_loadu_ps(e + b * (QB / 2)), vo = _mm512_loadu_ps(o + b * (QB / 2));
+                const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(ve), _mm512_abs_ps(vo)));
+                const float db = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+                const __m512i qe8 = _mm512_cvtps_epi32(_mm512_mul_ps(ve, _mm512_set1_ps(id)));
+                const __m512i qo8 = _mm512_cvtps_epi32(_mm512_mul_ps(vo, _mm512_set1_ps(id)));
+                _mm_storeu_si128((__m128i *)(ge + b * (QB / 2)), _mm512_cvtepi32_epi8(qe8));
+                _mm_storeu_si128((__m128i *)(go + b * (QB / 2)), _mm512_cvtepi32_epi8(qo8));
+                d[r * nb + b] = db;
+                zsum += db * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qe8, qo8));
+                if ((b + 1) % bpg == 0) {
+                    zx[r * (Kin / G) + b / bpg] = zsum;
+                    zsum = 0.0f;
+                }
+                continue;
+            }
+#endif
             float amax = 0.0f;
             for (int j = b * (QB / 2); j < (b + 1) * (QB / 2); j++) {
                 const float a = fabsf(e[j]), c = fabsf(o[j]);
