@@ -71,10 +71,11 @@ PAIRS = {"f32": ("F32", dict(dtype="float32")), "bf16": ("BF16", dict(dtype="bfl
          # 8-bit: an FP8 checkpoint as published (Qwen3-*-FP8: e4m3 experts and attention, 128×128
          # block scales; quant/fp8.write_checkpoint from the same weights) vs Q8_0 (int8 per 32)
          "fp8": ("Q8_0", dict(dtype="bfloat16")),
-         # a 16-bit checkpoint with --int4 --int4-attn: experts and attention RTN INT4 at load (group
-         # 128), as Q4_0 quantises every 2-D weight; and the same with int8 activations
-         "int4all": ("Q4_0", dict(int4=True, int4_attn=True, dtype="bfloat16")),
-         "int4all-q8": ("Q4_0", dict(int4=True, int4_attn=True, int4_act="q8", dtype="bfloat16"))}
+         # a 16-bit checkpoint with --int4 --int4-attn --int8-head: experts and attention RTN INT4 at
+         # load (group 128), as Q4_0 quantises every 2-D weight, and the output head int8 (llama-quantize
+         # keeps it at Q6_K); and the same with int8 activations
+         "int4all": ("Q4_0", dict(int4=True, int4_attn=True, int8_head=True, dtype="bfloat16")),
+         "int4all-q8": ("Q4_0", dict(int4=True, int4_attn=True, int8_head=True, int4_act="q8", dtype="bfloat16"))}
 
 # The converter refuses byte-level BPE tokenizers whose pre-tokenizer hash it does not list (the
 # demo's own tokenizer). The demo's pre-tokenizer is ByteLevel with GPT-2's regex, X
@@ -327,7 +328,8 @@ def run(args) -> dict:
                     bB["on"].append(ours(eng, pB, args.n16, "on"))
                 med1 = {k: statistics.median(v) for k, v in b1.items()}
                 medB = {k: statistics.median(v) for k, v in bB.items()}
-                base = dict(model=model, kind=kind, llama_type=ll_name, ours_dtype=dt, threads=th, bits=bits)
+                base = dict(model=model, kind=kind, llama_type=ll_name, ours_dtype=dt, threads=th, bits=bits,
+                            int8_head=bool(opts.get("int8_head")))
                 res["rows"].append(base | dict(batch=1, lynx="off", ours_tok_s=med1["ours"], llama_tok_s=med1["llama"],
                                                ratio=med1["ours"] / med1["llama"], target=TARGET["B1", bits],
                                                ours_all=b1["ours"], llama_all=b1["llama"]))
@@ -354,8 +356,8 @@ def _ours_name(r: dict) -> str:
     return {"int4": f"--int4 ({r['ours_dtype']})", "int4attn": f"4-bit ckpt + attn ({r['ours_dtype']})",
             "int4attn-q8": f"4-bit ckpt + attn, --int4-act q8 ({r['ours_dtype']})",
             "fp8": f"FP8 ckpt, experts + attn 8-bit ({r['ours_dtype']})",
-            "int4all": f"--int4 --int4-attn ({r['ours_dtype']})",
-            "int4all-q8": f"--int4 --int4-attn --int4-act q8 ({r['ours_dtype']})"}.get(r["kind"], r["ours_dtype"])
+            "int4all": f"--int4 --int4-attn{' --int8-head' if r.get('int8_head') else ''} ({r['ours_dtype']})",
+            "int4all-q8": f"--int4 --int4-attn{' --int8-head' if r.get('int8_head') else ''} --int4-act q8 ({r['ours_dtype']})"}.get(r["kind"], r["ours_dtype"])
 
 
 def to_markdown(res: dict) -> str:

@@ -66,6 +66,22 @@ def greedy_logits(eng, ids: list[int], n: int = 8) -> tuple[list[int], torch.Ten
     return toks, torch.cat(out)
 
 
+def decode_logits(path, prompt: list[int], steps: int = 3, **options) -> tuple[torch.Tensor, object]:
+    """An fp32 CPU engine of `path` (Engine options as given): the prompt's logits for every position,
+    then `steps` greedy decode steps' → ([len(prompt) + steps, V], the engine)."""
+    from lynx_edge import Engine
+    from lynx_edge.step import decode_step, prefill
+
+    eng = Engine.from_pretrained(path, device="cpu", dtype="float32", **options)
+    kv = eng._cache(1)
+    out = [prefill(eng.model, kv, 0, prompt, 0, logits_for="all")[0]]
+    tok = out[0][-1].argmax(-1, keepdim=True)
+    for _ in range(steps):
+        out.append(decode_step(eng.model, kv, [0], tok).reshape(1, -1))
+        tok = out[-1].argmax(-1)
+    return torch.cat(out), eng
+
+
 def make_tiny(path: Path, family: str, seed: int = 0, dtype=torch.float32, **overrides) -> Path:
     """A random tiny checkpoint of `family` saved by transformers (legacy expert names on disk)."""
     import transformers

@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from conftest import make_tiny
+from conftest import decode_logits, make_tiny
 from lynx_edge.kernels import native
 from lynx_edge.quant.int4 import dequant, pack, quantize_rtn
 
@@ -43,17 +43,7 @@ def pair(tmp_path_factory) -> tuple[Path, Path]:
 
 
 def _logits(path: Path, **kw) -> tuple[torch.Tensor, object]:
-    from lynx_edge import Engine
-    from lynx_edge.step import decode_step, prefill
-
-    eng = Engine.from_pretrained(path, device="cpu", dtype="float32", int4=True, int4_group=G, **kw)
-    kv = eng._cache(1)
-    out = [prefill(eng.model, kv, 0, PROMPT, 0, logits_for="all")[0]]
-    tok = out[0][-1].argmax(-1, keepdim=True)
-    for _ in range(3):
-        out.append(decode_step(eng.model, kv, [0], tok).reshape(1, -1))
-        tok = out[-1].argmax(-1)
-    return torch.cat(out), eng
+    return decode_logits(path, PROMPT, int4=True, int4_group=G, **kw)
 
 
 def test_int4_attention_matches_its_rtn_reference(pair):

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from conftest import make_tiny
+from conftest import decode_logits, make_tiny
 from lynx_edge.kernels import native
 from lynx_edge.quant.int8 import dequant, linear_int8_torch, quantize_rows
 
@@ -79,17 +79,7 @@ def pair(tmp_path_factory) -> tuple[Path, Path]:
 
 
 def _logits(path: Path, **kw) -> tuple[torch.Tensor, object]:
-    from lynx_edge import Engine
-    from lynx_edge.step import decode_step, prefill
-
-    eng = Engine.from_pretrained(path, device="cpu", dtype="float32", **kw)
-    kv = eng._cache(1)
-    out = [prefill(eng.model, kv, 0, PROMPT, 0, logits_for="all")[0]]
-    tok = out[0][-1].argmax(-1, keepdim=True)
-    for _ in range(3):
-        out.append(decode_step(eng.model, kv, [0], tok).reshape(1, -1))
-        tok = out[-1].argmax(-1)
-    return torch.cat(out), eng
+    return decode_logits(path, PROMPT, **kw)
 
 
 def test_int8_head_matches_its_dequantised_reference(pair):
