@@ -336,14 +336,14 @@ static void quant_q8(const float *xe, const float *xo, long S, int Kin, int G, i
     }
 }
 
-/* acc[r * ald + t] for R adjacent packed rows (as dot_tile_h) and NT tokens, R * NT <= 4; s / z at
+/* acc[r * ald + t] for R adjacent packed rows (as dot_tile_h) and NT tokens, R * NT <= 8 (q8_block); s / z at
  * row 0's group 0 entry (stride N between groups, row r one entry on) */
 static inline __attribute__((always_inline)) void q8_tile(
     const uint8_t *q, const long rs, const uint16_t *s, const uint8_t *z, long N, int Kin, int G, const int R,
     const int8_t *const *xe, const int8_t *const *xo, const float *const *d, const float *const *zx, const int NT,
     float *acc, const long ald) {
     const int ng = Kin / G, RN = R * NT;
-    float corr[4] = {0.0f, 0.0f, 0.0f, 0.0f}, out[4];
+    float corr[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f}, out[8];
     int t, r;
     for (int g = 0; g < ng; g++)
         for (r = 0; r < R; r++) {
@@ -352,7 +352,7 @@ static inline __attribute__((always_inline)) void q8_tile(
         }
 #if defined(__AVX512F__) && defined(__AVX512BW__)
     {
-        __m512 tot[4];
+        __m512 tot[8];
         for (t = 0; t < RN; t++) tot[t] = _mm512_setzero_ps();
         const __m512i m4 = _mm512_set1_epi8(15);
         const __m512i quarter = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
@@ -393,7 +393,7 @@ static inline __attribute__((always_inline)) void q8_tile(
     }
 #elif defined(__AVX2__) && defined(__FMA__)
     {
-        __m256 tot[4];
+        __m256 tot[8];
         for (t = 0; t < RN; t++) tot[t] = _mm256_setzero_ps();
         const __m256i m4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
         for (int c = 0; c < Kin / 64; c++) { /* 32 bytes: 64 weights, 2 blocks of QB */
@@ -437,7 +437,15 @@ static inline __attribute__((always_inline)) void q8_tile(
 }
 
 /* acc[r * ROWS_LD + t] for R (1..4) adjacent rows and n tokens (rows of stride h / nb / ng from
- * xe0, xo0, d0, zx0): the tiles of dot_block */
+ * xe0, xo0, d0, zx0). A q8 row x token sum is one accumulator, so with AVX-512's 32 vector registers
+ * a tile holds up to 8 of them: one token, all R rows; two tokens, all R rows; more, two rows x four
+ * tokens (each weight load serves four tokens, each input load two rows). With 16 registers (AVX2)
+ * the tiles of dot_block. Each row x token sums the same way in any tile (batch-invariant). */
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define Q8_PAIRS 1
+#else
+#define Q8_PAIRS 0
+#endif
 static void q8_block(const uint8_t *q, long rs, const uint16_t *s, const uint8_t *z, long N, int Kin, int G, int R,
                      const int8_t *xe0, const int8_t *xo0, const float *d0, const float *zx0, int n, float *acc) {
     const long h = Kin / 2, nb = Kin / QB, ng = Kin / G;
@@ -446,35 +454,50 @@ static void q8_block(const uint8_t *q, long rs, const uint16_t *s, const uint8_t
 #define Q8_TOKENS(t0, m) \
     for (int i = 0; i < (m); i++) { \
         xe[i] = xe0 + ((t0) + i) * h; xo[i] = xo0 + ((t0) + i) * h; d[i] = d0 + ((t0) + i) * nb; zx[i] = zx0 + ((t0) + i) * ng; }
+#define Q8_TILE(RR, M, r0, t0) \
+    q8_tile(q + (r0) * rs, rs, s + (r0), z ? z + (r0) : NULL, N, Kin, G, RR, xe, xo, d, zx, M, acc + (r0) * ROWS_LD + (t0), \
+            ROWS_LD)
     if (n == 1) {
         Q8_TOKENS(0, 1)
-        if (R == 4) q8_tile(q, rs, s, z, N, Kin, G, 4, xe, xo, d, zx, 1, acc, ROWS_LD);
-        else if (R == 3) q8_tile(q, rs, s, z, N, Kin, G, 3, xe, xo, d, zx, 1, acc, ROWS_LD);
-        else if (R == 2) q8_tile(q, rs, s, z, N, Kin, G, 2, xe, xo, d, zx, 1, acc, ROWS_LD);
-        else q8_tile(q, rs, s, z, N, Kin, G, 1, xe, xo, d, zx, 1, acc, ROWS_LD);
+        if (R == 4) Q8_TILE(4, 1, 0, 0);
+        else if (R == 3) Q8_TILE(3, 1, 0, 0);
+        else if (R == 2) Q8_TILE(2, 1, 0, 0);
+        else Q8_TILE(1, 1, 0, 0);
         return;
     }
     if (n == 2) {
         Q8_TOKENS(0, 2)
+        if (Q8_PAIRS) {
+            if (R == 4) Q8_TILE(4, 2, 0, 0);
+            else if (R == 3) Q8_TILE(3, 2, 0, 0);
+            else if (R == 2) Q8_TILE(2, 2, 0, 0);
+            else Q8_TILE(1, 2, 0, 0);
+            return;
+        }
         int r = 0;
-        for (; r + 2 <= R; r += 2)
-            q8_tile(q + r * rs, rs, s + r, z ? z + r : NULL, N, Kin, G, 2, xe, xo, d, zx, 2, acc + r * ROWS_LD, ROWS_LD);
-        if (r < R)
-            q8_tile(q + r * rs, rs, s + r, z ? z + r : NULL, N, Kin, G, 1, xe, xo, d, zx, 2, acc + r * ROWS_LD, ROWS_LD);
+        for (; r + 2 <= R; r += 2) Q8_TILE(2, 2, r, 0);
+        if (r < R) Q8_TILE(1, 2, r, 0);
         return;
     }
-    for (int r = 0; r < R; r++) {
-        const uint8_t *qr = q + r * rs, *zr = z ? z + r : NULL;
-        float *ar = acc + r * ROWS_LD;
+    for (int r = 0; r < R; r += 1 + Q8_PAIRS) {
+        const int two = Q8_PAIRS && r + 1 < R;
         for (int t = 0; t < n; t += 4) {
             const int m = n - t < 4 ? n - t : 4;
             Q8_TOKENS(t, m)
-            if (m == 4) q8_tile(qr, rs, s + r, zr, N, Kin, G, 1, xe, xo, d, zx, 4, ar + t, 1);
-            else if (m == 3) q8_tile(qr, rs, s + r, zr, N, Kin, G, 1, xe, xo, d, zx, 3, ar + t, 1);
-            else if (m == 2) q8_tile(qr, rs, s + r, zr, N, Kin, G, 1, xe, xo, d, zx, 2, ar + t, 1);
-            else q8_tile(qr, rs, s + r, zr, N, Kin, G, 1, xe, xo, d, zx, 1, ar + t, 1);
+            if (two) {
+                if (m == 4) Q8_TILE(2, 4, r, t);
+                else if (m == 3) Q8_TILE(2, 3, r, t);
+                else if (m == 2) Q8_TILE(2, 2, r, t);
+                else Q8_TILE(2, 1, r, t);
+            } else {
+                if (m == 4) Q8_TILE(1, 4, r, t);
+                else if (m == 3) Q8_TILE(1, 3, r, t);
+                else if (m == 2) Q8_TILE(1, 2, r, t);
+                else Q8_TILE(1, 1, r, t);
+            }
         }
     }
+#undef Q8_TILE
 #undef Q8_TOKENS
 }
 
