@@ -126,7 +126,7 @@ def test_int8_head_without_native_kernels_warns_and_keeps_16bit(pair, monkeypatc
     assert eng.model.head_int8 is None and eng.model.lm_head is not None and not eng.model.placement.int8_head
 
 
-def test_cli_flag():
+def test_cli_flag(pair, tmp_path):
     from typer.testing import CliRunner
 
     from lynx_edge.cli.main import app
@@ -135,3 +135,11 @@ def test_cli_flag():
     assert engine_options(int8_head=True)["int8_head"] is True and "int8_head" not in engine_options()
     for cmd in ("bench", "chat", "serve"):
         assert "--int8-head" in CliRunner().invoke(app, [cmd, "--help"], env={"COLUMNS": "200"}).output
+    out = tmp_path / "b.json"
+    r = CliRunner().invoke(app, ["bench", str(pair[0]), "--int8-head", "-p", "4", "-n", "3", "-r", "1", "-b", "1",
+                                 "--lynx", "off", "--save", str(out)], env={"COLUMNS": "200"})
+    assert r.exit_code == 0, r.output
+    assert "int8 head" in r.output  # the table's title says what ran
+    import json
+
+    assert json.loads(out.read_text())["config"]["int8_head"] is True  # and the saved result records it
