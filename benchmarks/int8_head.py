@@ -1,6 +1,7 @@
 """`--int8-head` on a CPU: what the 8-bit output head costs in quality and buys in decode speed.
 
-For each weight setting (bf16; --int4 --int4-attn, the demo's llama.cpp Q4_0 comparison) two
+For each weight setting (bf16; --int4 --int4-attn, the demo's llama.cpp Q4_0 comparison, with fp32
+and with q8 activations — q8 reads the int8 head with int8 activations too) two
 engines of the same checkpoint run in this one process, the 16-bit head and the int8 head:
 - quality: teacher-forced on the model's held-out text (eval.py's decode path: 64-token prefill,
   then batched decode steps on the true tokens), perplexity of each and greedy agreement (the
@@ -23,7 +24,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-SETTINGS = {"bf16": {}, "int4+attn": dict(int4=True, int4_attn=True)}
+# the last: --int4-act q8, so the int8 head's activations are int8 too (integer dot products)
+SETTINGS = {"bf16": {}, "int4+attn": dict(int4=True, int4_attn=True),
+            "int4+attn q8": dict(int4=True, int4_attn=True, int4_act="q8")}
 
 
 def main() -> None:
@@ -48,7 +51,7 @@ def main() -> None:
         m = engs[True].model
         seqs = load_sequences(engs[False], num_seqs=32, seq_len=128)
         q = {h: _run(e, seqs, 8, 64) for h, e in engs.items()}
-        row = {"setting": name, "head_bytes_16bit": m.cfg.vocab_size * m.cfg.hidden_size * 2,
+        row = {"setting": name, "head_activations": m.head_act, "head_bytes_16bit": m.cfg.vocab_size * m.cfg.hidden_size * 2,
                "head_bytes_int8": m.head_int8[0].numel() + 4 * m.head_int8[1].numel(),
                "tokens": int(q[False].nll.numel()),
                "ppl_16bit_head": math.exp(q[False].nll.mean().item()), "ppl_int8_head": math.exp(q[True].nll.mean().item()),

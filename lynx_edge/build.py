@@ -152,7 +152,7 @@ def load_model(model_dir: Path, cfg: ModelConfig, opts: LoadOptions, progress: P
     load_weights(model, ckpt, family, qc, progress)
     ckpt.close()
     if opts.int8_head:
-        placement.int8_head = _int8_head(model, dev)
+        placement.int8_head = _int8_head(model, dev, act)
     model.placement = placement
     if rt is not None:
         from .offload.runtime import _install_route
@@ -214,17 +214,18 @@ def _keep_linears_packed(model, ckpt: Checkpoint, family, dev, act: str | None =
     return n
 
 
-def _int8_head(model, dev) -> bool:
+def _int8_head(model, dev, act: str | None) -> bool:
     """`int8_head`: on a CPU with the native kernels the output head becomes int8 rows with fp32
-    scales (quant/int8.py), read at half of bf16's bytes every token; elsewhere it stays 16-bit
-    (RuntimeWarning). → whether it was made int8."""
+    scales (quant/int8.py), read at half of bf16's bytes every token, with int8 activations when the
+    INT4 kernels' are (`int4_act="q8"`); elsewhere it stays 16-bit (RuntimeWarning). → whether it
+    was made int8."""
     from .kernels import native
 
     if dev.type != "cpu" or native.lib() is None:
         warnings.warn("int8_head applies on a CPU with the native kernels; the head stays 16-bit here",
                       RuntimeWarning, stacklevel=3)
         return False
-    model.quantize_head()
+    model.quantize_head(act)
     return True
 
 

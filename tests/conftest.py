@@ -66,6 +66,15 @@ def greedy_logits(eng, ids: list[int], n: int = 8) -> tuple[list[int], torch.Ten
     return toks, torch.cat(out)
 
 
+def q8_emulate(x: torch.Tensor) -> torch.Tensor:
+    """The native kernels' int8 activation quantisation, emulated: blocks of 32 inputs (in the order
+    given), d = max|x| / 127, xq = round-half-even(x · 127/max|x|) in fp32 → the dequantised xq · d."""
+    b = x.float().unflatten(-1, (-1, 32))
+    amax = b.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
+    return (torch.round(b * inv) * (amax / 127.0)).flatten(-2)
+
+
 def decode_logits(path, prompt: list[int], steps: int = 3, **options) -> tuple[torch.Tensor, object]:
     """An fp32 CPU engine of `path` (Engine options as given): the prompt's logits for every position,
     then `steps` greedy decode steps' → ([len(prompt) + steps, V], the engine)."""

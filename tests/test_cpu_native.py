@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import q8_emulate as _q8
 from lynx_edge.kernels import native
 from lynx_edge.kernels.moe_gemm import moe_ref_loop
 
@@ -419,15 +420,6 @@ def test_int4_linear_module_and_fused_qkv(rows):
 TOL_Q8 = 3e-6  # vs the torch emulation of the same quantisation: observed max |Δ| / output scale 6.6e-7
 
 
-def _q8(x: torch.Tensor) -> torch.Tensor:
-    """The kernel's activation quantisation, emulated: blocks of 32 inputs in code order, d =
-    max|x| / 127, xq = round-half-even(x · 127/max|x|) in fp32 → the dequantised xq · d."""
-    b = x.float().unflatten(-1, (-1, 32))
-    amax = b.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
-    return (torch.round(b * inv) * (amax / 127.0)).flatten(-2)
-
-
 @pytest.mark.parametrize("T,N,Kin,G,sym,act_order", [(1, 48, 128, 32, False, False), (1, 512, 2048, 128, True, False),
                                                      (3, 40, 256, 64, False, True), (6, 24, 384, 128, False, True)])
 def test_int4_q8_linear_matches_emulation(T, N, Kin, G, sym, act_order):
@@ -583,7 +575,7 @@ def test_fp8_linear_matches_reference(T, N, Kin, block, bias):
 
 # --- row tiles: every row x token sums the same way alone or in any tile ------------------------
 
-@pytest.mark.parametrize("kind", ["f32", "bf16", "int8", "int4", "int4-q8"])
+@pytest.mark.parametrize("kind", ["f32", "bf16", "int8", "int8-q8", "int4", "int4-q8"])
 def test_row_tiles_are_batch_and_row_invariant(kind):
     """The kernels run up to four adjacent rows and up to four tokens per tile (one token: four rows
     at once; two tokens: two rows at once; more: one row, four tokens). Each output must be
@@ -598,13 +590,15 @@ def test_row_tiles_are_batch_and_row_invariant(kind):
 
         def run(xs, rows):
             return native.linear(xs, W[rows].contiguous())
-    elif kind == "int8":
+    elif kind.startswith("int8"):
         from lynx_edge.quant.int8 import quantize_rows
 
+        if kind == "int8-q8" and not native.i8_q8():
+            pytest.skip("int8 activations for int8 rows need AVX512-VNNI")
         q, s = quantize_rows(torch.randn(N, Kin, generator=g))
 
         def run(xs, rows):
-            return native.linear_int8(xs, q[rows].contiguous(), s[rows].contiguous())
+            return native.linear_int8(xs, q[rows].contiguous(), s[rows].contiguous(), act=kind[5:] or None)
     else:
         ql, _, _, _ = _q4_problem(1, N, Kin, 64, False, False, False)
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from conftest import decode_logits, make_tiny
+from conftest import decode_logits, make_tiny, q8_emulate
 from lynx_edge.kernels import native
 from lynx_edge.quant.int8 import dequant, linear_int8_torch, quantize_rows
 
@@ -64,6 +64,27 @@ def test_int8_linear_matches_reference(T, N, Kin, bias):
     assert _rel(native.linear_int8(x, q2, s, b), ref) > 10 * TOL * (1 if Kin % 16 else 0.01)
 
 
+@pytest.mark.parametrize("T,N,Kin", [(1, 40, 64), (3, 33, 256), (6, 130, 128), (70, 24, 192)])
+def test_int8_q8_linear_matches_emulation(T, N, Kin):
+    """act="q8": int8 activations in blocks of 32 (natural order) against the int8 rows, integer
+    dot products (AVX512-VNNI): equal to fp64 math on the emulated quantisation, and really quantised."""
+    if not native.i8_q8():
+        pytest.skip("int8 activations for int8 rows need AVX512-VNNI")
+    g = torch.Generator().manual_seed(T + Kin)
+    q, s = quantize_rows(torch.randn(N, Kin, generator=g))
+    x = torch.randn(T, Kin, generator=g)
+    x[0, 32:64] = 0.0  # an all-zero block
+    b = torch.randn(N, generator=g)
+    w = dequant(q, s).double()
+    ref = F.linear(q8_emulate(x).double(), w, b.double())
+    y = native.linear_int8(x, q, s, b, act="q8")
+    assert _rel(y, ref) < TOL, _rel(y, ref)
+    assert 1e-4 < _rel(y, F.linear(x.double(), w, b.double())) < 2e-2  # quantised, by ~2^-8 per input
+    x2 = x.clone()
+    x2[-1, Kin - 3] += 0.3  # one input moved: a wrong block scale or lane would miss or smear it
+    assert _rel(native.linear_int8(x2, q, s, b, act="q8"), F.linear(q8_emulate(x2).double(), w, b.double())) < TOL
+
+
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory) -> tuple[Path, Path]:
     """(an untied 16-bit checkpoint, its reference with lm_head replaced by the int8 dequantisation)."""
@@ -95,14 +116,17 @@ def test_int8_head_matches_its_dequantised_reference(pair):
     assert (plain - ref).abs().max().item() > 100 * 2e-6
 
 
-def test_decode_stack_head_equals_module_path(monkeypatch):
+@pytest.mark.parametrize("act", ["f32", "q8"])
+def test_decode_stack_head_equals_module_path(monkeypatch, act):
     """The demo (tied head: the embedding stays) with int8_head, one decode step through the one-call
-    stack (its head plan reads the int8 rows) and through the module path: the same logits."""
+    stack (its head plan reads the int8 rows) and through the module path: the same logits; with
+    int4_act="q8" the head's activations are int8 too, in both."""
     from lynx_edge import Engine
     from lynx_edge.models import native_layer
     from lynx_edge.step import decode_step, prefill
 
-    eng = Engine.from_pretrained("demo", device="cpu", dtype="bfloat16", int8_head=True)
+    eng = Engine.from_pretrained("demo", device="cpu", dtype="bfloat16", int8_head=True, int4_act=act)
+    assert eng.model.head_act == act
     assert eng.model.head_int8 is not None and eng.model.embed_tokens.dtype == torch.bfloat16
     outs = []
     for stack in (True, False):
@@ -112,7 +136,8 @@ def test_decode_stack_head_equals_module_path(monkeypatch):
             prefill(eng.model, kv, b, PROMPT[b:])
         outs.append(decode_step(eng.model, kv, [0, 1], torch.tensor([7, 9])))
     assert torch.equal(outs[0], outs[1])
-    assert eng.model.__dict__["_native_head"][1][2].kind == native.FMT_I8  # the stack's head was int8
+    lin = eng.model.__dict__["_native_head"][1][2]
+    assert lin.kind == native.FMT_I8 and lin.q8 == (act == "q8")  # the stack's head was int8
 
 
 def test_int8_head_without_native_kernels_warns_and_keeps_16bit(pair, monkeypatch):

@@ -121,8 +121,10 @@ def lib() -> ctypes.CDLL | None:
     so.lynx_moe.restype = i
     so.lynx_linear.argtypes = [i, p, p, p, i, i, i, p, i]
     so.lynx_linear.restype = None
-    so.lynx_linear_int8.argtypes = [p, p, p, p, i, i, i, p, i]
-    so.lynx_linear_int8.restype = None
+    so.lynx_linear_int8.argtypes = [p, p, p, p, i, i, i, p, i, i]
+    so.lynx_linear_int8.restype = i
+    so.lynx_i8_q8.argtypes = []
+    so.lynx_i8_q8.restype = i
     so.lynx_linear_int4.argtypes = [p, p, p, p, p, p, i, i, i, i, p, i, i]
     so.lynx_linear_int4.restype = i
     so.lynx_linear_fp8.argtypes = [p, p, p, i, i, p, i, i, i, p, i]
@@ -272,18 +274,27 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
-def linear_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
-                ) -> torch.Tensor:
+def i8_q8() -> bool:
+    """Whether linear_int8 runs act="q8" as int8 activations here (AVX512-VNNI builds); elsewhere
+    it runs the fp32 activations."""
+    return bool(lib().lynx_i8_q8())
+
+
+def linear_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+                act: str | None = None) -> torch.Tensor:
     """x [..., K] @ (q * scale[:, None])ᵀ (+ bias) for int8 rows q [N, K] with fp32 row scales [N]
-    (quant/int8.py), fp32 products and sums → [..., N] fp32."""
+    (quant/int8.py), fp32 products and sums → [..., N] fp32. act "q8": int8 activations in blocks of
+    32 with integer dot products (approximate; where i8_q8() and K % 64 == 0)."""
     N, Kin = q.shape
     x2 = _as(x.reshape(-1, Kin), torch.float32)
     b = None if bias is None else _as(bias, torch.float32)
     out = torch.empty(x2.shape[0], N, dtype=torch.float32)
     if x2.shape[0]:
-        lib().lynx_linear_int8(x2.data_ptr(), _as(q, torch.int8).data_ptr(), _as(scale, torch.float32).data_ptr(),
-                               None if b is None else b.data_ptr(), x2.shape[0], Kin, N, out.data_ptr(),
-                               torch.get_num_threads())
+        rc = lib().lynx_linear_int8(x2.data_ptr(), _as(q, torch.int8).data_ptr(),
+                                    _as(scale, torch.float32).data_ptr(), None if b is None else b.data_ptr(),
+                                    x2.shape[0], Kin, N, out.data_ptr(), torch.get_num_threads(), int(act == "q8"))
+        if rc:
+            raise MemoryError("the int8 linear could not allocate its activation scratch")
     return out.view(*x.shape[:-1], N)
 
 
@@ -433,11 +444,12 @@ def dense_lin(weight: torch.Tensor, bias32: torch.Tensor | None) -> Lin:
                N, K, 0, 0)
 
 
-def int8_lin(q: torch.Tensor, scale: torch.Tensor, bias32: torch.Tensor | None) -> Lin:
-    """A Lin over int8 rows q [N, K] with fp32 row scales [N] (contiguous; quant/int8.py)."""
+def int8_lin(q: torch.Tensor, scale: torch.Tensor, bias32: torch.Tensor | None, act: str | None = None) -> Lin:
+    """A Lin over int8 rows q [N, K] with fp32 row scales [N] (contiguous; quant/int8.py); act as
+    linear_int8's."""
     N, K = q.shape
     return Lin(FMT_I8, q.data_ptr(), scale.data_ptr(), None, None, None if bias32 is None else bias32.data_ptr(),
-               N, K, 0, 0)
+               N, K, 0, int(act == "q8"))
 
 
 def int4_lin(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, perm: torch.Tensor | None,

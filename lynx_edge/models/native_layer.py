@@ -157,7 +157,7 @@ def head_plan(model, x: torch.Tensor) -> tuple | None:
     if got is None or got[0] != key:  # first use, or a weight replaced
         ok = (type(norm) is RMSNorm and norm.weight.dtype is x.dtype and native.dense_ok(norm.weight)
               and (q8 is not None or (W.dtype in NATIVE_ROWS and native.dense_ok(W))))
-        lin = native.int8_lin(*q8, None) if q8 is not None else native.dense_lin(W, None)
+        lin = native.int8_lin(*q8, None, model.head_act) if q8 is not None else native.dense_lin(W, None)
         got = model.__dict__["_native_head"] = (key, (norm.weight, norm.eps, lin) if ok else None)
     if got[1] is None:
         return None

@@ -94,17 +94,19 @@ class MoEForCausalLM(nn.Module):
         self.rope = Rope(cfg, device)
         # int8_head (quant/int8.py): (q int8 [V, D], s fp32 [V]) read instead of the 16-bit head
         self.head_int8: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.head_act: str | None = None  # "q8": the int8 head's activations int8 too (--int4-act q8)
 
     def head_weight(self) -> torch.Tensor:
         assert self.head_int8 is None, "the head is int8 (head_int8)"
         return self.embed_tokens if self.lm_head is None else self.lm_head.weight
 
-    def quantize_head(self) -> None:
-        """int8_head: the output head becomes int8 rows with fp32 scales (quant/int8.py). An untied
-        lm_head's 16-bit weight is freed; a tied one stays (it is also the embedding)."""
+    def quantize_head(self, act: str | None = None) -> None:
+        """int8_head: the output head becomes int8 rows with fp32 scales (quant/int8.py), read with
+        int8 activations too when act is "q8". An untied lm_head's 16-bit weight is freed; a tied one
+        stays (it is also the embedding)."""
         from ..quant.int8 import quantize_rows
 
-        self.head_int8 = quantize_rows(self.head_weight())
+        self.head_int8, self.head_act = quantize_rows(self.head_weight()), act
         self.lm_head = None
         self.__dict__.pop("_native_head", None)
 
@@ -114,7 +116,7 @@ class MoEForCausalLM(nn.Module):
             return linear(x, self.head_weight()).float()
         q, s = self.head_int8
         if native.lib() is not None and x.device.type == "cpu":
-            y = native.linear_int8(x, q, s)
+            y = native.linear_int8(x, q, s, act=self.head_act)
         else:
             from ..quant.int8 import linear_int8_torch
 
