@@ -66,6 +66,24 @@ def greedy_logits(eng, ids: list[int], n: int = 8) -> tuple[list[int], torch.Ten
     return toks, torch.cat(out)
 
 
+def tiny_with_reference(root: Path, transform) -> tuple[Path, Path]:
+    """(a tiny qwen3_moe checkpoint, its copy whose tensors dict went through transform(t) in place):
+    the reference a quantise-at-load option is compared against."""
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    src = make_tiny(root / "src", "qwen3_moe", hidden_size=128, moe_intermediate_size=64, head_dim=32)
+    ref = root / "ref"
+    shutil.copytree(src, ref)
+    with safe_open(str(src / "model.safetensors"), "pt") as f:
+        t = {k: f.get_tensor(k) for k in f.keys()}
+    transform(t)
+    save_file(t, str(ref / "model.safetensors"), metadata={"format": "pt"})
+    return src, ref
+
+
 def q8_emulate(x: torch.Tensor) -> torch.Tensor:
     """The native kernels' int8 activation quantisation, emulated: blocks of 32 inputs (in the order
     given), d = max|x| / 127, xq = round-half-even(x · 127/max|x|) in fp32 → the dequantised xq · d."""

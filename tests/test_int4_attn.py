@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from conftest import decode_logits, make_tiny
+from conftest import decode_logits, tiny_with_reference
 from lynx_edge.kernels import native
 from lynx_edge.quant.int4 import dequant, pack, quantize_rtn
 
@@ -28,18 +28,13 @@ PROJ = ("q_proj", "k_proj", "v_proj", "o_proj")
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory) -> tuple[Path, Path]:
     """(16-bit checkpoint, its reference with every attention projection RTN-dequantised)."""
-    root = tmp_path_factory.mktemp("i4a")
-    src = make_tiny(root / "src", "qwen3_moe", hidden_size=128, moe_intermediate_size=64, head_dim=32)
-    ref = root / "ref"
-    shutil.copytree(src, ref)
-    with safe_open(str(src / "model.safetensors"), "pt") as f:
-        t = {k: f.get_tensor(k) for k in f.keys()}
-    for k in t:
-        if k.endswith(tuple(f"{p}.weight" for p in PROJ)):
-            codes, s, z = quantize_rtn(t[k], G, sym=True)
-            t[k] = dequant(pack(codes), s, z, G)
-    save_file(t, str(ref / "model.safetensors"), metadata={"format": "pt"})
-    return src, ref
+    def attn_rtn(t):
+        for k in t:
+            if k.endswith(tuple(f"{p}.weight" for p in PROJ)):
+                codes, s, z = quantize_rtn(t[k], G, sym=True)
+                t[k] = dequant(pack(codes), s, z, G)
+
+    return tiny_with_reference(tmp_path_factory.mktemp("i4a"), attn_rtn)
 
 
 def _logits(path: Path, **kw) -> tuple[torch.Tensor, object]:

@@ -8,17 +8,14 @@ equal the module path bit for bit.
 """
 from __future__ import annotations
 
-import shutil
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
-from safetensors.torch import save_file
 
-from conftest import decode_logits, make_tiny, q8_emulate
+from conftest import decode_logits, q8_emulate, tiny_with_reference
 from lynx_edge.kernels import native
 from lynx_edge.quant.int8 import dequant, linear_int8_torch, quantize_rows
 
@@ -88,15 +85,10 @@ def test_int8_q8_linear_matches_emulation(T, N, Kin):
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory) -> tuple[Path, Path]:
     """(an untied 16-bit checkpoint, its reference with lm_head replaced by the int8 dequantisation)."""
-    root = tmp_path_factory.mktemp("i8h")
-    src = make_tiny(root / "src", "qwen3_moe", hidden_size=128, moe_intermediate_size=64, head_dim=32)
-    ref = root / "ref"
-    shutil.copytree(src, ref)
-    with safe_open(str(src / "model.safetensors"), "pt") as f:
-        t = {k: f.get_tensor(k) for k in f.keys()}
-    t["lm_head.weight"] = dequant(*quantize_rows(t["lm_head.weight"])).to(t["lm_head.weight"].dtype)
-    save_file(t, str(ref / "model.safetensors"), metadata={"format": "pt"})
-    return src, ref
+    def head_int8(t):
+        t["lm_head.weight"] = dequant(*quantize_rows(t["lm_head.weight"])).to(t["lm_head.weight"].dtype)
+
+    return tiny_with_reference(tmp_path_factory.mktemp("i8h"), head_int8)
 
 
 def _logits(path: Path, **kw) -> tuple[torch.Tensor, object]:
