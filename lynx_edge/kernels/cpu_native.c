@@ -212,46 +212,60 @@ static inline __attribute__((always_inline)) void dot_tile(
     else dot_tile_h(q, rs, s, z, N, Kin, G / 2, R, xe, xo, xs, NT, acc, ald);
 }
 
+/* The tile walk of the row kernels (dot_block; q8_block and i8q8_block, whose sums are one
+ * accumulator each, with `pairs` where 32 vector registers hold 8 of them) over R (1..4) rows and n
+ * tokens: one token, all R rows at once; two, all R rows with `pairs` (else two rows at a time);
+ * more, two (`pairs`) or one rows x four tokens. TOKENS(t0, m) points the token arrays at tokens
+ * t0..t0+m, TILE(RR, M, r0, t0) runs one tile of that compile-time shape. */
+#define TILE_R(TILE, RR, M, r0, t0) /* RR rows, 1..4 at run time, as a compile-time shape */ \
+    do { \
+        if ((RR) == 4) TILE(4, M, r0, t0); else if ((RR) == 3) TILE(3, M, r0, t0); \
+        else if ((RR) == 2) TILE(2, M, r0, t0); else TILE(1, M, r0, t0); \
+    } while (0)
+#define TILE_M(TILE, RR, M, r0, t0) /* M tokens, 1..4 at run time */ \
+    do { \
+        if ((M) == 4) TILE(RR, 4, r0, t0); else if ((M) == 3) TILE(RR, 3, r0, t0); \
+        else if ((M) == 2) TILE(RR, 2, r0, t0); else TILE(RR, 1, r0, t0); \
+    } while (0)
+#define WALK_TILES(TILE, TOKENS, R, n, pairs) \
+    do { \
+        if ((n) == 1 || ((n) == 2 && (pairs))) { \
+            TOKENS(0, n) \
+            if ((n) == 1) TILE_R(TILE, R, 1, 0, 0); else TILE_R(TILE, R, 2, 0, 0); \
+            break; \
+        } \
+        if ((n) == 2) { \
+            TOKENS(0, 2) \
+            int r_ = 0; \
+            for (; r_ + 2 <= (R); r_ += 2) TILE(2, 2, r_, 0); \
+            if (r_ < (R)) TILE(1, 2, r_, 0); \
+            break; \
+        } \
+        for (int r_ = 0; r_ < (R); r_ += 1 + (pairs)) \
+            for (int t_ = 0; t_ < (n); t_ += 4) { \
+                const int m_ = (n) - t_ < 4 ? (n) - t_ : 4; \
+                TOKENS(t_, m_) \
+                if ((pairs) && r_ + 1 < (R)) TILE_M(TILE, 2, m_, r_, t_); else TILE_M(TILE, 1, m_, r_, t_); \
+            } \
+    } while (0)
+
 /* acc[r * ROWS_LD + t] for R (1..4) adjacent rows (as dot_tile_h) and n tokens whose even/odd rows
- * start at xe0/xo0 with row stride ld (group sums at xs0, row stride Kin/G). Tiles: one token, all
- * R rows at once (decode at B=1, and an expert with one slot); two tokens, two rows at a time;
- * more, one row at a time with four tokens sharing each weight vector. */
+ * start at xe0/xo0 with row stride ld (group sums at xs0, row stride Kin/G). Tiles: WALK_TILES
+ * without pairs (one token: all R rows, as at B=1 or for an expert with one slot; two: two rows at a
+ * time; more: one row, four tokens sharing each weight vector). */
 #define ROWS_LD 64 /* tokens per call (acc's row stride) */
 static void dot_block(const uint8_t *q, long rs, const uint16_t *s, const uint8_t *z, long N, int Kin, int G, int R,
                       const float *xe0, const float *xo0, long ld, const float *xs0, int n, float *acc) {
     const long ng = Kin / G;
     const float *xe[4], *xo[4], *xs[4];
-    for (int i = 0; i < 4 && i < n; i++) { xe[i] = xe0 + i * ld; xo[i] = xo0 + i * ld; xs[i] = xs0 + i * ng; }
-    if (n == 1) {
-        if (R == 4) dot_tile(q, rs, s, z, N, Kin, G, 4, xe, xo, xs, 1, acc, ROWS_LD);
-        else if (R == 3) dot_tile(q, rs, s, z, N, Kin, G, 3, xe, xo, xs, 1, acc, ROWS_LD);
-        else if (R == 2) dot_tile(q, rs, s, z, N, Kin, G, 2, xe, xo, xs, 1, acc, ROWS_LD);
-        else dot_tile(q, rs, s, z, N, Kin, G, 1, xe, xo, xs, 1, acc, ROWS_LD);
-        return;
-    }
-    if (n == 2) {
-        int r = 0;
-        for (; r + 2 <= R; r += 2) dot_tile(q + r * rs, rs, s + r, z ? z + r : NULL, N, Kin, G, 2, xe, xo, xs, 2,
-                                            acc + r * ROWS_LD, ROWS_LD);
-        if (r < R) dot_tile(q + r * rs, rs, s + r, z ? z + r : NULL, N, Kin, G, 1, xe, xo, xs, 2, acc + r * ROWS_LD,
-                            ROWS_LD);
-        return;
-    }
-    for (int r = 0; r < R; r++) {
-        const uint8_t *qr = q + r * rs, *zr = z ? z + r : NULL;
-        const uint16_t *sr = s + r;
-        float *ar = acc + r * ROWS_LD;
-        int t = 0;
-        for (; t + 4 <= n; t += 4) {
-            for (int i = 0; i < 4; i++) { xe[i] = xe0 + (t + i) * ld; xo[i] = xo0 + (t + i) * ld; xs[i] = xs0 + (t + i) * ng; }
-            dot_tile(qr, rs, sr, zr, N, Kin, G, 1, xe, xo, xs, 4, ar + t, 1);
-        }
-        const int m = n - t;
-        for (int i = 0; i < m; i++) { xe[i] = xe0 + (t + i) * ld; xo[i] = xo0 + (t + i) * ld; xs[i] = xs0 + (t + i) * ng; }
-        if (m == 3) dot_tile(qr, rs, sr, zr, N, Kin, G, 1, xe, xo, xs, 3, ar + t, 1);
-        else if (m == 2) dot_tile(qr, rs, sr, zr, N, Kin, G, 1, xe, xo, xs, 2, ar + t, 1);
-        else if (m == 1) dot_tile(qr, rs, sr, zr, N, Kin, G, 1, xe, xo, xs, 1, ar + t, 1);
-    }
+#define DOT_TOKENS(t0, m) \
+    for (int i = 0; i < (m); i++) { xe[i] = xe0 + ((t0) + i) * ld; xo[i] = xo0 + ((t0) + i) * ld; xs[i] = xs0 + ((t0) + i) * ng; }
+#define DOT_TILE(RR, M, r0, t0) \
+    dot_tile(q + (r0) * rs, rs, s + (r0), z ? z + (r0) : NULL, N, Kin, G, RR, xe, xo, xs, M, acc + (r0) * ROWS_LD + (t0), \
+             ROWS_LD)
+    WALK_TILES(DOT_TILE, DOT_TOKENS, R, n, 0);
+#undef DOT_TILE
+#undef DOT_TOKENS
 }
 
 /* a row's even / odd input columns (through the act-order permutation perm when not NULL: code
@@ -457,46 +471,7 @@ static void q8_block(const uint8_t *q, long rs, const uint16_t *s, const uint8_t
 #define Q8_TILE(RR, M, r0, t0) \
     q8_tile(q + (r0) * rs, rs, s + (r0), z ? z + (r0) : NULL, N, Kin, G, RR, xe, xo, d, zx, M, acc + (r0) * ROWS_LD + (t0), \
             ROWS_LD)
-    if (n == 1) {
-        Q8_TOKENS(0, 1)
-        if (R == 4) Q8_TILE(4, 1, 0, 0);
-        else if (R == 3) Q8_TILE(3, 1, 0, 0);
-        else if (R == 2) Q8_TILE(2, 1, 0, 0);
-        else Q8_TILE(1, 1, 0, 0);
-        return;
-    }
-    if (n == 2) {
-        Q8_TOKENS(0, 2)
-        if (Q8_PAIRS) {
-            if (R == 4) Q8_TILE(4, 2, 0, 0);
-            else if (R == 3) Q8_TILE(3, 2, 0, 0);
-            else if (R == 2) Q8_TILE(2, 2, 0, 0);
-            else Q8_TILE(1, 2, 0, 0);
-            return;
-        }
-        int r = 0;
-        for (; r + 2 <= R; r += 2) Q8_TILE(2, 2, r, 0);
-        if (r < R) Q8_TILE(1, 2, r, 0);
-        return;
-    }
-    for (int r = 0; r < R; r += 1 + Q8_PAIRS) {
-        const int two = Q8_PAIRS && r + 1 < R;
-        for (int t = 0; t < n; t += 4) {
-            const int m = n - t < 4 ? n - t : 4;
-            Q8_TOKENS(t, m)
-            if (two) {
-                if (m == 4) Q8_TILE(2, 4, r, t);
-                else if (m == 3) Q8_TILE(2, 3, r, t);
-                else if (m == 2) Q8_TILE(2, 2, r, t);
-                else Q8_TILE(2, 1, r, t);
-            } else {
-                if (m == 4) Q8_TILE(1, 4, r, t);
-                else if (m == 3) Q8_TILE(1, 3, r, t);
-                else if (m == 2) Q8_TILE(1, 2, r, t);
-                else Q8_TILE(1, 1, r, t);
-            }
-        }
-    }
+    WALK_TILES(Q8_TILE, Q8_TOKENS, R, n, Q8_PAIRS);
 #undef Q8_TILE
 #undef Q8_TOKENS
 }
@@ -1179,39 +1154,7 @@ static void i8q8_block(const int8_t *w, long rs, int Kin, int R, const uint8_t *
 #define I8_TOKENS(t0, m) \
     for (int i = 0; i < (m); i++) { xu[i] = xu0 + (long)((t0) + i) * Kin; dl[i] = dl0 + (long)((t0) + i) * (Kin / 4); }
 #define I8_TILE(RR, M, r0, t0) i8q8_tile(w + (r0) * rs, rs, Kin, RR, xu, dl, M, acc + (r0) * ROWS_LD + (t0), ROWS_LD)
-    if (n <= 2) {
-        I8_TOKENS(0, n)
-        if (n == 1) {
-            if (R == 4) I8_TILE(4, 1, 0, 0);
-            else if (R == 3) I8_TILE(3, 1, 0, 0);
-            else if (R == 2) I8_TILE(2, 1, 0, 0);
-            else I8_TILE(1, 1, 0, 0);
-        } else {
-            if (R == 4) I8_TILE(4, 2, 0, 0);
-            else if (R == 3) I8_TILE(3, 2, 0, 0);
-            else if (R == 2) I8_TILE(2, 2, 0, 0);
-            else I8_TILE(1, 2, 0, 0);
-        }
-        return;
-    }
-    for (int r = 0; r < R; r += 2) {
-        const int two = r + 1 < R;
-        for (int t = 0; t < n; t += 4) {
-            const int m = n - t < 4 ? n - t : 4;
-            I8_TOKENS(t, m)
-            if (two) {
-                if (m == 4) I8_TILE(2, 4, r, t);
-                else if (m == 3) I8_TILE(2, 3, r, t);
-                else if (m == 2) I8_TILE(2, 2, r, t);
-                else I8_TILE(2, 1, r, t);
-            } else {
-                if (m == 4) I8_TILE(1, 4, r, t);
-                else if (m == 3) I8_TILE(1, 3, r, t);
-                else if (m == 2) I8_TILE(1, 2, r, t);
-                else I8_TILE(1, 1, r, t);
-            }
-        }
-    }
+    WALK_TILES(I8_TILE, I8_TOKENS, R, n, 1);
 #undef I8_TILE
 #undef I8_TOKENS
 }
