@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-CHUNK_ROWS = 8192  # rows quantised / widened at a time (bounded scratch for a 150k vocabulary)
+CHUNK_ROWS = 2048  # rows quantised / widened at a time: ~4 fp32 temporaries of 2048 x D (32 MiB each at D = 2048)
 
 
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
