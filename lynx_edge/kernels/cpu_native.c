@@ -1473,7 +1473,7 @@ static void attn_item(const void *arg, long item) {
     const float *row = A->qkv + b * width, *cs = A->cos + (long)b * A->rd, *sn = A->sin + (long)b * A->rd;
     const long base = ((long)A->rows[b] * A->Hkv + g) * A->S; /* this (row, kv head)'s [S, hd] */
     uint8_t *kc = A->kc + base * hd * es, *vc = A->vc + base * hd * es;
-    float q[MAX_GROUP * MAX_HD], o[MAX_GROUP * MAX_HD], vr[MAX_HD], acc[4 * ROWS_LD];
+    float q[MAX_GROUP * MAX_HD], o[MAX_GROUP * MAX_HD], vr[4 * MAX_HD], acc[4 * ROWS_LD];
     /* the group's queries, normed, rotated and scaled (this step's keys are already cached) */
     for (int i = 0; i < G; i++) {
         float *qi = q + i * hd;
@@ -1495,13 +1495,38 @@ static void attn_item(const void *arg, long item) {
         const float inv = 1.0f / sum;
         for (long s = 0; s < L; s++) sc[s * G + i] *= inv;
     }
+    /* o_i = sum_s p_is v_s in position order, four positions per pass over o (each o_i[j] still adds
+     * them one by one: the same sums as one position per pass); fp32 value rows are read in place */
     memset(o, 0, (size_t)G * hd * sizeof(float));
-    for (long s = 0; s < L; s++) {
-        load_row(vc + (lo + s) * hd * es, A->cfmt, vr, hd);
+    for (long s = 0; s < L; s += 4) {
+        const int R = L - s < 4 ? (int)(L - s) : 4;
+        const float *v[4];
+        for (int r = 0; r < R; r++) {
+            if (A->cfmt == FMT_F32)
+                v[r] = (const float *)(vc + (lo + s + r) * hd * es);
+            else {
+                load_row(vc + (lo + s + r) * hd * es, A->cfmt, vr + r * hd, hd);
+                v[r] = vr + r * hd;
+            }
+        }
         for (int i = 0; i < G; i++) {
-            const float w = sc[s * G + i];
+            const float *p = sc + s * G + i;
             float *oi = o + i * hd;
-            for (int j = 0; j < hd; j++) oi[j] += w * vr[j];
+            if (R == 4) {
+                const float w0 = p[0], w1 = p[G], w2 = p[2 * G], w3 = p[3 * G];
+                for (int j = 0; j < hd; j++) {
+                    float a = oi[j];
+                    a += w0 * v[0][j];
+                    a += w1 * v[1][j];
+                    a += w2 * v[2][j];
+                    a += w3 * v[3][j];
+                    oi[j] = a;
+                }
+            } else
+                for (int r = 0; r < R; r++) {
+                    const float w = p[r * G];
+                    for (int j = 0; j < hd; j++) oi[j] += w * v[r][j];
+                }
         }
     }
     for (int i = 0; i < G; i++) memcpy(A->out + (long)b * A->H * hd + (long)(g * G + i) * hd, o + i * hd, hd * sizeof(float));
