@@ -1094,66 +1094,72 @@ done:
 /* --- int8 rows against int8 activations (the int8 head with --int4-act q8) ---------------------
  *
  * With AVX512-VNNI: the activations of a row in natural order, blocks of QB = 32: d_b = max|x| / 127,
- * xq = round(x / d_b), stored as xq + 128 (u8, for vpdpbusd's unsigned operand). A 64-byte chunk of
- * weights w (s8) against it: each int32 lane sums 4 products, (xq + 128) * w, so the lane takes off
- * 128 * (its 4 weights' sum) — one more vpdpbusd per row chunk against ones, shared by the tokens —
- * and is scaled by its block's d (8 lanes per block: dl holds each lane's d). Approximate as the
- * INT4 q8 path is (~2^-8 per input); without VNNI (u8 * s8 products of 8-bit weights would saturate
- * maddubs) the fp32-activation rows run. Needs Kin % 64 == 0. */
+ * xq = round(x / d_b) (s8). vpdpbusd takes its unsigned operand from the weights: a 64-byte chunk of
+ * w (s8) flipped to w + 128 (u8, one xor per row chunk, shared by the tokens), so each int32 lane sums
+ * 4 products (w + 128) * xq, is scaled by its block's d (8 lanes per block: dl holds each lane's d),
+ * and the row sum takes off the token's ct = 128 * sum_b d_b * sum_{j in b} xq_j once at the end.
+ * Approximate as the INT4 q8 path is (~2^-8 per input); without VNNI (u8 * s8 products of 8-bit
+ * weights would saturate maddubs) the fp32-activation rows run. Needs Kin % 64 == 0. */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define I8_Q8 1
-/* xu [T, Kin] u8, dl [T, Kin/4] fp32 of x [T, Kin] fp32 (the scalar rounding of quant_q8) */
-static void quant_i8(const float *x, long T, int Kin, uint8_t *xu, float *dl) {
-    for (long t = 0; t < T; t++)
+/* xq [T, Kin] s8, dl [T, Kin/4] fp32 and ct [T] of x [T, Kin] fp32 (the scalar rounding of quant_q8) */
+static void quant_i8(const float *x, long T, int Kin, int8_t *xq, float *dl, float *ct) {
+    for (long t = 0; t < T; t++) {
+        float c = 0.0f;
         for (int b = 0; b < Kin / QB; b++) {
             const float *v = x + t * Kin + b * QB;
             const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
             const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
             const float db = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
-            const __m512i k128 = _mm512_set1_epi32(128);
-            const __m512i q0 = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(id))), k128);
-            const __m512i q1 = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(id))), k128);
-            _mm_storeu_si128((__m128i *)(xu + t * Kin + b * QB), _mm512_cvtepi32_epi8(q0));
-            _mm_storeu_si128((__m128i *)(xu + t * Kin + b * QB + 16), _mm512_cvtepi32_epi8(q1));
+            const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(id)));
+            const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(id)));
+            _mm_storeu_si128((__m128i *)(xq + t * Kin + b * QB), _mm512_cvtepi32_epi8(q0));
+            _mm_storeu_si128((__m128i *)(xq + t * Kin + b * QB + 16), _mm512_cvtepi32_epi8(q1));
             _mm256_storeu_ps(dl + t * (Kin / 4) + b * (QB / 4), _mm256_set1_ps(db));
+            c += db * (float)(128 * _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
         }
+        ct[t] = c;
+    }
 }
 
 /* acc[r * ald + t] = sum over the row of w * (dequantised xq) for R adjacent int8 rows (stride rs)
- * and NT tokens (xu[t], dl[t]), R * NT <= 8; the row scale is the caller's */
+ * and NT tokens (xq[t], dl[t], ct[t]), R * NT <= 8; the row scale is the caller's */
 static inline __attribute__((always_inline)) void i8q8_tile(const int8_t *w, const long rs, int Kin, const int R,
-                                                           const uint8_t *const *xu, const float *const *dl,
-                                                           const int NT, float *acc, const long ald) {
+                                                           const int8_t *const *xq, const float *const *dl,
+                                                           const float *const *ct, const int NT, float *acc,
+                                                           const long ald) {
     const int RN = R * NT;
-    const float zero[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-    float out[8];
+    float corr[8], out[8];
     __m512 tot[8];
-    const __m512i ones = _mm512_set1_epi8(1);
-    for (int k = 0; k < RN; k++) tot[k] = _mm512_setzero_ps();
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    for (int k = 0; k < RN; k++) {
+        tot[k] = _mm512_setzero_ps();
+        corr[k] = *ct[k % NT];
+    }
     for (int c = 0; c < Kin / 64; c++)
         for (int r = 0; r < R; r++) {
-            const __m512i wv = _mm512_loadu_si512((const void *)(w + r * rs + 64L * c));
+            const __m512i wu = _mm512_xor_si512(_mm512_loadu_si512((const void *)(w + r * rs + 64L * c)), flip);
             _mm_prefetch((const char *)(w + r * rs + 64L * c) + PREFETCH, _MM_HINT_T0);
-            const __m512i ws = _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, wv), 7);
             for (int t = 0; t < NT; t++) {
-                const __m512i a = _mm512_sub_epi32(
-                    _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_loadu_si512((const void *)(xu[t] + 64L * c)), wv), ws);
+                const __m512i a = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wu,
+                                                      _mm512_loadu_si512((const void *)(xq[t] + 64L * c)));
                 tot[r * NT + t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_loadu_ps(dl[t] + 16L * c), tot[r * NT + t]);
             }
         }
-    reduce_512(tot, zero, RN, out);
+    reduce_512(tot, corr, RN, out);
     for (int r = 0; r < R; r++)
         for (int t = 0; t < NT; t++) acc[r * ald + t] = out[r * NT + t];
 }
 
 /* acc[r * ROWS_LD + t] for R (1..4) adjacent rows and n tokens: q8_block's tiles */
-static void i8q8_block(const int8_t *w, long rs, int Kin, int R, const uint8_t *xu0, const float *dl0, int n,
-                       float *acc) {
-    const uint8_t *xu[4];
-    const float *dl[4];
+static void i8q8_block(const int8_t *w, long rs, int Kin, int R, const int8_t *xq0, const float *dl0,
+                       const float *ct0, int n, float *acc) {
+    const int8_t *xq[4];
+    const float *dl[4], *ct[4];
 #define I8_TOKENS(t0, m) \
-    for (int i = 0; i < (m); i++) { xu[i] = xu0 + (long)((t0) + i) * Kin; dl[i] = dl0 + (long)((t0) + i) * (Kin / 4); }
-#define I8_TILE(RR, M, r0, t0) i8q8_tile(w + (r0) * rs, rs, Kin, RR, xu, dl, M, acc + (r0) * ROWS_LD + (t0), ROWS_LD)
+    for (int i = 0; i < (m); i++) { \
+        xq[i] = xq0 + (long)((t0) + i) * Kin; dl[i] = dl0 + (long)((t0) + i) * (Kin / 4); ct[i] = ct0 + (t0) + i; }
+#define I8_TILE(RR, M, r0, t0) i8q8_tile(w + (r0) * rs, rs, Kin, RR, xq, dl, ct, M, acc + (r0) * ROWS_LD + (t0), ROWS_LD)
     WALK_TILES(I8_TILE, I8_TOKENS, R, n, 1);
 #undef I8_TILE
 #undef I8_TOKENS
@@ -1169,8 +1175,8 @@ typedef struct {
     long es;
     float *out;
     const float *scale; /* FMT_I8: fp32 [N], one per row; else NULL */
-    const uint8_t *xu; /* FMT_I8 with int8 activations (i8q8_block): xu [T, Kin], dl [T, Kin/4]; else NULL */
-    const float *dl;
+    const int8_t *xq; /* FMT_I8 with int8 activations (i8q8_block): xq [T, Kin], dl [T, Kin/4], ct [T]; else NULL */
+    const float *dl, *ct;
 } linear_t;
 
 static void linear_item(const void *arg, long item) {
@@ -1181,9 +1187,9 @@ static void linear_item(const void *arg, long item) {
         for (int c = 0; c < P->T; c += ROWS_LD) {
             const int m = P->T - c < ROWS_LD ? P->T - c : ROWS_LD;
 #if I8_Q8
-            if (P->xu)
-                i8q8_block((const int8_t *)P->w + (long)n * P->Kin, P->Kin, P->Kin, R, P->xu + (long)c * P->Kin,
-                           P->dl + (long)c * (P->Kin / 4), m, acc);
+            if (P->xq)
+                i8q8_block((const int8_t *)P->w + (long)n * P->Kin, P->Kin, P->Kin, R, P->xq + (long)c * P->Kin,
+                           P->dl + (long)c * (P->Kin / 4), P->ct + c, m, acc);
             else
 #endif
                 dense_block(P->w + (long)n * P->Kin * P->es, (long)P->Kin * P->es, P->fmt, P->Kin, R,
@@ -1203,7 +1209,7 @@ static void linear_item(const void *arg, long item) {
 /* out [T, N] = x [T, Kin] fp32 @ w [N, Kin]^T (+ bias [N] fp32 or NULL); fmt FMT_F32 / FMT_BF16. */
 void lynx_linear(int fmt, const float *x, const uint8_t *w, const float *bias, int T, int Kin, int N, float *out,
                  int nthreads) {
-    linear_t P = {fmt, T, Kin, N, x, bias, w, fmt == FMT_F32 ? 4 : 2, out, NULL, NULL, NULL};
+    linear_t P = {fmt, T, Kin, N, x, bias, w, fmt == FMT_F32 ? 4 : 2, out, NULL, NULL, NULL, NULL};
     parallel(linear_item, &P, (N + ROW_BLOCK - 1) / ROW_BLOCK, nthreads);
 }
 
@@ -1213,23 +1219,24 @@ void lynx_linear(int fmt, const float *x, const uint8_t *w, const float *bias, i
  * when out of memory. */
 int lynx_linear_int8(const float *x, const int8_t *q, const float *scale, const float *bias, int T, int Kin, int N,
                      float *out, int nthreads, int q8) {
-    linear_t P = {FMT_I8, T, Kin, N, x, bias, (const uint8_t *)q, 1, out, scale, NULL, NULL};
-    uint8_t *xu = NULL;
+    linear_t P = {FMT_I8, T, Kin, N, x, bias, (const uint8_t *)q, 1, out, scale, NULL, NULL, NULL};
+    int8_t *xq = NULL;
     float *dl = NULL;
 #if I8_Q8
     if (q8 && Kin % 64 == 0) {
-        xu = malloc((size_t)T * Kin);
-        dl = malloc((size_t)T * (Kin / 4) * sizeof(float));
-        if (!xu || !dl) { free(xu); free(dl); return -1; }
-        quant_i8(x, T, Kin, xu, dl);
-        P.xu = xu;
+        xq = malloc((size_t)T * Kin);
+        dl = malloc((size_t)T * (Kin / 4 + 1) * sizeof(float));
+        if (!xq || !dl) { free(xq); free(dl); return -1; }
+        quant_i8(x, T, Kin, xq, dl, dl + (size_t)T * (Kin / 4));
+        P.xq = xq;
         P.dl = dl;
+        P.ct = dl + (size_t)T * (Kin / 4);
     }
 #else
     (void)q8;
 #endif
     parallel(linear_item, &P, (N + ROW_BLOCK - 1) / ROW_BLOCK, nthreads);
-    free(xu); free(dl);
+    free(xq); free(dl);
     return 0;
 }
 
