@@ -826,6 +826,7 @@ typedef struct {
     const int64_t *ids, *cnt, *order, *act;
     const float *w;
     float *xe, *xo, *he, *ho, *y; /* dense: xe [S, D] and he [S, I] whole rows (xo, ho unused) */
+    float *ue; /* the up products laid out as he / ho [S I], for silu_mul; NULL: activate() per element */
     float *xsum, *hsum; /* int4: group sums of xe/xo [S, D/G] and he/ho [S, I/G] */
     /* gpt-oss: MXFP4 scales gus [E, 2I, D/32], dns [E, D, I/32]; fp32 biases gub [E, 2I], dnb [E, D]
      * (NULL: none); act 1 = the clamped SwiGLU (limit, alpha), 0 = silu(gate) * up */
@@ -842,6 +843,130 @@ typedef struct {
     int bn, bk;
 } layer_t;
 
+/* e^x in fp32, Cephes' expf: x = n ln2 + r (|r| <= ln2/2), a degree-6 polynomial in r, times 2^n
+ * built in the exponent bits; x is clamped to [-87, 88] first so 2^n stays a normal number (below
+ * -87 it returns ~e^-87 = 1.6e-38 instead of less; NaN stays NaN). Within 2 ulp of expf. The vector
+ * forms run the same operations in every lane (and masked tails), so an element's value never
+ * depends on where it sits in a vector: the callers stay batch-invariant. */
+#define EXP_HI 88.0f
+#define EXP_LO -87.0f
+#define EXP_P0 1.9875691500E-4f
+#define EXP_P1 1.3981999507E-3f
+#define EXP_P2 8.3334519073E-3f
+#define EXP_P3 4.1665795894E-2f
+#define EXP_P4 1.6666665459E-1f
+#define EXP_P5 5.0000001201E-1f
+#define EXP_C1 0.693359375f
+#define EXP_C2 -2.12194440E-4f
+#define EXP_LOG2E 1.44269504088896341f
+
+#if defined(__AVX512F__)
+static inline __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(_mm512_set1_ps(EXP_LO), _mm512_min_ps(_mm512_set1_ps(EXP_HI), x)); /* NaN: the 2nd operand */
+    const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(EXP_LOG2E), _mm512_set1_ps(0.5f)),
+                                          _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_C1), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_C2), r);
+    __m512 y = _mm512_fmadd_ps(_mm512_set1_ps(EXP_P0), r, _mm512_set1_ps(EXP_P1));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(EXP_P2));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(EXP_P3));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(EXP_P4));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(EXP_P5));
+    y = _mm512_add_ps(_mm512_fmadd_ps(y, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+static inline __m256 exp256(__m256 x) {
+    x = _mm256_max_ps(_mm256_set1_ps(EXP_LO), _mm256_min_ps(_mm256_set1_ps(EXP_HI), x));
+    const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(EXP_LOG2E), _mm256_set1_ps(0.5f)));
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_C1), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_C2), r);
+    __m256 y = _mm256_fmadd_ps(_mm256_set1_ps(EXP_P0), r, _mm256_set1_ps(EXP_P1));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(EXP_P2));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(EXP_P3));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(EXP_P4));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(EXP_P5));
+    y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+#endif
+static inline float exp_s(float x) { /* the portable build's form (no vectors) */
+    x = x > EXP_HI ? EXP_HI : (x < EXP_LO ? EXP_LO : x);
+    const float n = floorf(x * EXP_LOG2E + 0.5f);
+    const float r = (x - n * EXP_C1) - n * EXP_C2;
+    float y = ((((EXP_P0 * r + EXP_P1) * r + EXP_P2) * r + EXP_P3) * r + EXP_P4) * r + EXP_P5;
+    y = y * (r * r) + r + 1.0f;
+    union { uint32_t u; float f; } p = {(uint32_t)((int)n + 127) << 23};
+    return y * p.f;
+}
+
+/* v[i] = e^(v[i] - m) for i < n → their sum (the lanes' partial sums folded the same way for any n) */
+static float exp_sub_sum(float *v, long n, float m) {
+#if defined(__AVX512F__)
+    __m512 acc = _mm512_setzero_ps();
+    for (long i = 0; i < n; i += 16) {
+        const __mmask16 k = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1);
+        const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, v + i), _mm512_set1_ps(m)));
+        _mm512_mask_storeu_ps(v + i, k, e);
+        acc = _mm512_mask_add_ps(acc, k, acc, e);
+    }
+    return _mm512_reduce_add_ps(acc);
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256 acc = _mm256_setzero_ps();
+    for (long i = 0; i < n; i += 8) {
+        float b[8] = {0};
+        const int c = n - i >= 8 ? 8 : (int)(n - i);
+        memcpy(b, v + i, c * sizeof(float));
+        const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(b), _mm256_set1_ps(m)));
+        _mm256_storeu_ps(b, e);
+        memcpy(v + i, b, c * sizeof(float));
+        for (int j = c; j < 8; j++) b[j] = 0.0f;
+        acc = _mm256_add_ps(acc, _mm256_loadu_ps(b));
+    }
+    return hsum256(acc);
+#else
+    float sum = 0.0f;
+    for (long i = 0; i < n; i++) sum += v[i] = exp_s(v[i] - m);
+    return sum;
+#endif
+}
+
+/* out[i] = e^x[i], i < n: the kernels' exp, for the tests */
+void lynx_exp(const float *x, long n, float *out) {
+    memcpy(out, x, n * sizeof(float));
+    exp_sub_sum(out, n, 0.0f);
+}
+
+/* h[i] = silu(h[i]) * u[i] = h / (1 + e^-h) * u, i < n (the experts' SwiGLU, one pass over a
+ * layer's slots once every gate and up row is done: 16 lanes at a time instead of one libm expf
+ * per element); exported for the tests */
+void lynx_silu_mul(float *h, const float *u, long n) {
+#if defined(__AVX512F__)
+    for (long i = 0; i < n; i += 16) {
+        const __mmask16 k = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1);
+        const __m512 g = _mm512_maskz_loadu_ps(k, h + i), v = _mm512_maskz_loadu_ps(k, u + i);
+        const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), g)));
+        _mm512_mask_storeu_ps(h + i, k, _mm512_mul_ps(_mm512_div_ps(g, d), v));
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+    for (long i = 0; i < n; i += 8) {
+        float gb[8] = {0}, ub[8] = {0};
+        const int m = n - i >= 8 ? 8 : (int)(n - i);
+        memcpy(gb, h + i, m * sizeof(float));
+        memcpy(ub, u + i, m * sizeof(float));
+        const __m256 g = _mm256_loadu_ps(gb);
+        const __m256 d = _mm256_add_ps(_mm256_set1_ps(1.0f), exp256(_mm256_sub_ps(_mm256_setzero_ps(), g)));
+        _mm256_storeu_ps(gb, _mm256_mul_ps(_mm256_div_ps(g, d), _mm256_loadu_ps(ub)));
+        memcpy(h + i, gb, m * sizeof(float));
+    }
+#else
+    for (long i = 0; i < n; i++) h[i] = h[i] / (1.0f + exp_s(-h[i])) * u[i];
+#endif
+}
+
 /* h_i of expert e from its gate and up rows' products (bias added first where there is one) */
 static inline float activate(const layer_t *L, int64_t e, int i, float g, float u) {
     if (L->gub) {
@@ -854,6 +979,16 @@ static inline float activate(const layer_t *L, int64_t e, int i, float g, float 
         return (u + 1.0f) * (g / (1.0f + expf(-L->alpha * g)));
     }
     return g / (1.0f + expf(-g)) * u;
+}
+
+/* h at dst (inside he / ho) from gate g and up u: activated now, or, where the layer defers the
+ * plain SwiGLU to one vector pass (L->ue), g stays at dst and u goes to the same place in ue / uo */
+static inline void put_h(const layer_t *L, int64_t e, int i, float *dst, float g, float u) {
+    if (L->ue) {
+        *dst = g;
+        L->ue[dst - L->he] = u;
+    } else
+        *dst = activate(L, e, i, g, u);
 }
 
 static void gate_up_item(const void *arg, long item) {
@@ -871,7 +1006,7 @@ static void gate_up_item(const void *arg, long item) {
                 mx_slots(gu + (long)i * (D / 2), gs + (long)i * (D / 32), D, xe, xo, D / 2, m, gate);
                 mx_slots(gu + (long)(I + i) * (D / 2), gs + (long)(I + i) * (D / 32), D, xe, xo, D / 2, m, up);
                 float *dst = ((i & 1) ? L->ho : L->he) + (r0 + c) * (I / 2) + i / 2;
-                for (int t = 0; t < m; t++) dst[(long)t * (I / 2)] = activate(L, e, i, gate[t], up[t]);
+                for (int t = 0; t < m; t++) put_h(L, e, i, dst + (long)t * (I / 2), gate[t], up[t]);
             }
         return;
     }
@@ -885,7 +1020,7 @@ static void gate_up_item(const void *arg, long item) {
                 const float *x = L->xe + (r0 + c) * D;
                 f8_slots(gu + (long)i * D, gs + (long)(i / L->bn) * nk, D, L->bk, x, D, m, gate);
                 f8_slots(gu + (long)(I + i) * D, gs + (long)((I + i) / L->bn) * nk, D, L->bk, x, D, m, up);
-                for (int t = 0; t < m; t++) L->he[(r0 + c + t) * I + i] = activate(L, e, i, gate[t], up[t]);
+                for (int t = 0; t < m; t++) put_h(L, e, i, L->he + (r0 + c + t) * I + i, gate[t], up[t]);
             }
         return;
     }
@@ -902,7 +1037,7 @@ static void gate_up_item(const void *arg, long item) {
                 dense_block(gu + (long)(I + i) * D * es, (long)D * es, L->fmt, D, R, x, D, m, up4);
                 for (int r = 0; r < R; r++)
                     for (int t = 0; t < m; t++)
-                        L->he[(r0 + c + t) * I + i + r] = activate(L, e, i + r, gate4[r * ROWS_LD + t], up4[r * ROWS_LD + t]);
+                        put_h(L, e, i + r, L->he + (r0 + c + t) * I + i + r, gate4[r * ROWS_LD + t], up4[r * ROWS_LD + t]);
             }
         }
         return;
@@ -934,7 +1069,7 @@ static void gate_up_item(const void *arg, long item) {
             for (int r = 0; r < R; r++) {
                 float *dst = (((i + r) & 1) ? L->ho : L->he) + (r0 + c) * (I / 2) + (i + r) / 2;
                 for (int t = 0; t < m; t++)
-                    dst[(long)t * (I / 2)] = activate(L, e, i + r, gate4[r * ROWS_LD + t], up4[r * ROWS_LD + t]);
+                    put_h(L, e, i + r, dst + (long)t * (I / 2), gate4[r * ROWS_LD + t], up4[r * ROWS_LD + t]);
             }
         }
     }
@@ -1036,6 +1171,7 @@ int lynx_moe(int fmt, const float *x, const int64_t *ids, const float *w, const 
     int64_t *order = malloc(S * sizeof(int64_t)), *pos = malloc(S * sizeof(int64_t)), *act = malloc(E * sizeof(int64_t));
     float *xe = malloc(S * (long)D * sizeof(float)), *he = malloc(S * (long)I * sizeof(float));
     float *y = malloc(S * (long)D * sizeof(float));
+    float *ue = act_kind == 0 && !gub ? malloc(S * (long)I * sizeof(float)) : NULL; /* plain SwiGLU: one pass */
     float *xsum = int4 ? malloc((S * (long)(D / G) + 1) * sizeof(float)) : NULL;
     float *hsum = int4 ? malloc((S * (long)(I / G) + 1) * sizeof(float)) : NULL;
     int8_t *xq = q8x ? malloc(S * (long)D) : NULL, *hq = q8h ? malloc(S * (long)I) : NULL;
@@ -1043,6 +1179,7 @@ int lynx_moe(int fmt, const float *x, const int64_t *ids, const float *w, const 
     float *hd = q8h ? malloc((S * (long)(I / QB + I / G) + 1) * sizeof(float)) : NULL;
     int rc = -1;
     if (!cnt || !fill || !order || !pos || !act || !xe || !he || !y || (int4 && (!xsum || !hsum))) goto done;
+    if (act_kind == 0 && !gub && !ue) goto done;
     if ((q8x && (!xq || !xd)) || (q8h && (!hq || !hd))) goto done;
     float *xo = xe + S * (D / 2), *ho = he + S * (I / 2); /* int4: the odd halves after the even ones */
     /* plan: expert-major slot order (stable), active experts ascending */
@@ -1066,11 +1203,12 @@ int lynx_moe(int fmt, const float *x, const int64_t *ids, const float *w, const 
     }
     if (q8x) quant_q8(xe, xo, S, D, G, xq, xq + S * (D / 2), xd, xd + S * (D / QB));
     else if (int4) group_sums(xe, xo, S, D, G, xsum);
-    layer_t L = {fmt, data, nbytes, offs, gu, dn, sym, G, D, I, T, K, ids, cnt, order, act, w, xe, xo, he, ho, y,
+    layer_t L = {fmt, data, nbytes, offs, gu, dn, sym, G, D, I, T, K, ids, cnt, order, act, w, xe, xo, he, ho, y, ue,
                  xsum, hsum, gus, dns, gub, dnb, act_kind, limit, alpha,
                  xq, q8x ? xq + S * (D / 2) : NULL, hq, q8h ? hq + S * (I / 2) : NULL,
                  xd, q8x ? xd + S * (D / QB) : NULL, hd, q8h ? hd + S * (I / QB) : NULL, bn, bk};
     parallel(gate_up_item, &L, A * ((I + ROW_BLOCK - 1) / ROW_BLOCK), nthreads);
+    if (ue) lynx_silu_mul(he, ue, S * (long)I);
     if (q8h) quant_q8(he, ho, S, I, G, hq, hq + S * (I / 2), hd, hd + S * (I / QB));
     else if (int4) group_sums(he, ho, S, I, G, hsum);
     parallel(down_item, &L, A * ((D + ROW_BLOCK - 1) / ROW_BLOCK), nthreads);
@@ -1087,7 +1225,7 @@ int lynx_moe(int fmt, const float *x, const int64_t *ids, const float *w, const 
     rc = 0;
 done:
     free(cnt); free(fill); free(order); free(pos); free(act);
-    free(xe); free(he); free(y); free(xsum); free(hsum); free(xq); free(hq); free(xd); free(hd);
+    free(xe); free(he); free(y); free(ue); free(xsum); free(hsum); free(xq); free(hq); free(xd); free(hd);
     return rc;
 }
 
@@ -1488,19 +1626,18 @@ static void attn_item(const void *arg, long item) {
         norm_rope(qi, hd, A->qn, A->eps, cs, sn, A->rd);
         for (int j = 0; j < hd; j++) qi[j] *= A->scale;
     }
-    float *sc = A->scores + item * A->Lmax * G; /* scores [L, G] */
+    float *sc = A->scores + item * A->Lmax * G; /* scores [G, L]: q head i's at sc + i * L */
     for (long s = 0; s < L; s += 4) { /* four keys at a time (adjacent rows of the cache) */
         const int R = L - s < 4 ? (int)(L - s) : 4;
         dense_block(kc + (lo + s) * hd * es, hd * es, A->cfmt, hd, R, q, hd, G, acc);
         for (int r = 0; r < R; r++)
-            for (int i = 0; i < G; i++) sc[(s + r) * G + i] = acc[r * ROWS_LD + i];
+            for (int i = 0; i < G; i++) sc[i * L + s + r] = acc[r * ROWS_LD + i];
     }
     for (int i = 0; i < G; i++) { /* softmax over the L positions, fp32 */
-        float m = -INFINITY, sum = 0.0f;
-        for (long s = 0; s < L; s++) m = sc[s * G + i] > m ? sc[s * G + i] : m;
-        for (long s = 0; s < L; s++) { const float e = expf(sc[s * G + i] - m); sc[s * G + i] = e; sum += e; }
-        const float inv = 1.0f / sum;
-        for (long s = 0; s < L; s++) sc[s * G + i] *= inv;
+        float *v = sc + i * L, m = -INFINITY;
+        for (long s = 0; s < L; s++) m = v[s] > m ? v[s] : m;
+        const float inv = 1.0f / exp_sub_sum(v, L, m);
+        for (long s = 0; s < L; s++) v[s] *= inv;
     }
     /* o_i = sum_s p_is v_s in position order, four positions per pass over o (each o_i[j] still adds
      * them one by one: the same sums as one position per pass); fp32 value rows are read in place */
@@ -1517,10 +1654,10 @@ static void attn_item(const void *arg, long item) {
             }
         }
         for (int i = 0; i < G; i++) {
-            const float *p = sc + s * G + i;
+            const float *p = sc + i * L + s;
             float *oi = o + i * hd;
             if (R == 4) {
-                const float w0 = p[0], w1 = p[G], w2 = p[2 * G], w3 = p[3 * G];
+                const float w0 = p[0], w1 = p[1], w2 = p[2], w3 = p[3];
                 for (int j = 0; j < hd; j++) {
                     float a = oi[j];
                     a += w0 * v[0][j];
@@ -1531,7 +1668,7 @@ static void attn_item(const void *arg, long item) {
                 }
             } else
                 for (int r = 0; r < R; r++) {
-                    const float w = p[r * G];
+                    const float w = p[r];
                     for (int j = 0; j < hd; j++) oi[j] += w * v[r][j];
                 }
         }

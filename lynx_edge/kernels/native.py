@@ -150,6 +150,10 @@ def lib() -> ctypes.CDLL | None:
     so.lynx_layers.restype = i
     so.lynx_decode.argtypes = [i, p, p, p, p, L, p, i, p, p, L, p, p, p, p, i, L, L, p, p, p, p, f, p, i, p, i, p, p, i]
     so.lynx_decode.restype = i
+    so.lynx_exp.argtypes = [p, L, p]
+    so.lynx_exp.restype = None
+    so.lynx_silu_mul.argtypes = [p, p, L]
+    so.lynx_silu_mul.restype = None
     return so
 
 
