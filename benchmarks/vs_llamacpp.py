@@ -177,9 +177,11 @@ def llama_batched(bins: Path, gguf: Path, threads: int, batch: int, npp: int, nt
     return float(rows[-1]["speed_tg"])
 
 
-def llama_batched_retry(*a, tries: int = 3) -> float:
+def llama_batched_retry(*a, tries: int = 8) -> float:
     """llama-batched-bench now and then exits 0 with its output cut after the first log line (no
-    result; cause not found, not reproduced by hand; the next run works): run it again."""
+    result; cause not found; from a Python parent holding torch's OpenMP pool, 1 run in 6-16 by
+    hand at session 10, more while the parent's threads still spin, even under `stdbuf -oL`; the
+    next run works): run it again after a pause that lets the parent's threads go idle."""
     for i in range(tries):
         try:
             return llama_batched(*a)
@@ -187,6 +189,7 @@ def llama_batched_retry(*a, tries: int = 3) -> float:
             if "printed no result" not in str(e) or i == tries - 1:
                 raise
             print(f"llama-batched-bench printed no result; running it again ({str(e)[-300:]!r})", flush=True)
+            time.sleep(1.0)
     raise AssertionError("unreachable")
 
 
