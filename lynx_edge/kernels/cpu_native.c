@@ -1554,11 +1554,23 @@ typedef struct {
     long Lmax;
 } attn_t;
 
+/* sum of v[j]^2, j < n, in 16 interleaved partial sums (lane l takes j = l mod 16; the tail after
+ * the last full 16 goes to lanes 0.. too) folded in a fixed order: one vector FMA chain instead of a
+ * serial scalar one (~4 cycles per element), the same sum for a row wherever it sits in a batch */
+static inline float sum_sq(const float *v, int n) {
+    float acc[16] = {0.0f};
+    int j = 0;
+    for (; j + 16 <= n; j += 16)
+        for (int l = 0; l < 16; l++) acc[l] += v[j + l] * v[j + l];
+    for (int l = 0; j + l < n; l++) acc[l] += v[j + l] * v[j + l];
+    for (int w = 8; w > 0; w /= 2)
+        for (int l = 0; l < w; l++) acc[l] += acc[l + w];
+    return acc[0];
+}
+
 static void norm_rope(float *v, int hd, const float *nw, float eps, const float *cos, const float *sin, int rd) {
     if (nw) {
-        float ss = 0.0f;
-        for (int j = 0; j < hd; j++) ss += v[j] * v[j];
-        const float r = 1.0f / sqrtf(ss / (float)hd + eps);
+        const float r = 1.0f / sqrtf(sum_sq(v, hd) / (float)hd + eps);
         for (int j = 0; j < hd; j++) v[j] = nw[j] * (v[j] * r);
     }
     const int h = rd / 2;
@@ -1726,9 +1738,7 @@ static void norm_item(const void *arg, long item) {
     load_row(P->w, P->fmt, wv, D);
     for (long n = item * ROW_BLOCK; n < P->N && n < (item + 1) * ROW_BLOCK; n++) {
         load_row(P->x + n * D * es, P->fmt, v, D);
-        float ss = 0.0f;
-        for (int j = 0; j < D; j++) ss += v[j] * v[j];
-        const float r = 1.0f / sqrtf(ss / (float)D + P->eps);
+        const float r = 1.0f / sqrtf(sum_sq(v, D) / (float)D + P->eps);
         if (P->fmt == FMT_F32) {
             for (int j = 0; j < D; j++) v[j] = wv[j] * (v[j] * r);
         } else { /* as the torch path: the normalised row rounds to bf16, then the product does */
