@@ -860,38 +860,28 @@ typedef struct {
 #define EXP_C2 -2.12194440E-4f
 #define EXP_LOG2E 1.44269504088896341f
 
+/* exp512 / exp256: one body for both widths (P: the intrinsics' prefix, V / VI: float / int vectors) */
+#define EXP_VEC(NAME, V, VI, P, FLOOR, CAST) \
+    static inline V NAME(V x) { \
+        x = P##_max_ps(P##_set1_ps(EXP_LO), P##_min_ps(P##_set1_ps(EXP_HI), x)); /* NaN: the 2nd operand */ \
+        const V n = FLOOR(P##_fmadd_ps(x, P##_set1_ps(EXP_LOG2E), P##_set1_ps(0.5f))); \
+        V r = P##_fnmadd_ps(n, P##_set1_ps(EXP_C1), x); \
+        r = P##_fnmadd_ps(n, P##_set1_ps(EXP_C2), r); \
+        V y = P##_fmadd_ps(P##_set1_ps(EXP_P0), r, P##_set1_ps(EXP_P1)); \
+        y = P##_fmadd_ps(y, r, P##_set1_ps(EXP_P2)); \
+        y = P##_fmadd_ps(y, r, P##_set1_ps(EXP_P3)); \
+        y = P##_fmadd_ps(y, r, P##_set1_ps(EXP_P4)); \
+        y = P##_fmadd_ps(y, r, P##_set1_ps(EXP_P5)); \
+        y = P##_add_ps(P##_fmadd_ps(y, P##_mul_ps(r, r), r), P##_set1_ps(1.0f)); \
+        const VI e = P##_slli_epi32(P##_add_epi32(P##_cvtps_epi32(n), P##_set1_epi32(127)), 23); \
+        return P##_mul_ps(y, CAST(e)); \
+    }
 #if defined(__AVX512F__)
-static inline __m512 exp512(__m512 x) {
-    x = _mm512_max_ps(_mm512_set1_ps(EXP_LO), _mm512_min_ps(_mm512_set1_ps(EXP_HI), x)); /* NaN: the 2nd operand */
-    const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(EXP_LOG2E), _mm512_set1_ps(0.5f)),
-                                          _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_C1), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_C2), r);
-    __m512 y = _mm512_fmadd_ps(_mm512_set1_ps(EXP_P0), r, _mm512_set1_ps(EXP_P1));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(EXP_P2));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(EXP_P3));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(EXP_P4));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(EXP_P5));
-    y = _mm512_add_ps(_mm512_fmadd_ps(y, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
-    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
-}
+#define FLOOR512(v) _mm512_roundscale_ps(v, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC)
+EXP_VEC(exp512, __m512, __m512i, _mm512, FLOOR512, _mm512_castsi512_ps)
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
-static inline __m256 exp256(__m256 x) {
-    x = _mm256_max_ps(_mm256_set1_ps(EXP_LO), _mm256_min_ps(_mm256_set1_ps(EXP_HI), x));
-    const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(EXP_LOG2E), _mm256_set1_ps(0.5f)));
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_C1), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_C2), r);
-    __m256 y = _mm256_fmadd_ps(_mm256_set1_ps(EXP_P0), r, _mm256_set1_ps(EXP_P1));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(EXP_P2));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(EXP_P3));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(EXP_P4));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(EXP_P5));
-    y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
+EXP_VEC(exp256, __m256, __m256i, _mm256, _mm256_floor_ps, _mm256_castsi256_ps)
 #endif
 static inline float exp_s(float x) { /* the portable build's form (no vectors) */
     x = x > EXP_HI ? EXP_HI : (x < EXP_LO ? EXP_LO : x);
