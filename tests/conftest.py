@@ -84,13 +84,17 @@ def tiny_with_reference(root: Path, transform) -> tuple[Path, Path]:
     return src, ref
 
 
-def q8_emulate(x: torch.Tensor) -> torch.Tensor:
-    """The native kernels' int8 activation quantisation, emulated: blocks of 32 inputs (in the order
-    given), d = max|x| / 127, xq = round-half-even(x · 127/max|x|) in fp32 → the dequantised xq · d."""
-    b = x.float().unflatten(-1, (-1, 32))
+def q8_emulate(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """The native kernels' int8 activation quantisation, emulated: blocks of `block` inputs (in the
+    order given; the last may be shorter), d = max|x| / 127, xq = round-half-even(x · 127/max|x|) in
+    fp32 → the dequantised xq · d. 32: the INT4 kernels (Q8_0); 256: the int8 head (Q8_K)."""
+    x = x.float()
+    K = x.shape[-1]
+    pad = -K % block
+    b = torch.nn.functional.pad(x, (0, pad)).unflatten(-1, (-1, block))
     amax = b.abs().amax(-1, keepdim=True)
     inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
-    return (torch.round(b * inv) * (amax / 127.0)).flatten(-2)
+    return (torch.round(b * inv) * (amax / 127.0)).flatten(-2)[..., :K]
 
 
 def decode_logits(path, prompt: list[int], steps: int = 3, **options) -> tuple[torch.Tensor, object]:

@@ -1221,59 +1221,71 @@ done:
 
 /* --- int8 rows against int8 activations (the int8 head with --int4-act q8) ---------------------
  *
- * With AVX512-VNNI: the activations of a row in natural order, blocks of QB = 32: d_b = max|x| / 127,
+ * With AVX512-VNNI: the activations of a row in natural order, blocks of QH = 256 (llama.cpp's Q8_K,
+ * which its Q6_K output matrices read: the last block may be shorter): d_b = max|x| / 127,
  * xq = round(x / d_b) (s8). vpdpbusd takes its unsigned operand from the weights: a 64-byte chunk of
  * w (s8) flipped to w + 128 (u8, one xor per row chunk, shared by the tokens), so each int32 lane sums
- * 4 products (w + 128) * xq, is scaled by its block's d (8 lanes per block: dl holds each lane's d),
- * and the row sum takes off the token's ct = 128 * sum_b d_b * sum_{j in b} xq_j once at the end.
- * Approximate as the INT4 q8 path is (~2^-8 per input); without VNNI (u8 * s8 products of 8-bit
- * weights would saturate maddubs) the fp32-activation rows run. Needs Kin % 64 == 0. */
+ * 4 products (w + 128) * xq over the block's (up to) four chunks, then is scaled by the block's d
+ * once, and the row sum takes off the token's ct = 128 * sum_b d_b * sum_{j in b} xq_j at the end.
+ * Approximate as the INT4 q8 path is (~2^-8 of the block's largest input per input); without VNNI
+ * (u8 * s8 products of 8-bit weights would saturate maddubs) the fp32-activation rows run. Needs
+ * Kin % 64 == 0. */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define I8_Q8 1
-/* xq [T, Kin] s8, dl [T, Kin/4] fp32 and ct [T] of x [T, Kin] fp32 (the scalar rounding of quant_q8) */
+#define QH 256
+/* xq [T, Kin] s8, dl [T, ceil(Kin/QH)] fp32 and ct [T] of x [T, Kin] fp32 (quant_q8's rounding) */
 static void quant_i8(const float *x, long T, int Kin, int8_t *xq, float *dl, float *ct) {
+    const int nb = (Kin + QH - 1) / QH;
     for (long t = 0; t < T; t++) {
         float c = 0.0f;
-        for (int b = 0; b < Kin / QB; b++) {
-            const float *v = x + t * Kin + b * QB;
-            const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
-            const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+        for (int b = 0; b < nb; b++) {
+            const float *v = x + t * Kin + b * QH;
+            const int len = Kin - b * QH < QH ? Kin - b * QH : QH; /* a multiple of 64 */
+            __m512 m = _mm512_setzero_ps();
+            for (int j = 0; j < len; j += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(v + j)));
+            const float amax = _mm512_reduce_max_ps(m);
             const float db = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
-            const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(id)));
-            const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(id)));
-            _mm_storeu_si128((__m128i *)(xq + t * Kin + b * QB), _mm512_cvtepi32_epi8(q0));
-            _mm_storeu_si128((__m128i *)(xq + t * Kin + b * QB + 16), _mm512_cvtepi32_epi8(q1));
-            _mm256_storeu_ps(dl + t * (Kin / 4) + b * (QB / 4), _mm256_set1_ps(db));
-            c += db * (float)(128 * _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
+            __m512i sum = _mm512_setzero_si512();
+            for (int j = 0; j < len; j += 16) {
+                const __m512i qv = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(v + j), _mm512_set1_ps(id)));
+                _mm_storeu_si128((__m128i *)(xq + t * Kin + b * QH + j), _mm512_cvtepi32_epi8(qv));
+                sum = _mm512_add_epi32(sum, qv);
+            }
+            dl[t * nb + b] = db;
+            c += db * (float)(128 * _mm512_reduce_add_epi32(sum));
         }
         ct[t] = c;
     }
 }
 
 /* acc[r * ald + t] = sum over the row of w * (dequantised xq) for R adjacent int8 rows (stride rs)
- * and NT tokens (xq[t], dl[t], ct[t]), R * NT <= 8; the row scale is the caller's */
+ * and NT tokens (xq[t], block scales dl[t], ct[t]), R * NT <= 8; the row scale is the caller's */
 static inline __attribute__((always_inline)) void i8q8_tile(const int8_t *w, const long rs, int Kin, const int R,
                                                            const int8_t *const *xq, const float *const *dl,
                                                            const float *const *ct, const int NT, float *acc,
                                                            const long ald) {
-    const int RN = R * NT;
+    const int RN = R * NT, nc = Kin / 64;
     float corr[8], out[8];
     __m512 tot[8];
+    __m512i ai[8];
     const __m512i flip = _mm512_set1_epi8((char)0x80);
     for (int k = 0; k < RN; k++) {
         tot[k] = _mm512_setzero_ps();
         corr[k] = *ct[k % NT];
     }
-    for (int c = 0; c < Kin / 64; c++)
-        for (int r = 0; r < R; r++) {
-            const __m512i wu = _mm512_xor_si512(_mm512_loadu_si512((const void *)(w + r * rs + 64L * c)), flip);
-            _mm_prefetch((const char *)(w + r * rs + 64L * c) + PREFETCH, _MM_HINT_T0);
-            for (int t = 0; t < NT; t++) {
-                const __m512i a = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wu,
-                                                      _mm512_loadu_si512((const void *)(xq[t] + 64L * c)));
-                tot[r * NT + t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_loadu_ps(dl[t] + 16L * c), tot[r * NT + t]);
+    for (int b = 0; b * (QH / 64) < nc; b++) {
+        const int c1 = (b + 1) * (QH / 64) < nc ? (b + 1) * (QH / 64) : nc;
+        for (int k = 0; k < RN; k++) ai[k] = _mm512_setzero_si512();
+        for (int c = b * (QH / 64); c < c1; c++)
+            for (int r = 0; r < R; r++) {
+                const __m512i wu = _mm512_xor_si512(_mm512_loadu_si512((const void *)(w + r * rs + 64L * c)), flip);
+                _mm_prefetch((const char *)(w + r * rs + 64L * c) + PREFETCH, _MM_HINT_T0);
+                for (int t = 0; t < NT; t++)
+                    ai[r * NT + t] = _mm512_dpbusd_epi32(ai[r * NT + t], wu, _mm512_loadu_si512((const void *)(xq[t] + 64L * c)));
             }
-        }
+        for (int k = 0; k < RN; k++)
+            tot[k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ai[k]), _mm512_set1_ps(dl[k % NT][b]), tot[k]);
+    }
     reduce_512(tot, corr, RN, out);
     for (int r = 0; r < R; r++)
         for (int t = 0; t < NT; t++) acc[r * ald + t] = out[r * NT + t];
@@ -1284,9 +1296,10 @@ static void i8q8_block(const int8_t *w, long rs, int Kin, int R, const int8_t *x
                        const float *ct0, int n, float *acc) {
     const int8_t *xq[4];
     const float *dl[4], *ct[4];
+    const int nb = (Kin + QH - 1) / QH;
 #define I8_TOKENS(t0, m) \
     for (int i = 0; i < (m); i++) { \
-        xq[i] = xq0 + (long)((t0) + i) * Kin; dl[i] = dl0 + (long)((t0) + i) * (Kin / 4); ct[i] = ct0 + (t0) + i; }
+        xq[i] = xq0 + (long)((t0) + i) * Kin; dl[i] = dl0 + (long)((t0) + i) * nb; ct[i] = ct0 + (t0) + i; }
 #define I8_TILE(RR, M, r0, t0) i8q8_tile(w + (r0) * rs, rs, Kin, RR, xq, dl, ct, M, acc + (r0) * ROWS_LD + (t0), ROWS_LD)
     WALK_TILES(I8_TILE, I8_TOKENS, R, n, 1);
 #undef I8_TILE
@@ -1303,7 +1316,7 @@ typedef struct {
     long es;
     float *out;
     const float *scale; /* FMT_I8: fp32 [N], one per row; else NULL */
-    const int8_t *xq; /* FMT_I8 with int8 activations (i8q8_block): xq [T, Kin], dl [T, Kin/4], ct [T]; else NULL */
+    const int8_t *xq; /* FMT_I8 with int8 activations (i8q8_block): xq [T, Kin], dl [T, Kin/QH], ct [T]; else NULL */
     const float *dl, *ct;
 } linear_t;
 
@@ -1317,7 +1330,7 @@ static void linear_item(const void *arg, long item) {
 #if I8_Q8
             if (P->xq)
                 i8q8_block((const int8_t *)P->w + (long)n * P->Kin, P->Kin, P->Kin, R, P->xq + (long)c * P->Kin,
-                           P->dl + (long)c * (P->Kin / 4), P->ct + c, m, acc);
+                           P->dl + (long)c * ((P->Kin + QH - 1) / QH), P->ct + c, m, acc);
             else
 #endif
                 dense_block(P->w + (long)n * P->Kin * P->es, (long)P->Kin * P->es, P->fmt, P->Kin, R,
@@ -1352,13 +1365,14 @@ int lynx_linear_int8(const float *x, const int8_t *q, const float *scale, const 
     float *dl = NULL;
 #if I8_Q8
     if (q8 && Kin % 64 == 0) {
+        const size_t nb = (size_t)(Kin + QH - 1) / QH;
         xq = malloc((size_t)T * Kin);
-        dl = malloc((size_t)T * (Kin / 4 + 1) * sizeof(float));
+        dl = malloc((size_t)T * (nb + 1) * sizeof(float));
         if (!xq || !dl) { free(xq); free(dl); return -1; }
-        quant_i8(x, T, Kin, xq, dl, dl + (size_t)T * (Kin / 4));
+        quant_i8(x, T, Kin, xq, dl, dl + (size_t)T * nb);
         P.xq = xq;
         P.dl = dl;
-        P.ct = dl + (size_t)T * (Kin / 4);
+        P.ct = dl + (size_t)T * nb;
     }
 #else
     (void)q8;
