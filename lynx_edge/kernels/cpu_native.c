@@ -1148,6 +1148,18 @@ static void parallel(void (*fn)(const void *, long), const void *arg, long n_ite
  * [E, D/bn, I/bk] (bn | I and D, bk | D and I, bk % 32 == 0: the caller checks).
  * gub [E, 2I] / dnb [E, D] fp32 biases or NULL; act_kind 1: gpt-oss's clamped SwiGLU.
  * Returns 0; -1 when out of memory; -3 for an expert id outside [0, E). */
+/* One allocation carved into n scratch buffers of sz[i] bytes (64-byte steps; out[i] NULL where
+ * sz[i] == 0) → the block to free, or NULL when out of memory: a kernel call's many buffers cost one
+ * malloc, not one each (the demo's decode step made ~180) */
+static uint8_t *scratch(const size_t *sz, int n, void **out) {
+    size_t total = 0;
+    for (int i = 0; i < n; i++) total += (sz[i] + 63) & ~(size_t)63;
+    uint8_t *mem = malloc(total ? total : 1);
+    if (!mem) return NULL;
+    for (size_t i = 0, off = 0; i < (size_t)n; off += (sz[i] + 63) & ~(size_t)63, i++) out[i] = sz[i] ? mem + off : NULL;
+    return mem;
+}
+
 int lynx_moe(int fmt, const float *x, const int64_t *ids, const float *w, const int32_t *perm, const uint8_t *data,
              long E, long nbytes, const long *offs, const uint8_t *gu, const uint8_t *dn, int sym, int G, int D, int I,
              int T, int K, float *out, int nthreads, const uint8_t *gus, const uint8_t *dns, const float *gub,
@@ -1157,20 +1169,21 @@ int lynx_moe(int fmt, const float *x, const int64_t *ids, const float *w, const 
     const int q8x = int4 && q8 && D % 128 == 0, q8h = int4 && q8 && I % 128 == 0;
     for (long i = 0; i < S; i++)
         if (ids[i] < 0 || ids[i] >= E) return -3; /* nothing written: the caller names the bad id */
-    int64_t *cnt = calloc(E + 1, sizeof(int64_t)), *fill = malloc(E * sizeof(int64_t));
-    int64_t *order = malloc(S * sizeof(int64_t)), *pos = malloc(S * sizeof(int64_t)), *act = malloc(E * sizeof(int64_t));
-    float *xe = malloc(S * (long)D * sizeof(float)), *he = malloc(S * (long)I * sizeof(float));
-    float *y = malloc(S * (long)D * sizeof(float));
-    float *ue = act_kind == 0 && !gub ? malloc(S * (long)I * sizeof(float)) : NULL; /* plain SwiGLU: one pass */
-    float *xsum = int4 ? malloc((S * (long)(D / G) + 1) * sizeof(float)) : NULL;
-    float *hsum = int4 ? malloc((S * (long)(I / G) + 1) * sizeof(float)) : NULL;
-    int8_t *xq = q8x ? malloc(S * (long)D) : NULL, *hq = q8h ? malloc(S * (long)I) : NULL;
-    float *xd = q8x ? malloc((S * (long)(D / QB + D / G) + 1) * sizeof(float)) : NULL;
-    float *hd = q8h ? malloc((S * (long)(I / QB + I / G) + 1) * sizeof(float)) : NULL;
-    int rc = -1;
-    if (!cnt || !fill || !order || !pos || !act || !xe || !he || !y || (int4 && (!xsum || !hsum))) goto done;
-    if (act_kind == 0 && !gub && !ue) goto done;
-    if ((q8x && (!xq || !xd)) || (q8h && (!hq || !hd))) goto done;
+    const int defer = act_kind == 0 && !gub; /* plain SwiGLU: one pass (lynx_silu_mul) */
+    const size_t f4 = sizeof(float), i8 = sizeof(int64_t);
+    const size_t sz[] = {(E + 1) * i8, E * i8, S * i8, S * i8, E * i8,          /* cnt fill order pos act */
+                         S * D * f4, S * I * f4, S * D * f4, defer ? S * I * f4 : 0, /* xe he y ue */
+                         int4 ? (S * (D / G) + 1) * f4 : 0, int4 ? (S * (I / G) + 1) * f4 : 0, /* xsum hsum */
+                         q8x ? S * D : 0, q8h ? S * I : 0,                             /* xq hq */
+                         q8x ? (S * (D / QB + D / G) + 1) * f4 : 0, q8h ? (S * (I / QB + I / G) + 1) * f4 : 0};
+    void *b[15];
+    uint8_t *mem = scratch(sz, 15, b);
+    if (!mem) return -1;
+    int64_t *cnt = b[0], *fill = b[1], *order = b[2], *pos = b[3], *act = b[4];
+    float *xe = b[5], *he = b[6], *y = b[7], *ue = b[8], *xsum = b[9], *hsum = b[10];
+    int8_t *xq = b[11], *hq = b[12];
+    float *xd = b[13], *hd = b[14];
+    memset(cnt, 0, (E + 1) * i8);
     float *xo = xe + S * (D / 2), *ho = he + S * (I / 2); /* int4: the odd halves after the even ones */
     /* plan: expert-major slot order (stable), active experts ascending */
     for (long i = 0; i < S; i++) cnt[ids[i] + 1]++;
@@ -1212,11 +1225,8 @@ int lynx_moe(int fmt, const float *x, const int64_t *ids, const float *w, const 
             for (int d = 0; d < D; d++) o[d] += yr[d];
         }
     }
-    rc = 0;
-done:
-    free(cnt); free(fill); free(order); free(pos); free(act);
-    free(xe); free(he); free(y); free(ue); free(xsum); free(hsum); free(xq); free(hq); free(xd); free(hd);
-    return rc;
+    free(mem);
+    return 0;
 }
 
 /* --- int8 rows against int8 activations (the int8 head with --int4-act q8) ---------------------
@@ -1833,11 +1843,13 @@ int lynx_layer_attn(const attn_layer_t *L, const uint8_t *x, int B, const float 
                     uint8_t *x1, float *h2, float *logits, int nthreads) {
     const int D = L->D, bf = L->fmt == FMT_BF16, es = bf ? 2 : 4, nq = L->qkv.N, na = L->H * L->hd;
     if (D > 4096) return -1;
-    uint8_t *h = malloc((size_t)B * D * es);
-    float *hf = malloc((size_t)B * D * sizeof(float)), *q = malloc((size_t)B * nq * sizeof(float));
-    float *a = malloc((size_t)B * na * sizeof(float)), *o = malloc((size_t)B * D * sizeof(float));
-    int rc = -2;
-    if (!h || !hf || !q || !a || !o) goto done;
+    const size_t f4 = sizeof(float), sz[] = {(size_t)B * D * es, B * D * f4, B * nq * f4, B * na * f4, B * D * f4};
+    void *buf[5];
+    uint8_t *mem = scratch(sz, 5, buf);
+    if (!mem) return -2;
+    uint8_t *h = buf[0];
+    float *hf = buf[1], *q = buf[2], *a = buf[3], *o = buf[4];
+    int rc;
     lynx_rmsnorm(L->fmt, x, L->norm1, L->eps1, B, D, h, nthreads);
     for (int b = 0; b < B; b++) load_row(h + (size_t)b * D * es, L->fmt, hf + (size_t)b * D, D);
     if ((rc = lin_run(&L->qkv, hf, B, q, nthreads)) != 0) { rc = -2; goto done; }
@@ -1854,7 +1866,7 @@ int lynx_layer_attn(const attn_layer_t *L, const uint8_t *x, int B, const float 
     if (bf) round_bf16(logits, (long)B * L->gate.N);
     rc = 0;
 done:
-    free(h); free(hf); free(q); free(a); free(o);
+    free(mem);
     return rc;
 }
 
