@@ -115,73 +115,51 @@ static inline __attribute__((always_inline)) void dot_tile_h(
     const int ng = Kin / (2 * H), RN = R * NT;
     float corr[4] = {0.0f, 0.0f, 0.0f, 0.0f}, out[4];
     int t, r;
-#if defined(__AVX512F__)
-    if (H % 16 == 0) {
-        __m512 tot[4];
-        const __m512i m15 = _mm512_set1_epi32(15);
-        for (t = 0; t < RN; t++) tot[t] = _mm512_setzero_ps();
-        for (int g = 0; g < ng; g++) {
-            __m512 ae[4], ao[4];
-            for (t = 0; t < RN; t++) { ae[t] = _mm512_setzero_ps(); ao[t] = _mm512_setzero_ps(); }
-            for (r = 0; r < R; r++) /* the rows after these */
-                _mm_prefetch((const char *)q + r * rs + (long)g * H + PREFETCH / 2, _MM_HINT_T0);
-            for (int j = 0; j < H; j += 16)
-                for (r = 0; r < R; r++) {
-                    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + r * rs + (long)g * H + j)));
-                    const __m512 we = _mm512_cvtepi32_ps(_mm512_and_si512(b, m15));
-                    const __m512 wo = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
-                    for (t = 0; t < NT; t++) {
-                        ae[r * NT + t] = _mm512_fmadd_ps(we, _mm512_loadu_ps(xe[t] + g * H + j), ae[r * NT + t]);
-                        ao[r * NT + t] = _mm512_fmadd_ps(wo, _mm512_loadu_ps(xo[t] + g * H + j), ao[r * NT + t]);
-                    }
-                }
-            for (r = 0; r < R; r++) {
-                const float sg = h2f(s[g * N + r]), zg = (float)(z ? z[g * N + r] : 8);
-                const __m512 sv = _mm512_set1_ps(sg);
-                for (t = 0; t < NT; t++) {
-                    tot[r * NT + t] = _mm512_fmadd_ps(sv, _mm512_add_ps(ae[r * NT + t], ao[r * NT + t]), tot[r * NT + t]);
-                    corr[r * NT + t] += sg * zg * xs[t][g];
-                }
-            }
-        }
-        reduce_512(tot, corr, RN, out);
-        for (r = 0; r < R; r++)
-            for (t = 0; t < NT; t++) acc[r * ald + t] = out[r * NT + t];
-        return;
+/* one body for both widths: P the intrinsics' prefix, V / VI float / int vectors of BITS bits,
+ * LOAD8(p) BITS / 32 code bytes widened to int32 lanes, PREF(r, g) the AVX-512 form's prefetch, REDUCE
+ * reduce_512 / reduce_256 */
+#define DOT_TILE_VEC(P, V, VI, BITS, LOAD8, PREF, REDUCE) \
+    if (H % ((BITS) / 32) == 0) { \
+        V tot[4]; \
+        const VI m15 = P##_set1_epi32(15); \
+        for (t = 0; t < RN; t++) tot[t] = P##_setzero_ps(); \
+        for (int g = 0; g < ng; g++) { \
+            V ae[4], ao[4]; \
+            for (t = 0; t < RN; t++) { ae[t] = P##_setzero_ps(); ao[t] = P##_setzero_ps(); } \
+            for (r = 0; r < R; r++) PREF(r, g); \
+            for (int j = 0; j < H; j += (BITS) / 32) \
+                for (r = 0; r < R; r++) { \
+                    const VI b = LOAD8(q + r * rs + (long)g * H + j); \
+                    const V we = P##_cvtepi32_ps(P##_and_si##BITS(b, m15)); \
+                    const V wo = P##_cvtepi32_ps(P##_srli_epi32(b, 4)); \
+                    for (t = 0; t < NT; t++) { \
+                        ae[r * NT + t] = P##_fmadd_ps(we, P##_loadu_ps(xe[t] + g * H + j), ae[r * NT + t]); \
+                        ao[r * NT + t] = P##_fmadd_ps(wo, P##_loadu_ps(xo[t] + g * H + j), ao[r * NT + t]); \
+                    } \
+                } \
+            for (r = 0; r < R; r++) { \
+                const float sg = h2f(s[g * N + r]), zg = (float)(z ? z[g * N + r] : 8); \
+                const V sv = P##_set1_ps(sg); \
+                for (t = 0; t < NT; t++) { \
+                    tot[r * NT + t] = P##_fmadd_ps(sv, P##_add_ps(ae[r * NT + t], ao[r * NT + t]), tot[r * NT + t]); \
+                    corr[r * NT + t] += sg * zg * xs[t][g]; \
+                } \
+            } \
+        } \
+        REDUCE(tot, corr, RN, out); \
+        for (r = 0; r < R; r++) \
+            for (t = 0; t < NT; t++) acc[r * ald + t] = out[r * NT + t]; \
+        return; \
     }
+#if defined(__AVX512F__)
+#define LOAD8_512(p) _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p)))
+#define PREF_512(r, g) _mm_prefetch((const char *)q + (r) * rs + (long)(g) * H + PREFETCH / 2, _MM_HINT_T0) /* the rows after these */
+    DOT_TILE_VEC(_mm512, __m512, __m512i, 512, LOAD8_512, PREF_512, reduce_512)
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
-    if (H % 8 == 0) {
-        __m256 tot[4];
-        const __m256i m15 = _mm256_set1_epi32(15);
-        for (t = 0; t < RN; t++) tot[t] = _mm256_setzero_ps();
-        for (int g = 0; g < ng; g++) {
-            __m256 ae[4], ao[4];
-            for (t = 0; t < RN; t++) { ae[t] = _mm256_setzero_ps(); ao[t] = _mm256_setzero_ps(); }
-            for (int j = 0; j < H; j += 8)
-                for (r = 0; r < R; r++) {
-                    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + r * rs + (long)g * H + j)));
-                    const __m256 we = _mm256_cvtepi32_ps(_mm256_and_si256(b, m15));
-                    const __m256 wo = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
-                    for (t = 0; t < NT; t++) {
-                        ae[r * NT + t] = _mm256_fmadd_ps(we, _mm256_loadu_ps(xe[t] + g * H + j), ae[r * NT + t]);
-                        ao[r * NT + t] = _mm256_fmadd_ps(wo, _mm256_loadu_ps(xo[t] + g * H + j), ao[r * NT + t]);
-                    }
-                }
-            for (r = 0; r < R; r++) {
-                const float sg = h2f(s[g * N + r]), zg = (float)(z ? z[g * N + r] : 8);
-                const __m256 sv = _mm256_set1_ps(sg);
-                for (t = 0; t < NT; t++) {
-                    tot[r * NT + t] = _mm256_fmadd_ps(sv, _mm256_add_ps(ae[r * NT + t], ao[r * NT + t]), tot[r * NT + t]);
-                    corr[r * NT + t] += sg * zg * xs[t][g];
-                }
-            }
-        }
-        reduce_256(tot, corr, RN, out);
-        for (r = 0; r < R; r++)
-            for (t = 0; t < NT; t++) acc[r * ald + t] = out[r * NT + t];
-        return;
-    }
+#define LOAD8_256(p) _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p)))
+#define PREF_NONE(r, g) (void)0
+    DOT_TILE_VEC(_mm256, __m256, __m256i, 256, LOAD8_256, PREF_NONE, reduce_256)
 #endif
     /* portable: the compiler vectorises what it can (the zero point stays in the loop) */
     (void)xs; (void)corr; (void)out; (void)RN;
