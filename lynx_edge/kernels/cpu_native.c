@@ -804,7 +804,7 @@ typedef struct {
     const int64_t *ids, *cnt, *order, *act;
     const float *w;
     float *xe, *xo, *he, *ho, *y; /* dense: xe [S, D] and he [S, I] whole rows (xo, ho unused) */
-    float *ue; /* the up products laid out as he / ho [S I], for silu_mul; NULL: activate() per element */
+    float *ue; /* the up products laid out as he / ho [S I], for lynx_silu_mul; NULL: activate() per element */
     float *xsum, *hsum; /* int4: group sums of xe/xo [S, D/G] and he/ho [S, I/G] */
     /* gpt-oss: MXFP4 scales gus [E, 2I, D/32], dns [E, D, I/32]; fp32 biases gub [E, 2I], dnb [E, D]
      * (NULL: none); act 1 = the clamped SwiGLU (limit, alpha), 0 = silu(gate) * up */
@@ -884,12 +884,17 @@ static float exp_sub_sum(float *v, long n, float m) {
     return _mm512_reduce_add_ps(acc);
 #elif defined(__AVX2__) && defined(__FMA__)
     __m256 acc = _mm256_setzero_ps();
-    for (long i = 0; i < n; i += 8) {
+    long i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(v + i), _mm256_set1_ps(m)));
+        _mm256_storeu_ps(v + i, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    if (i < n) { /* the tail through a zero-padded vector: the same lanes' arithmetic */
         float b[8] = {0};
-        const int c = n - i >= 8 ? 8 : (int)(n - i);
+        const int c = (int)(n - i);
         memcpy(b, v + i, c * sizeof(float));
-        const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(b), _mm256_set1_ps(m)));
-        _mm256_storeu_ps(b, e);
+        _mm256_storeu_ps(b, exp256(_mm256_sub_ps(_mm256_loadu_ps(b), _mm256_set1_ps(m))));
         memcpy(v + i, b, c * sizeof(float));
         for (int j = c; j < 8; j++) b[j] = 0.0f;
         acc = _mm256_add_ps(acc, _mm256_loadu_ps(b));
@@ -921,14 +926,18 @@ void lynx_silu_mul(float *h, const float *u, long n) {
     }
 #elif defined(__AVX2__) && defined(__FMA__)
     for (long i = 0; i < n; i += 8) {
-        float gb[8] = {0}, ub[8] = {0};
         const int m = n - i >= 8 ? 8 : (int)(n - i);
-        memcpy(gb, h + i, m * sizeof(float));
-        memcpy(ub, u + i, m * sizeof(float));
-        const __m256 g = _mm256_loadu_ps(gb);
+        float gb[8] = {0}, ub[8] = {0}; /* the tail through zero-padded vectors: the same lanes' arithmetic */
+        float *hp = m == 8 ? h + i : gb;
+        const float *up = m == 8 ? u + i : ub;
+        if (m < 8) {
+            memcpy(gb, h + i, m * sizeof(float));
+            memcpy(ub, u + i, m * sizeof(float));
+        }
+        const __m256 g = _mm256_loadu_ps(hp);
         const __m256 d = _mm256_add_ps(_mm256_set1_ps(1.0f), exp256(_mm256_sub_ps(_mm256_setzero_ps(), g)));
-        _mm256_storeu_ps(gb, _mm256_mul_ps(_mm256_div_ps(g, d), _mm256_loadu_ps(ub)));
-        memcpy(h + i, gb, m * sizeof(float));
+        _mm256_storeu_ps(hp, _mm256_mul_ps(_mm256_div_ps(g, d), _mm256_loadu_ps(up)));
+        if (m < 8) memcpy(h + i, gb, m * sizeof(float));
     }
 #else
     for (long i = 0; i < n; i++) h[i] = h[i] / (1.0f + exp_s(-h[i])) * u[i];
