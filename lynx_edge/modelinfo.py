@@ -109,4 +109,18 @@ def checkpoint_bytes(where: str | Path) -> int | None:
     return sum(f.stat().st_size for f in files) if files else None
 
 
-__all__ = ["bytes_per_param", "checkpoint_bytes", "describe", "load_config", "param_counts", "read_quant"]
+def dense_decode_bytes(model) -> int:
+    """Bytes of the built model's weights that every decode step reads whatever the routing:
+    attention, norms, routers, dense MLPs and the output head, 16-bit or packed (the embedding only
+    where it is the head: an untied table is read one row per token). The routed experts are left
+    out: resident 16-bit ones are counted by the caller, packed or offloaded ones live outside the
+    module tree."""
+    tied = model.lm_head is None and model.head_int8 is None
+    tensors = {t.data_ptr(): t for name, t in [*model.named_parameters(), *model.named_buffers()]
+               if ".mlp.experts." not in name and (tied or name != "embed_tokens")}
+    head = model.head_int8 or ()
+    return sum(t.nbytes for t in tensors.values()) + sum(t.nbytes for t in head)
+
+
+__all__ = ["bytes_per_param", "checkpoint_bytes", "dense_decode_bytes", "describe", "load_config", "param_counts",
+           "read_quant"]

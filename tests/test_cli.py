@@ -118,6 +118,32 @@ def test_offload_and_int4_flags_reach_the_engine(tiny_models):
     assert plain.stdout.splitlines()[0] == off.stdout.splitlines()[0]  # offloading is exact
 
 
+def test_int4_bytes_note_counts_what_every_decode_token_reads():
+    """--int4 alone on a CPU: the note counts the 16-bit weights each decode token reads (the
+    demo's non-expert tensors, fp32 there, with the tied embedding as the head) and names the
+    flags that shrink them; none once attention and head are packed too."""
+    from lynx_edge import Engine
+    from lynx_edge.cli.common import int4_bytes_note
+    from lynx_edge.hub import resolve_model
+    from lynx_edge.modelinfo import dense_decode_bytes
+    from safetensors import safe_open
+
+    demo = resolve_model("demo")
+    non_expert = 0
+    for f in demo.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as st:
+            non_expert += sum(math.prod(st.get_slice(k).get_shape()) for k in st.keys() if ".experts." not in k)
+    int4 = Engine.from_pretrained("demo", device="cpu", dtype="float32", int4=True)
+    assert 0 <= dense_decode_bytes(int4.model) - 4 * non_expert <= 256  # + the rope buffer (128 B)
+    line = int4_bytes_note(int4)
+    # 4 layers x top-4 x 3 x 256 x 128 weights at half a byte = 0.786 MB; 7.48 MB fp32 besides: 90%
+    assert "experts 4-bit: 0.786 MB" in line and "7.48 MB (90%" in line and "--int4-attn --int8-head" in line
+    head = Engine.from_pretrained("demo", device="cpu", dtype="float32", int4=True, int8_head=True)
+    assert "attention still float32" in int4_bytes_note(head) and "--int8-head" not in int4_bytes_note(head)
+    packed = Engine.from_pretrained("demo", device="cpu", int4=True, int4_attn=True, int8_head=True)
+    assert int4_bytes_note(packed) is None and int4_bytes_note(Engine.from_pretrained("demo", device="cpu")) is None
+
+
 # bench -----------------------------------------------------------------------------------------
 def test_bench_json_numbers_agree(tiny_models):
     r = invoke("bench", tiny_models["mixtral"], "-p", "8", "-n", "5", "-r", "2", "-b", "1,3", "-o", "json")

@@ -72,7 +72,35 @@ def load_engine(model: str, dtype: str | None = None, device: str | None = None,
     from ..engine import Engine
 
     with ui.progress("loading") as progress:
-        return Engine.from_pretrained(model, dtype=dtype, device=device, progress=progress, **options)
+        engine = Engine.from_pretrained(model, dtype=dtype, device=device, progress=progress, **options)
+    line = int4_bytes_note(engine)
+    if line:
+        ui.note(line, stderr=True)
+    return engine
+
+
+def int4_bytes_note(engine) -> str | None:
+    """On a CPU with 4-bit experts: when the weights every token reads whatever the routing
+    (attention, output head) are still 16-bit and most of the bytes, a line saying so and naming
+    the flags that shrink them. A CPU decode step is bound by the bytes it reads, and on a real
+    model (Qwen3-30B-A3B: ~2.4 GB of bf16 attention and head against ~0.9 GB of 4-bit active
+    experts per token) --int4 alone leaves most of them 16-bit. None otherwise."""
+    from ..modelinfo import dense_decode_bytes, param_counts
+
+    pl = engine.model.placement
+    flags = [f for f, done in (("--int4-attn", pl.packed_linears), ("--int8-head", pl.int8_head)) if not done]
+    if pl.device != "cpu" or pl.experts != "int4" or not flags:
+        return None
+    counts = param_counts(engine.cfg)
+    experts = counts["moe_layers"] * engine.cfg.top_k * counts["params_per_expert"] / 2
+    dense = dense_decode_bytes(engine.model)
+    share = dense / (dense + experts)
+    if share < 0.3:
+        return None
+    what = {2: "attention and output head", 1: "output head" if pl.packed_linears else "attention"}[len(flags)]
+    return (f"experts 4-bit: {experts / 1e6:.3g} MB per decode token; the other weights every token reads: "
+            f"{dense / 1e6:.3g} MB ({share:.0%} of those bytes), {what} still {pl.dtype}. On a CPU {' '.join(flags)} "
+            f"read {'them' if len(flags) > 1 else 'it'} in fewer bits, as llama.cpp's Q4_0 does (approximate)")
 
 
 def explain(exc: BaseException) -> tuple[str, str | None]:

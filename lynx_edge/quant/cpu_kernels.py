@@ -160,19 +160,22 @@ def _gather(x, ids, order, perm):
     return xe, xo
 
 
+def _item(item, rows, act, cnt):
+    """Work item → (expert, its first sorted slot, its slot count, first row of the item's block
+    of ROW_BLOCK among `rows`)."""
+    e = act[item // ((rows + ROW_BLOCK - 1) // ROW_BLOCK)]
+    return e, cnt[e], cnt[e + 1] - cnt[e], (item % ((rows + ROW_BLOCK - 1) // ROW_BLOCK)) * ROW_BLOCK
+
+
 def _gate_up(data, offs, sym, G, D, I, act, cnt, xe, xo, he, ho, lo, hi):
     """Work items [lo, hi) of (active expert, block of ROW_BLOCK rows i): he/ho [S, I/2] (even /
     odd i) ← silu(gate_i)·up_i of every slot of the expert; gate and up rows i, I + i together."""
-    nb = (I + ROW_BLOCK - 1) // ROW_BLOCK
     gate = np.empty(xe.shape[0], np.float32)
     up = np.empty(xe.shape[0], np.float32)
     we = np.empty(G // 2, np.float32)
     wo = np.empty(G // 2, np.float32)
     for item in range(lo, hi):
-        e = act[item // nb]
-        r0 = cnt[e]
-        n = cnt[e + 1] - r0
-        i0 = (item % nb) * ROW_BLOCK
+        e, r0, n, i0 = _item(item, I, act, cnt)
         for i in range(i0, min(I, i0 + ROW_BLOCK)):
             _dot_rows(data, e, offs[0], offs[1], offs[2], 2 * I, D, sym, i, xe, xo, r0, n, G, gate, we, wo)
             _dot_rows(data, e, offs[0], offs[1], offs[2], 2 * I, D, sym, I + i, xe, xo, r0, n, G, up, we, wo)
@@ -188,15 +191,11 @@ def _down(data, offs, sym, G, D, I, act, cnt, he, ho, order, w, y, lo, hi):
     """Work items [lo, hi) of (active expert, block of ROW_BLOCK output rows d): y[r, d] = routing
     weight of sorted slot r · (down · h_r)[d], fp32."""
     K = w.shape[1]
-    nb = (D + ROW_BLOCK - 1) // ROW_BLOCK
     acc = np.empty(he.shape[0], np.float32)
     we = np.empty(G // 2, np.float32)
     wo = np.empty(G // 2, np.float32)
     for item in range(lo, hi):
-        e = act[item // nb]
-        r0 = cnt[e]
-        n = cnt[e + 1] - r0
-        d0 = (item % nb) * ROW_BLOCK
+        e, r0, n, d0 = _item(item, D, act, cnt)
         for d in range(d0, min(D, d0 + ROW_BLOCK)):
             _dot_rows(data, e, offs[3], offs[4], offs[5], D, I, sym, d, he, ho, r0, n, G, acc, we, wo)
             for t in range(n):
@@ -238,6 +237,7 @@ if njit is not None:
     _FM = {"reassoc", "contract"}  # lets LLVM vectorise the fp32 reductions (lane order: see top)
     _h2f = njit(cache=True, nogil=True, inline="always")(_h2f)
     _dot_rows = njit(cache=True, nogil=True, fastmath=_FM, inline="always")(_dot_rows)
+    _item = njit(cache=True, nogil=True, inline="always")(_item)
     _plan = njit(cache=True, nogil=True)(_plan)
     _gather = njit(cache=True, nogil=True)(_gather)
     _gate_up = njit(cache=True, nogil=True, fastmath=_FM)(_gate_up)
