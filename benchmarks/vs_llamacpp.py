@@ -387,7 +387,8 @@ def to_markdown(res: dict) -> str:
         pv = res["previous"]
         md += [f"The last column is the ratio of the run before this one (lynx-edge {pv.get('lynx_edge_commit')}, "
                f"{pv.get('date') or 'date not recorded'}, load average {pv['loadavg_start'][0]:.2f} → "
-               f"{pv['loadavg_end'][0]:.2f}), to show how far the ratios reproduce.", ""]
+               f"{pv['loadavg_end'][0]:.2f}{'; ' + pv['note'] if pv.get('note') else ''}), to show how far the "
+               "ratios reproduce.", ""]
     for rr in res.get("reruns", []):
         md += [f"Re-measured later (`--update`, load average {rr['loadavg_start'][0]:.2f} → {rr['loadavg_end'][0]:.2f}): "
                + ", ".join(f"{m} {k} {t} thread(s)" for m, k, t in rr["cells"]) + ".", ""]

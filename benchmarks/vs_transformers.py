@@ -8,6 +8,13 @@ same way for both: time(prompt → 1 + n tokens) − time(prompt → 1 token), m
 
 Each dtype is run by both on weights of that dtype (bfloat16: how checkpoints are published and
 what a user's RAM holds; float32: lynx-edge's CPU default for checkpoints up to 2 GiB).
+
+Decode of this model is bound by the weights it reads, so each row also gives the bytes of weights
+one decode step reads (attention, routers, norms and head, plus the experts the step's routing hit,
+counted from lynx-edge's routing telemetry — the same exact top-k as transformers'), each side's
+weight-read rate, and the machine's streaming read rate at the same threads (a 1 GiB fp32 sum):
+`ceiling` = that rate / transformers' rate is the largest speed-up any engine reading the same
+bytes from DRAM could show (caches can hold part of a small model, so it is approximate).
 """
 from __future__ import annotations
 
@@ -44,6 +51,23 @@ def timed(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def read_gbps(repeats: int = 5) -> float:
+    """The machine's streaming read rate at the current torch threads: a sum over 1 GiB of fp32."""
+    x = torch.ones(1 << 28)
+    return x.numel() * 4 / timed(lambda: x.sum(), repeats) / 1e9
+
+
+def step_bytes(eng, unique_per_layer: float) -> float:
+    """Bytes of weights one decode step reads: everything but the embedding table (one row) and the
+    routed experts, plus unique_per_layer experts of every MoE layer."""
+    from lynx_edge.modelinfo import param_counts
+
+    cfg, es = eng.cfg, eng.model.embed_tokens.element_size()
+    c = param_counts(cfg)
+    return es * (c["non_expert"] - cfg.vocab_size * cfg.hidden_size
+                 + c["moe_layers"] * unique_per_layer * c["params_per_expert"])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", default="1,16")
@@ -54,7 +78,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="default: lynx_edge.threads (idle cores)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/vs_transformers.json"))
     args = ap.parse_args()
-    from lynx_edge.bench import cpu_isa
+    from lynx_edge.bench import cpu_isa, measure
     from lynx_edge.threads import set_threads
 
     args.threads = set_threads(args.threads, explicit=True)  # the Engine keeps it; recorded with the ISA
@@ -63,6 +87,8 @@ def main() -> None:
     from lynx_edge import Engine
 
     ckpt = make_checkpoint(Path(tempfile.mkdtemp()) / "mixtral-8l-512")
+    set_threads(args.threads)  # importing the tests' conftest set torch's threads to 2
+    bandwidth = read_gbps()
     rows = []
     for dtype in args.dtype.split(","):
         hf = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=getattr(torch, dtype)).eval()
@@ -84,6 +110,15 @@ def main() -> None:
                 tn = timed(lambda: run(1 + args.new), args.repeats)
                 res[f"{name}_decode_tok_s"] = B * args.new / max(tn - t1, 1e-9)
             res["speedup"] = res["lynx_edge_decode_tok_s"] / res["transformers_decode_tok_s"]
+            eng.model.routing.stats.record = True  # routing telemetry for one more run, off while timed
+            unique = measure(eng, [p.tolist() for p in prompts], 1 + args.new)["unique_experts_per_layer"]
+            eng.model.routing.stats.record = False
+            nbytes = step_bytes(eng, unique)
+            res |= {"unique_experts_per_layer": unique, "weights_mb_per_step": nbytes / 1e6,
+                    "stream_read_gb_s": bandwidth}
+            for name in ("transformers", "lynx_edge"):
+                res[f"{name}_weights_gb_s"] = nbytes * res[f"{name}_decode_tok_s"] / B / 1e9
+            res["ceiling"] = bandwidth / res["transformers_weights_gb_s"]
             rows.append(res)
             print(json.dumps(res), flush=True)
         del hf, eng
