@@ -116,12 +116,12 @@ static inline __attribute__((always_inline)) void dot_tile_h(
     float corr[4] = {0.0f, 0.0f, 0.0f, 0.0f}, out[4];
     int t, r;
 /* one body for both widths: P the intrinsics' prefix, V / VI float / int vectors of BITS bits,
- * LOAD8(p) BITS / 32 code bytes widened to int32 lanes, PREF(r, g) the AVX-512 form's prefetch, REDUCE
- * reduce_512 / reduce_256 */
-#define DOT_TILE_VEC(P, V, VI, BITS, LOAD8, PREF, REDUCE) \
+ * LOAD8(p) BITS / 32 code bytes widened to int32 lanes, LO(b) / HI(b) the low / high nibble of each
+ * lane as fp32 (exact small integers), PREF(r, g) the AVX-512 form's prefetch, REDUCE reduce_512 /
+ * reduce_256 */
+#define DOT_TILE_VEC(P, V, VI, BITS, LOAD8, LO, HI, PREF, REDUCE) \
     if (H % ((BITS) / 32) == 0) { \
         V tot[4]; \
-        const VI m15 = P##_set1_epi32(15); \
         for (t = 0; t < RN; t++) tot[t] = P##_setzero_ps(); \
         for (int g = 0; g < ng; g++) { \
             V ae[4], ao[4]; \
@@ -130,8 +130,7 @@ static inline __attribute__((always_inline)) void dot_tile_h(
             for (int j = 0; j < H; j += (BITS) / 32) \
                 for (r = 0; r < R; r++) { \
                     const VI b = LOAD8(q + r * rs + (long)g * H + j); \
-                    const V we = P##_cvtepi32_ps(P##_and_si##BITS(b, m15)); \
-                    const V wo = P##_cvtepi32_ps(P##_srli_epi32(b, 4)); \
+                    const V we = LO(b), wo = HI(b); \
                     for (t = 0; t < NT; t++) { \
                         ae[r * NT + t] = P##_fmadd_ps(we, P##_loadu_ps(xe[t] + g * H + j), ae[r * NT + t]); \
                         ao[r * NT + t] = P##_fmadd_ps(wo, P##_loadu_ps(xo[t] + g * H + j), ao[r * NT + t]); \
@@ -154,12 +153,20 @@ static inline __attribute__((always_inline)) void dot_tile_h(
 #if defined(__AVX512F__)
 #define LOAD8_512(p) _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p)))
 #define PREF_512(r, g) _mm_prefetch((const char *)q + (r) * rs + (long)(g) * H + PREFETCH / 2, _MM_HINT_T0) /* the rows after these */
-    DOT_TILE_VEC(_mm512, __m512, __m512i, 512, LOAD8_512, PREF_512, reduce_512)
+/* a nibble as fp32 by table: vpermps reads the low 4 bits of each lane, so the low nibble needs no
+ * mask and neither needs a conversion (two ops fewer per 32 weights than and + shift + 2 cvt, on a
+ * loop bound by its vector ops; the values are the same exact integers) */
+#define NIB_512(b) _mm512_permutexvar_ps((b), _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15))
+#define LO_512(b) NIB_512(b)
+#define HI_512(b) NIB_512(_mm512_srli_epi32((b), 4))
+    DOT_TILE_VEC(_mm512, __m512, __m512i, 512, LOAD8_512, LO_512, HI_512, PREF_512, reduce_512)
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
 #define LOAD8_256(p) _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p)))
 #define PREF_NONE(r, g) (void)0
-    DOT_TILE_VEC(_mm256, __m256, __m256i, 256, LOAD8_256, PREF_NONE, reduce_256)
+#define LO_256(b) _mm256_cvtepi32_ps(_mm256_and_si256((b), _mm256_set1_epi32(15)))
+#define HI_256(b) _mm256_cvtepi32_ps(_mm256_srli_epi32((b), 4))
+    DOT_TILE_VEC(_mm256, __m256, __m256i, 256, LOAD8_256, LO_256, HI_256, PREF_NONE, reduce_256)
 #endif
     /* portable: the compiler vectorises what it can (the zero point stays in the loop) */
     (void)xs; (void)corr; (void)out; (void)RN;
