@@ -169,7 +169,8 @@ def _attn(model_type, dtype, window=None, **extra):
     c = dict(model_type=model_type, vocab_size=64, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, intermediate_size=32, moe_intermediate_size=32, num_experts=4,
              num_local_experts=4, num_experts_per_tok=2, rope_theta=10000.0, max_position_embeddings=64,
-             sliding_window=window, use_sliding_window=window is not None, **extra)
+             sliding_window=window, use_sliding_window=window is not None)
+    c.update(extra)
     cfg = ModelConfig.from_dict(c)
     torch.manual_seed(0)
     att = Attention(cfg, 0, dtype, "cpu")
@@ -212,6 +213,38 @@ def test_attention_decode_matches_torch_path(model_type, dtype, window, extra):
     ab.cos, ab.sin = rope.cos_sin(pos, dtype)
     att._native_decode = None
     assert _rel(att(x, ab, (bad, caches[1].clone())), ref) > 10 * tol
+
+
+# published models' attention shapes: Qwen3-30B-A3B (32 q heads of 128 on 4 kv heads, qk-norm),
+# Mixtral-8x7B (32 on 8, no qk-norm), OLMoE-like (16 of 64 on 16: no grouping); a few hundred cached
+# positions, so the four-position passes, their tails and the softmax's vector tails all run
+@pytest.mark.parametrize("model_type,hq,hkv,hd,dtype", [
+    ("qwen3_moe", 32, 4, 128, torch.float32), ("mixtral", 32, 8, 128, torch.float32),
+    ("qwen3_moe", 16, 16, 64, torch.float32), ("qwen3_moe", 32, 4, 128, torch.bfloat16),
+])
+def test_attention_decode_at_published_head_shapes(model_type, hq, hkv, hd, dtype):
+    from lynx_edge.models.layers import AttnBatch
+
+    att, rope = _attn(model_type, dtype, hidden_size=256, num_attention_heads=hq, num_key_value_heads=hkv,
+                      head_dim=hd, max_position_embeddings=512)
+    g = torch.Generator().manual_seed(2)
+    S = 320
+    caches = tuple((torch.randn(4, hkv, S, hd, generator=g)).to(dtype) for _ in range(2))  # [Bmax, Hkv, S, hd]
+    x = torch.randn(3, 1, 256, generator=g).to(dtype)
+    rows, pos = torch.tensor([2, 0, 3]), torch.tensor([[299], [37], [150]])
+    outs = {}
+    for native_on in (True, False):
+        att._native_decode = None if native_on else False
+        kv = tuple(c.clone() for c in caches)
+        ab = AttnBatch(positions=pos, rows=rows, kv_len=300)
+        ab.cos, ab.sin = rope.cos_sin(pos, dtype)
+        outs[native_on] = (att(x, ab, kv), kv)
+    assert att._native_decode is False  # the native path ran (it clears the flag it was given)
+    (y, kv), (ref, kv_ref) = outs[True], outs[False]
+    tol = 1e-6 if dtype == torch.float32 else 1.5e-2  # observed 2.1-4.0e-7; bf16 5.8e-3 (torch rounds every op)
+    assert _rel(y, ref) < tol, _rel(y, ref)  # a softmax summed over only 64 positions fails it (the 12-position test passes)
+    for c, r in zip(kv, kv_ref):
+        assert _rel(c, r) < tol and torch.equal(c[1], r[1])  # the row not in the batch untouched
 
 
 def _exp_and_silu(x: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
