@@ -179,6 +179,22 @@ def _attn(model_type, dtype, window=None, **extra):
     return att, Rope(cfg, "cpu")
 
 
+def _decode_native_and_torch(att, rope, caches, x, rows, pos, kv_len):
+    """One decode step of `att` through the native kernel, then through its torch path, each on its
+    own copy of the caches → ((out, caches) native, (out, caches) torch)."""
+    from lynx_edge.models.layers import AttnBatch
+
+    outs = {}
+    for native_on in (True, False):
+        att._native_decode = None if native_on else False
+        kv = tuple(c.clone() for c in caches)
+        ab = AttnBatch(positions=pos, rows=rows, kv_len=kv_len)
+        ab.cos, ab.sin = rope.cos_sin(pos, x.dtype)
+        outs[native_on] = (att(x, ab, kv), kv)
+        assert att._native_decode is native_on  # the first pass chose the native kernel
+    return outs[True], outs[False]
+
+
 # qk-norm (Qwen3) and none (Mixtral); a sliding window; partial rotary; bf16 weights and cache
 @pytest.mark.parametrize("model_type,dtype,window,extra", [
     ("qwen3_moe", torch.float32, None, {}), ("mixtral", torch.float32, 5, {}),
@@ -194,15 +210,8 @@ def test_attention_decode_matches_torch_path(model_type, dtype, window, extra):
     caches = tuple((torch.randn(5, 2, 12, 16, generator=g)).to(dtype) for _ in range(2))  # [Bmax, Hkv, S, hd]
     x = torch.randn(3, 1, 64, generator=g).to(dtype)
     rows, pos = torch.tensor([3, 0, 4]), torch.tensor([[9], [2], [11]])
-    outs = {}
-    for native_on in (True, False):
-        att._native_decode = None if native_on else False
-        kv = tuple(c.clone() for c in caches)
-        ab = AttnBatch(positions=pos, rows=rows, kv_len=12)
-        ab.cos, ab.sin = rope.cos_sin(pos, dtype)
-        outs[native_on] = (att(x, ab, kv), kv)
-    assert att._native_decode is False and outs[True][0].dtype == dtype
-    (y, kv), (ref, kv_ref) = outs[True], outs[False]
+    (y, kv), (ref, kv_ref) = _decode_native_and_torch(att, rope, caches, x, rows, pos, 12)
+    assert y.dtype == dtype
     tol = 1e-6 if dtype == torch.float32 else 1.5e-2  # observed 2.1e-7, 4.3e-3 (bf16: torch rounds every op)
     assert _rel(y, ref) < tol, _rel(y, ref)
     for c, r in zip(kv, kv_ref):
@@ -223,8 +232,6 @@ def test_attention_decode_matches_torch_path(model_type, dtype, window, extra):
     ("qwen3_moe", 16, 16, 64, torch.float32), ("qwen3_moe", 32, 4, 128, torch.bfloat16),
 ])
 def test_attention_decode_at_published_head_shapes(model_type, hq, hkv, hd, dtype):
-    from lynx_edge.models.layers import AttnBatch
-
     att, rope = _attn(model_type, dtype, hidden_size=256, num_attention_heads=hq, num_key_value_heads=hkv,
                       head_dim=hd, max_position_embeddings=512)
     g = torch.Generator().manual_seed(2)
@@ -232,15 +239,7 @@ def test_attention_decode_at_published_head_shapes(model_type, hq, hkv, hd, dtyp
     caches = tuple((torch.randn(4, hkv, S, hd, generator=g)).to(dtype) for _ in range(2))  # [Bmax, Hkv, S, hd]
     x = torch.randn(3, 1, 256, generator=g).to(dtype)
     rows, pos = torch.tensor([2, 0, 3]), torch.tensor([[299], [37], [150]])
-    outs = {}
-    for native_on in (True, False):
-        att._native_decode = None if native_on else False
-        kv = tuple(c.clone() for c in caches)
-        ab = AttnBatch(positions=pos, rows=rows, kv_len=300)
-        ab.cos, ab.sin = rope.cos_sin(pos, dtype)
-        outs[native_on] = (att(x, ab, kv), kv)
-    assert att._native_decode is False  # the native path ran (it clears the flag it was given)
-    (y, kv), (ref, kv_ref) = outs[True], outs[False]
+    (y, kv), (ref, kv_ref) = _decode_native_and_torch(att, rope, caches, x, rows, pos, 300)
     tol = 1e-6 if dtype == torch.float32 else 1.5e-2  # observed 2.1-4.0e-7; bf16 5.8e-3 (torch rounds every op)
     assert _rel(y, ref) < tol, _rel(y, ref)  # a softmax summed over only 64 positions fails it (the 12-position test passes)
     for c, r in zip(kv, kv_ref):
