@@ -283,6 +283,22 @@ static void group_sums(const float *xe, const float *xo, long S, int Kin, int G,
  * Needs Kin % 128 == 0 (64-byte weight chunks); other widths use the fp32 rows above. */
 #define QB 32
 
+/* The int8 rule of every activation block (llama.cpp's Q8_0 / Q8_K): scale amax / 127, codes
+ * round-to-nearest-even(x * 127 / amax) (an all-zero block: scale 0, codes 0) → the scale, its
+ * inverse in *id. */
+static inline float q8_scale(float amax, float *id) {
+    *id = amax > 0.0f ? 127.0f / amax : 0.0f;
+    return amax / 127.0f;
+}
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+/* 16 codes of that rule at dst from v (id the block's inverse scale) → them as int32 lanes */
+static inline __m512i q8_codes16(const float *v, float id, int8_t *dst) {
+    const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(v), _mm512_set1_ps(id)));
+    _mm_storeu_si128((__m128i *)dst, _mm512_cvtepi32_epi8(q));
+    return q;
+}
+#endif
+
 /* xq [S, Kin/2] even and odd columns (int8), d [S, Kin/QB], zx [S, Kin/G] of fp32 rows xe/xo */
 static void quant_q8(const float *xe, const float *xo, long S, int Kin, int G, int8_t *qe, int8_t *qo, float *d,
                      float *zx) {
@@ -296,12 +312,10 @@ static void quant_q8(const float *xe, const float *xo, long S, int Kin, int G, i
             { /* the scalar loop below in vector lanes, to the same bits: |x| max is exact, x * id is
                * the same fp32 product, and cvtps rounds to nearest-even as nearbyintf does */
                 const __m512 ve = _mm512_loadu_ps(e + b * (QB / 2)), vo = _mm512_loadu_ps(o + b * (QB / 2));
-                const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(ve), _mm512_abs_ps(vo)));
-                const float db = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
-                const __m512i qe8 = _mm512_cvtps_epi32(_mm512_mul_ps(ve, _mm512_set1_ps(id)));
-                const __m512i qo8 = _mm512_cvtps_epi32(_mm512_mul_ps(vo, _mm512_set1_ps(id)));
-                _mm_storeu_si128((__m128i *)(ge + b * (QB / 2)), _mm512_cvtepi32_epi8(qe8));
-                _mm_storeu_si128((__m128i *)(go + b * (QB / 2)), _mm512_cvtepi32_epi8(qo8));
+                float id;
+                const float db = q8_scale(_mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(ve), _mm512_abs_ps(vo))), &id);
+                const __m512i qe8 = q8_codes16(e + b * (QB / 2), id, ge + b * (QB / 2));
+                const __m512i qo8 = q8_codes16(o + b * (QB / 2), id, go + b * (QB / 2));
                 d[r * nb + b] = db;
                 zsum += db * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qe8, qo8));
                 if ((b + 1) % bpg == 0) {
@@ -317,7 +331,8 @@ static void quant_q8(const float *xe, const float *xo, long S, int Kin, int G, i
                 amax = a > amax ? a : amax;
                 amax = c > amax ? c : amax;
             }
-            const float db = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+            float id;
+            const float db = q8_scale(amax, &id);
             int isum = 0;
             for (int j = b * (QB / 2); j < (b + 1) * (QB / 2); j++) {
                 const int a = (int)nearbyintf(e[j] * id), c = (int)nearbyintf(o[j] * id);
@@ -1247,14 +1262,10 @@ static void quant_i8(const float *x, long T, int Kin, int8_t *xq, float *dl, flo
             const int len = Kin - b * QH < QH ? Kin - b * QH : QH; /* a multiple of 64 */
             __m512 m = _mm512_setzero_ps();
             for (int j = 0; j < len; j += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(v + j)));
-            const float amax = _mm512_reduce_max_ps(m);
-            const float db = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+            float id;
+            const float db = q8_scale(_mm512_reduce_max_ps(m), &id);
             __m512i sum = _mm512_setzero_si512();
-            for (int j = 0; j < len; j += 16) {
-                const __m512i qv = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(v + j), _mm512_set1_ps(id)));
-                _mm_storeu_si128((__m128i *)(xq + t * Kin + b * QH + j), _mm512_cvtepi32_epi8(qv));
-                sum = _mm512_add_epi32(sum, qv);
-            }
+            for (int j = 0; j < len; j += 16) sum = _mm512_add_epi32(sum, q8_codes16(v + j, id, xq + t * Kin + b * QH + j));
             dl[t * nb + b] = db;
             c += db * (float)(128 * _mm512_reduce_add_epi32(sum));
         }
