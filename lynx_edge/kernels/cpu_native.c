@@ -1376,14 +1376,14 @@ void lynx_linear(int fmt, const float *x, const uint8_t *w, const float *bias, i
 int lynx_linear_int8(const float *x, const int8_t *q, const float *scale, const float *bias, int T, int Kin, int N,
                      float *out, int nthreads, int q8) {
     linear_t P = {FMT_I8, T, Kin, N, x, bias, (const uint8_t *)q, 1, out, scale, NULL, NULL, NULL};
-    int8_t *xq = NULL;
-    float *dl = NULL;
+    uint8_t *mem = NULL;
 #if I8_Q8
     if (q8 && Kin % 64 == 0) {
-        const size_t nb = (size_t)(Kin + QH - 1) / QH;
-        xq = malloc((size_t)T * Kin);
-        dl = malloc((size_t)T * (nb + 1) * sizeof(float));
-        if (!xq || !dl) { free(xq); free(dl); return -1; }
+        const size_t nb = (size_t)(Kin + QH - 1) / QH, sz[2] = {(size_t)T * Kin, (size_t)T * (nb + 1) * sizeof(float)};
+        void *b[2];
+        if (!(mem = scratch(sz, 2, b))) return -1;
+        int8_t *xq = b[0];
+        float *dl = b[1];
         quant_i8(x, T, Kin, xq, dl, dl + (size_t)T * nb);
         P.xq = xq;
         P.dl = dl;
@@ -1393,7 +1393,7 @@ int lynx_linear_int8(const float *x, const int8_t *q, const float *scale, const 
     (void)q8;
 #endif
     parallel(linear_item, &P, (N + ROW_BLOCK - 1) / ROW_BLOCK, nthreads);
-    free(xq); free(dl);
+    free(mem);
     return 0;
 }
 
@@ -1443,9 +1443,13 @@ int lynx_linear_int4(const float *x, const uint8_t *q, const uint16_t *s, const 
                      const float *bias, int T, int Kin, int N, int G, float *out, int nthreads, int q8) {
     const long h = Kin / 2;
     q8 = q8 && Kin % 128 == 0;
-    float *xe = malloc(2L * T * h * sizeof(float)), *xs = malloc(((long)T * (Kin / G + Kin / QB) + 1) * sizeof(float));
-    int8_t *xq = q8 ? malloc(2L * T * h) : NULL;
-    if (!xe || !xs || (q8 && !xq)) { free(xe); free(xs); free(xq); return -1; }
+    const size_t sz[3] = {2L * T * h * sizeof(float), ((size_t)T * (Kin / G + Kin / QB) + 1) * sizeof(float),
+                          q8 ? 2L * T * h : 0};
+    void *b[3];
+    uint8_t *mem = scratch(sz, 3, b);
+    if (!mem) return -1;
+    float *xe = b[0], *xs = b[1];
+    int8_t *xq = b[2];
     float *xo = xe + (long)T * h;
     for (long t = 0; t < T; t++) split_row(x + t * Kin, perm, h, xe + t * h, xo + t * h);
     float *d = xs + (long)T * (Kin / G); /* q8: block scales after the group sums */
@@ -1453,7 +1457,7 @@ int lynx_linear_int4(const float *x, const uint8_t *q, const uint16_t *s, const 
     else group_sums(xe, xo, T, Kin, G, xs);
     qlinear_t P = {T, Kin, N, G, q, z, s, xe, xo, xs, bias, out, xq, q8 ? xq + (long)T * h : NULL, d, xs};
     parallel(qlinear_item, &P, (N + ROW_BLOCK - 1) / ROW_BLOCK, nthreads);
-    free(xe); free(xs); free(xq);
+    free(mem);
     return 0;
 }
 
@@ -1892,15 +1896,15 @@ typedef struct {
 int lynx_layer_moe(const moe_layer_t *M, int fmt, const float *h2, const int64_t *ids, const float *w, int B, int K,
                    const uint8_t *x1, uint8_t *out, int nthreads) {
     const int D = M->D;
-    float *y = malloc((size_t)B * D * sizeof(float)), *r = malloc((size_t)D * sizeof(float));
-    int rc = -1;
-    if (!y || !r) goto done;
-    rc = lynx_moe(M->fmt, h2, ids, w, M->perm, M->data, M->E, M->nbytes, M->offs, M->gu, M->dn, M->sym, M->G, D, M->I,
+    const size_t sz[2] = {(size_t)B * D * sizeof(float), (size_t)D * sizeof(float)};
+    void *b[2];
+    uint8_t *mem = scratch(sz, 2, b);
+    if (!mem) return -1;
+    float *y = b[0], *r = b[1];
+    int rc = lynx_moe(M->fmt, h2, ids, w, M->perm, M->data, M->E, M->nbytes, M->offs, M->gu, M->dn, M->sym, M->G, D, M->I,
                   B, K, y, nthreads, M->gus, M->dns, NULL, NULL, 0, 0.0f, 0.0f, M->q8, M->bn, M->bk);
-    if (rc != 0) goto done;
-    residual_add(x1, fmt, y, B, D, r, out);
-done:
-    free(y); free(r);
+    if (rc == 0) residual_add(x1, fmt, y, B, D, r, out);
+    free(mem);
     return rc;
 }
 
@@ -2057,14 +2061,14 @@ int lynx_route(const float *z, const float *probs_in, int T, int E, const route_
                double *vec) {
     const int K = R->K;
     if (T <= 0 || E <= 0 || K <= 0 || K > E) return -1;
-    float *probs = probs_in ? NULL : malloc((size_t)T * E * sizeof(float));
-    float *p0 = malloc((size_t)T * K * sizeof(float) * 2 + (size_t)T * sizeof(float));
-    int64_t *ids0 = malloc((size_t)T * K * sizeof(int64_t) + (size_t)E * sizeof(int64_t));
-    uint8_t *flags = malloc((size_t)4 * E + (size_t)T * K);
-    if ((!probs_in && !probs) || !p0 || !ids0 || !flags) {
-        free(probs); free(p0); free(ids0); free(flags);
-        return -2;
-    }
+    const size_t sz[4] = {probs_in ? 0 : (size_t)T * E * sizeof(float), (size_t)T * K * sizeof(float) * 2 + (size_t)T * sizeof(float),
+                          (size_t)T * K * sizeof(int64_t) + (size_t)E * sizeof(int64_t), (size_t)4 * E + (size_t)T * K};
+    void *b[4];
+    uint8_t *mem = scratch(sz, 4, b);
+    if (!mem) return -2;
+    float *probs = b[0], *p0 = b[1];
+    int64_t *ids0 = b[2];
+    uint8_t *flags = b[3];
     float *w0 = p0 + (size_t)T * K, *s0 = w0 + (size_t)T * K;
     int64_t *score = ids0 + (size_t)T * K;
     uint8_t *skip = flags, *allowed = flags + E, *keep = flags + 2 * E, *seen = flags + 3 * E, *drop = flags + 4 * E;
@@ -2115,7 +2119,7 @@ int lynx_route(const float *z, const float *probs_in, int T, int E, const route_
     }
     if (R->scale != 1.0f)
         for (long i = 0; i < (long)T * K; i++) w[i] *= R->scale;
-    free(probs); free(p0); free(ids0); free(flags);
+    free(mem);
     return 0;
 }
 
@@ -2127,16 +2131,18 @@ int lynx_layer(const attn_layer_t *L, const moe_layer_t *M, const route_t *R, co
                const float *cos, const float *sin, const int64_t *pos, const int64_t *rows, uint8_t *kc, uint8_t *vc,
                int cfmt, long Bmax, long S, uint8_t *out, int64_t *ids, float *w, double *vec, int nthreads) {
     const int D = L->D, E = L->gate.N, es = L->fmt == FMT_BF16 ? 2 : 4;
-    uint8_t *x1 = malloc((size_t)B * D * es);
-    float *h2 = malloc((size_t)B * D * sizeof(float)), *logits = malloc((size_t)B * E * sizeof(float));
-    int rc = -2;
-    if (!x1 || !h2 || !logits) goto done;
-    rc = lynx_layer_attn(L, x, B, cos, sin, pos, rows, kc, vc, cfmt, Bmax, S, x1, h2, logits, nthreads);
+    const size_t sz[3] = {(size_t)B * D * es, (size_t)B * D * sizeof(float), (size_t)B * E * sizeof(float)};
+    void *b[3];
+    uint8_t *mem = scratch(sz, 3, b);
+    if (!mem) return -2;
+    uint8_t *x1 = b[0];
+    float *h2 = b[1], *logits = b[2];
+    int rc = lynx_layer_attn(L, x, B, cos, sin, pos, rows, kc, vc, cfmt, Bmax, S, x1, h2, logits, nthreads);
     if (rc != 0) goto done;
     if ((rc = lynx_route(logits, NULL, B, E, R, ids, w, vec)) != 0) { rc = -2; goto done; }
     rc = lynx_layer_moe(M, L->fmt, h2, ids, w, B, R->K, x1, out, nthreads);
 done:
-    free(x1); free(h2); free(logits);
+    free(mem);
     return rc;
 }
 
@@ -2153,11 +2159,14 @@ int lynx_layers(int n, const attn_layer_t *const *L, const moe_layer_t *const *M
                 double *vec, int *done, const uint8_t *norm_w, float eps, const lin_t *head, float *logits,
                 int nthreads) {
     const int D = L[0]->D, fmt = L[0]->fmt, es = fmt == FMT_BF16 ? 2 : 4;
-    const size_t bytes = (size_t)B * D * es;
-    uint8_t *y = malloc(bytes);
+    const size_t bytes = (size_t)B * D * es, sz[2] = {bytes, head ? (size_t)B * D * sizeof(float) : 0};
+    void *buf[2];
+    uint8_t *mem = scratch(sz, 2, buf);
     int rc = -2;
     *done = 0;
-    if (!y) return rc;
+    if (!mem) return rc;
+    uint8_t *y = buf[0];
+    float *h = buf[1];
     for (int l = 0; l < n; l++) {
         const long off = (long)l * B * R[l]->K;
         rc = lynx_layer(L[l], M[l], R[l], x, B, cos, sin, pos, rows, kc[l], vc[l], cfmt, Bmax, S, y, ids + off,
@@ -2167,15 +2176,12 @@ int lynx_layers(int n, const attn_layer_t *const *L, const moe_layer_t *const *M
         *done = l + 1;
     }
     if (rc == 0 && head) { /* the model's last norm and head, as the module path rounds them */
-        float *h = malloc((size_t)B * D * sizeof(float));
-        if (!h) { free(y); return -2; }
         lynx_rmsnorm(fmt, x, norm_w, eps, B, D, y, nthreads);
         for (int b = 0; b < B; b++) load_row(y + (size_t)b * D * es, fmt, h + (size_t)b * D, D);
         rc = lin_run(head, h, B, logits, nthreads) != 0 ? -2 : 0;
         if (fmt == FMT_BF16) round_bf16(logits, (long)B * head->N);
-        free(h);
     }
-    free(y);
+    free(mem);
     return rc;
 }
 
@@ -2195,11 +2201,14 @@ int lynx_decode(int n, const attn_layer_t *const *L, const moe_layer_t *const *M
                 const lin_t *head, int steps, const int64_t *stop, int n_stop, int64_t *out, int *ran,
                 int nthreads) {
     const int D = L[0]->D, es = L[0]->fmt == FMT_BF16 ? 2 : 4, rd = L[0]->rd, K = R[0]->K, N = head->N;
-    uint8_t *x = malloc((size_t)B * D * es);
-    float *cs = malloc((size_t)B * rd * sizeof(float) * 2 + 1), *logits = malloc((size_t)B * N * sizeof(float));
-    int rc = -2, done = 0;
+    const size_t sz[3] = {(size_t)B * D * es, (size_t)B * rd * sizeof(float) * 2 + 1, (size_t)B * N * sizeof(float)};
+    void *b[3];
+    uint8_t *mem = scratch(sz, 3, b);
     *ran = 0;
-    if (!x || !cs || !logits) goto end;
+    if (!mem) return -2;
+    uint8_t *x = b[0];
+    float *cs = b[1], *logits = b[2];
+    int rc = -2, done = 0;
     float *sn = cs + (size_t)B * rd;
     for (int s = 0; s < steps; s++) {
         for (int b = 0; b < B; b++) {
@@ -2226,6 +2235,6 @@ int lynx_decode(int n, const attn_layer_t *const *L, const moe_layer_t *const *M
         if (stopped) break;
     }
 end:
-    free(x); free(cs); free(logits);
+    free(mem);
     return rc;
 }
