@@ -317,3 +317,18 @@ def test_profiles_carry_host_memory():
     assert profile_from_dict(data).host_memory_gib is None  # optional: plans then use this host's RAM
     with pytest.raises(ProfileError, match=r"unknown key \[host\] ram_gib"):
         profile_from_dict({**data, "host": {"ram_gib": 8}}, "x.toml")
+
+
+def test_info_plans_in_the_dtype_the_engine_loads(memlock):
+    """No --dtype on a CPU: info plans in the dtype Engine.from_pretrained picks (build.default_dtype):
+    the checkpoint's bf16 for a 30B model (only its config here: sized from its parameters), fp32
+    for the 29 MB demo; --dtype still wins."""
+    from lynx_edge import Engine
+
+    assert json.loads(info(QWEN3, "--device", "cpu", "-o", "json").stdout)["memory"]["dtype"] == "bf16"
+    assert json.loads(info(QWEN3, "--device", "cpu", "--dtype", "float32", "-o", "json").stdout)["memory"]["dtype"] == "fp32"
+    assert json.loads(info("demo", "--device", "cpu", "-o", "json").stdout)["memory"]["dtype"] == "fp32"
+    assert Engine.from_pretrained("demo", device="cpu").model.placement.dtype == "float32"
+    cfg = ModelConfig.from_file(QWEN3 / "config.json")
+    assert memory.choose_dtype(None, "cpu", cfg, file_bytes=1 << 30) == torch.float32  # a small checkpoint on disk
+    assert memory.choose_dtype(None, "cuda", cfg) == torch.bfloat16

@@ -35,11 +35,12 @@ def info(
     cfg, where = load_config(model)
     quant = read_quant(where, cfg)
     dev = choose_device(device, prof)
-    dt = choose_dtype(dtype, dev)
+    file_bytes = checkpoint_bytes(where)
+    dt = choose_dtype(dtype, dev, cfg, file_bytes)
     ctx = ctx_size if ctx_size is not None else min(4096, cfg.max_position_embeddings)
     opts = OffloadOptions(gpu_budget_gib=gpu_budget, batch=batch, ctx=ctx)
     plan = plan_memory(cfg, device=dev, dtype=dt, offload=offload, int4=int4, quant=quant, ctx=ctx, batch=batch,
-                       opts=opts, profile=prof, file_bytes=checkpoint_bytes(where))
+                       opts=opts, profile=prof, file_bytes=file_bytes)
     expert_fmt = None if quant is None else "fp8" if quant.method == "fp8" else "int4"
     counts = param_counts(cfg, expert_fmt)
     config = describe(cfg)

@@ -211,10 +211,22 @@ def choose_device(device: str | None, profile: Profile | None) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def choose_dtype(dtype: str | None, device: str) -> torch.dtype:
-    """--dtype, else the Engine's default (EngineConfig.dtype: bf16 on CUDA, fp32 on CPU)."""
+def choose_dtype(dtype: str | None, device: str, cfg: ModelConfig | None = None,
+                 file_bytes: int | None = None) -> torch.dtype:
+    """--dtype, else the dtype the Engine would load in (build.default_dtype: bf16 on CUDA; on a CPU
+    fp32 for checkpoints up to 2 GiB, else the checkpoint's own 16-bit dtype). The checkpoint's size
+    is file_bytes, or its parameters at the config's dtype when the weights are not here (`info` on
+    a config alone), so a 60 GB model is planned in bf16 as it loads, not in fp32."""
     if dtype is None:
-        return torch.bfloat16 if device == "cuda" else torch.float32
+        if cfg is None:
+            return torch.bfloat16 if device == "cuda" else torch.float32
+        from ..build import default_dtype
+        from ..modelinfo import param_counts
+
+        if file_bytes is None:
+            elem = DTYPES.get(str(cfg.torch_dtype or "bfloat16").replace("torch.", ""), torch.bfloat16).itemsize
+            file_bytes = param_counts(cfg)["total"] * elem
+        return default_dtype(torch.device(device), cfg, file_bytes)
     name = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(dtype.lower(), dtype.lower())
     if name not in DTYPES:
         raise ConfigError(f"--dtype {dtype!r} is not supported (float32, bfloat16 or float16)")
