@@ -332,3 +332,10 @@ def test_info_plans_in_the_dtype_the_engine_loads(memlock):
     cfg = ModelConfig.from_file(QWEN3 / "config.json")
     assert memory.choose_dtype(None, "cpu", cfg, file_bytes=1 << 30) == torch.float32  # a small checkpoint on disk
     assert memory.choose_dtype(None, "cuda", cfg) == torch.bfloat16
+
+
+def test_info_names_mxfp4_experts_as_mxfp4():
+    """gpt-oss-20b's published config (quantization_config mxfp4): its experts are fp4 e2m1 with e8m0
+    scales, not INT4."""
+    q = json.loads(info(FIX / "real" / "gpt-oss-20b", "-o", "json").stdout)["config"]["quantization"]
+    assert q.endswith("experts MXFP4") and "e2m1" in q and "INT4" not in q

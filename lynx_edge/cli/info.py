@@ -46,6 +46,8 @@ def info(
     config = describe(cfg)
     if expert_fmt == "fp8":
         config["quantization"] = f"fp8 e4m3, {quant.weight_block[0]}×{quant.weight_block[1]} blocks: experts FP8"
+    elif quant and quant.method == "mxfp4":  # e2m1 values with a power-of-two (e8m0) scale per 32
+        config["quantization"] = f"mxfp4 (fp4 e2m1, one e8m0 scale per {quant.group_size}): experts MXFP4"
     elif quant:
         config["quantization"] = f"{quant.method} {quant.bits}-bit, group {quant.group_size}, " \
                                  f"{'symmetric' if quant.sym else 'asymmetric'}: experts INT4"
