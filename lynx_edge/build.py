@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from . import hugepages
 from .checkpoint import Checkpoint
 from .config import ConfigError, ModelConfig
 from .loader import ProgressFn, expert_storage, load_weights
@@ -149,6 +150,8 @@ def load_model(model_dir: Path, cfg: ModelConfig, opts: LoadOptions, progress: P
     placement.packed_linears += rtn_linears
     if (int4 or rtn_linears) and dev.type == "cpu":
         placement.int4_act = act
+    if dev.type == "cpu":  # the weights land on 2 MiB pages as they stream in (hugepages.py)
+        hugepages.advise(hugepages.model_tensors(model))
     load_weights(model, ckpt, family, qc, progress)
     ckpt.close()
     if opts.int8_head:
