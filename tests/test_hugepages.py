@@ -58,3 +58,14 @@ def test_the_build_marks_the_weights_before_they_stream_in(monkeypatch):
     marked = {t.data_ptr() for t in calls[0]}
     gate_up = [p for n, p in eng.model.named_parameters() if ".mlp.experts." in n]
     assert gate_up and all(p.data_ptr() in marked for p in gate_up)  # the fp32 stacked experts, 8 MiB each
+
+
+def test_the_int8_head_is_marked_as_it_is_allocated(monkeypatch):
+    """--int8-head quantises after the load: its codes (read whole every step; Qwen3-30B-A3B's are
+    311 MB) are marked when quantize_rows allocates them, before it writes them."""
+    from lynx_edge.quant.int8 import quantize_rows
+
+    seen = []
+    monkeypatch.setattr(hugepages, "advise", lambda ts: seen.extend(t.data_ptr() for t in ts) or 0)
+    q, _ = quantize_rows(torch.randn(4096, 2048))
+    assert seen == [q.data_ptr()]

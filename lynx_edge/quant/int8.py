@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .. import hugepages
+
 CHUNK_ROWS = 2048  # rows quantised / widened at a time: ~4 fp32 temporaries of 2048 x D (32 MiB each at D = 2048)
 
 
@@ -25,6 +27,7 @@ def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     N, K = w.shape
     q = torch.empty(N, K, dtype=torch.int8, device=w.device)
     s = torch.empty(N, dtype=torch.float32, device=w.device)
+    hugepages.advise([q])  # read whole every decode step: onto 2 MiB pages before it is written
     for lo in range(0, N, CHUNK_ROWS):
         c = w[lo:lo + CHUNK_ROWS].float()
         amax = c.abs().amax(1)
