@@ -15,7 +15,25 @@ def _interior(t: torch.Tensor) -> int:
     return max(0, ((t.data_ptr() + t.nbytes) & ~(HUGE - 1)) - start)
 
 
-def test_advise_marks_the_whole_huge_pages_inside_big_tensors(monkeypatch):
+@pytest.fixture
+def thp_on(monkeypatch):
+    monkeypatch.setenv("LYNX_EDGE_THP", "1")
+    hugepages._madvise.cache_clear()
+    yield
+    monkeypatch.undo()
+    hugepages._madvise.cache_clear()
+
+
+def test_off_unless_asked(monkeypatch):
+    monkeypatch.delenv("LYNX_EDGE_THP", raising=False)
+    hugepages._madvise.cache_clear()
+    try:
+        assert hugepages.advise([torch.empty(32 << 20, dtype=torch.uint8)]) == 0
+    finally:
+        hugepages._madvise.cache_clear()
+
+
+def test_advise_marks_the_whole_huge_pages_inside_big_tensors(thp_on, monkeypatch):
     if hugepages._madvise() is None:
         pytest.skip("no transparent huge pages to ask for here (not Linux, or THP never)")
     big = torch.empty(32 << 20, dtype=torch.uint8)
@@ -25,11 +43,7 @@ def test_advise_marks_the_whole_huge_pages_inside_big_tensors(monkeypatch):
     assert hugepages.advise([torch.empty(4 << 20, dtype=torch.uint8)]) == 0  # small tensors are left alone
     monkeypatch.setenv("LYNX_EDGE_THP", "0")
     hugepages._madvise.cache_clear()
-    try:
-        assert hugepages.advise([big]) == 0
-    finally:
-        monkeypatch.undo()
-        hugepages._madvise.cache_clear()
+    assert hugepages.advise([big]) == 0
 
 
 def test_model_tensors_reach_the_packed_expert_sinks():
