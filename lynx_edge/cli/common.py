@@ -85,14 +85,14 @@ def int4_bytes_note(engine) -> str | None:
     the flags that shrink them. A CPU decode step is bound by the bytes it reads, and on a real
     model (Qwen3-30B-A3B: ~2.4 GB of bf16 attention and head against ~0.9 GB of 4-bit active
     experts per token) --int4 alone leaves most of them 16-bit. None otherwise."""
-    from ..modelinfo import dense_decode_bytes, param_counts
+    from ..modelinfo import bytes_per_param, dense_decode_bytes, param_counts
 
     pl = engine.model.placement
     flags = [f for f, done in (("--int4-attn", pl.packed_linears), ("--int8-head", pl.int8_head)) if not done]
     if pl.device != "cpu" or pl.experts != "int4" or not flags:
         return None
     counts = param_counts(engine.cfg)
-    experts = counts["moe_layers"] * engine.cfg.top_k * counts["params_per_expert"] / 2
+    experts = counts["moe_layers"] * engine.cfg.top_k * counts["params_per_expert"] * bytes_per_param("int4")
     dense = dense_decode_bytes(engine.model)
     share = dense / (dense + experts)
     if share < 0.3:

@@ -3,7 +3,6 @@ continuous-batching core. Only parses options, loads the engine and hands it to 
 from __future__ import annotations
 
 import os
-
 from typing import Annotated, Optional
 
 import typer

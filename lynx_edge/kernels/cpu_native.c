@@ -1149,14 +1149,6 @@ static void parallel(void (*fn)(const void *, long), const void *arg, long n_ite
 
 /* --- entry points (ctypes) -------------------------------------------------------------------- */
 
-/* One MoE layer. x [T, D] fp32, ids [T, K] int64 (each in [0, E)), w [T, K] fp32 → out [T, D] fp32.
- * fmt FMT_INT4: data [E, nbytes] blocks with offs [6], perm [E, D] int32 or NULL (act order), sym, G.
- * fmt FMT_F32 / FMT_BF16: gu [E, 2I, D] and dn [E, D, I] contiguous (data, offs, perm unused).
- * fmt FMT_MXFP4: gu [E, 2I, D/2] and dn [E, D, I/2] code bytes, gus / dns their e8m0 scales.
- * fmt FMT_FP8: gu [E, 2I, D] and dn [E, D, I] e4m3fn codes, gus / dns fp32 scales [E, 2I/bn, D/bk] and
- * [E, D/bn, I/bk] (bn | I and D, bk | D and I, bk % 32 == 0: the caller checks).
- * gub [E, 2I] / dnb [E, D] fp32 biases or NULL; act_kind 1: gpt-oss's clamped SwiGLU.
- * Returns 0; -1 when out of memory; -3 for an expert id outside [0, E). */
 /* One allocation carved into n scratch buffers of sz[i] bytes (64-byte steps; out[i] NULL where
  * sz[i] == 0) → the block to free, or NULL when out of memory: a kernel call's many buffers cost one
  * malloc, not one each (the demo's decode step made ~180) */
@@ -1169,6 +1161,14 @@ static uint8_t *scratch(const size_t *sz, int n, void **out) {
     return mem;
 }
 
+/* One MoE layer. x [T, D] fp32, ids [T, K] int64 (each in [0, E)), w [T, K] fp32 → out [T, D] fp32.
+ * fmt FMT_INT4: data [E, nbytes] blocks with offs [6], perm [E, D] int32 or NULL (act order), sym, G.
+ * fmt FMT_F32 / FMT_BF16: gu [E, 2I, D] and dn [E, D, I] contiguous (data, offs, perm unused).
+ * fmt FMT_MXFP4: gu [E, 2I, D/2] and dn [E, D, I/2] code bytes, gus / dns their e8m0 scales.
+ * fmt FMT_FP8: gu [E, 2I, D] and dn [E, D, I] e4m3fn codes, gus / dns fp32 scales [E, 2I/bn, D/bk] and
+ * [E, D/bn, I/bk] (bn | I and D, bk | D and I, bk % 32 == 0: the caller checks).
+ * gub [E, 2I] / dnb [E, D] fp32 biases or NULL; act_kind 1: gpt-oss's clamped SwiGLU.
+ * Returns 0; -1 when out of memory; -3 for an expert id outside [0, E). */
 int lynx_moe(int fmt, const float *x, const int64_t *ids, const float *w, const int32_t *perm, const uint8_t *data,
              long E, long nbytes, const long *offs, const uint8_t *gu, const uint8_t *dn, int sym, int G, int D, int I,
              int T, int K, float *out, int nthreads, const uint8_t *gus, const uint8_t *dns, const float *gub,

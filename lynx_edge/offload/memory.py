@@ -221,11 +221,10 @@ def choose_dtype(dtype: str | None, device: str, cfg: ModelConfig | None = None,
         if cfg is None:
             return torch.bfloat16 if device == "cuda" else torch.float32
         from ..build import default_dtype
-        from ..modelinfo import param_counts
+        from ..modelinfo import bytes_per_param, param_counts
 
         if file_bytes is None:
-            elem = DTYPES.get(str(cfg.torch_dtype or "bfloat16").replace("torch.", ""), torch.bfloat16).itemsize
-            file_bytes = param_counts(cfg)["total"] * elem
+            file_bytes = int(param_counts(cfg)["total"] * bytes_per_param(cfg.torch_dtype))
         return default_dtype(torch.device(device), cfg, file_bytes)
     name = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(dtype.lower(), dtype.lower())
     if name not in DTYPES:
