@@ -1,7 +1,7 @@
 """CPU decode with the weights on 2 MiB transparent huge pages vs 4 KiB pages (lynx_edge/hugepages.py).
 
-Two engines of the same checkpoint in one process, one built with $LYNX_EDGE_THP=0 (4 KiB pages)
-and one without (the default: weights marked MADV_HUGEPAGE before they stream in); decode tok/s
+Two engines of the same checkpoint in one process, one built with huge_pages=False (4 KiB pages)
+and one with huge_pages=True (weights marked MADV_HUGEPAGE before they stream in); decode tok/s
 measured in alternating rounds, ratio = huge / 4 KiB per round, median and range.
 
     python benchmarks/huge_pages.py --model PATH [--dtype bfloat16] [--int4 ...] [--batch 1,16] [-r 9] [--threads 1]
@@ -43,7 +43,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/huge_pages.json"))
     args = ap.parse_args()
-    from lynx_edge import Engine, hugepages
+    from lynx_edge import Engine
     from lynx_edge.bench import cpu_isa, measure, synthetic_prompts
     from lynx_edge.threads import set_threads
 
@@ -53,11 +53,10 @@ def main() -> None:
     if args.int4_act:
         opts["int4_act"] = args.int4_act
     engines, huge_kib = {}, {}
-    for tag, env in (("4k", "0"), ("huge", "1")):
-        os.environ["LYNX_EDGE_THP"] = env
-        hugepages._madvise.cache_clear()
+    for tag, huge in (("4k", False), ("huge", True)):
         before = anon_huge_kib() or 0
-        engines[tag] = Engine.from_pretrained(args.model, device="cpu", max_num_seqs=max(sizes), **opts)
+        engines[tag] = Engine.from_pretrained(args.model, device="cpu", max_num_seqs=max(sizes), huge_pages=huge,
+                                              **opts)
         huge_kib[tag] = (anon_huge_kib() or 0) - before
     rows = []
     for B in sizes:

@@ -45,6 +45,7 @@ class LoadOptions:
     int4_act: str | None = None  # CPU INT4 activations: "f32" (exact) | "q8" (int8, approximate); None: $LYNX_EDGE_INT4_ACT or f32
     int4_attn: bool = False  # CPU: a 16-bit checkpoint's attention / dense projections INT4 too (RTN at load)
     int8_head: bool = False  # CPU: the output head int8 with row scales (quant/int8.py; approximate)
+    huge_pages: bool = False  # CPU: weights on 2 MiB transparent huge pages (hugepages.py; slower load)
     allow_pickle: bool = False
     ctx: int = 4096  # for the offload plan's KV share
     batch: int = 1  # KV rows the caller will allocate (serve: --max-num-seqs), for the plans' KV share
@@ -150,12 +151,12 @@ def load_model(model_dir: Path, cfg: ModelConfig, opts: LoadOptions, progress: P
     placement.packed_linears += rtn_linears
     if (int4 or rtn_linears) and dev.type == "cpu":
         placement.int4_act = act
-    if dev.type == "cpu":  # the weights land on 2 MiB pages as they stream in (hugepages.py)
+    if dev.type == "cpu" and opts.huge_pages:  # the weights land on 2 MiB pages as they stream in
         hugepages.advise(hugepages.model_tensors(model))
     load_weights(model, ckpt, family, qc, progress)
     ckpt.close()
     if opts.int8_head:
-        placement.int8_head = _int8_head(model, dev, act)
+        placement.int8_head = _int8_head(model, dev, act, opts.huge_pages)
     model.placement = placement
     if rt is not None:
         from .offload.runtime import _install_route
@@ -217,7 +218,7 @@ def _keep_linears_packed(model, ckpt: Checkpoint, family, dev, act: str | None =
     return n
 
 
-def _int8_head(model, dev, act: str | None) -> bool:
+def _int8_head(model, dev, act: str | None, huge_pages: bool = False) -> bool:
     """`int8_head`: on a CPU with the native kernels the output head becomes int8 rows with fp32
     scales (quant/int8.py), read at half of bf16's bytes every token, with int8 activations when the
     INT4 kernels' are (`int4_act="q8"`); elsewhere it stays 16-bit (RuntimeWarning). → whether it
@@ -228,7 +229,7 @@ def _int8_head(model, dev, act: str | None) -> bool:
         warnings.warn("int8_head applies on a CPU with the native kernels; the head stays 16-bit here",
                       RuntimeWarning, stacklevel=3)
         return False
-    model.quantize_head(act)
+    model.quantize_head(act, huge_pages)
     return True
 
 

@@ -17,6 +17,7 @@ from typing import Iterator
 
 import torch
 
+from . import hugepages
 from .config import GenerationConfig, ModelConfig
 from .hub import resolve_model
 from .kv_cache import KVCache
@@ -52,6 +53,9 @@ class EngineConfig:
     int4_act: str | None = None  # CPU INT4 kernels: "f32" (exact) | "q8" (int8 activations, approximate)
     int4_attn: bool = False  # CPU: attention / dense projections INT4 too, RTN at load (approximate)
     int8_head: bool = False  # CPU: the output head int8 with row scales, at load (approximate; quant/int8.py)
+    # CPU: weights on 2 MiB transparent huge pages (hugepages.py): faster decode, slower load
+    # (None: $LYNX_EDGE_THP == "1"; lynx-edge serve: on unless $LYNX_EDGE_THP says otherwise)
+    huge_pages: bool | None = None
     threads: int | None = None  # torch CPU threads, set once at build (None: lynx_edge.threads default)
     # greedy decode steps per call (vLLM's multi-step scheduling; core.EngineCore._burst): with the
     # whole model in one native CPU call, up to this many steps run with no Python between them,
@@ -112,7 +116,8 @@ class Engine:
                            policy=config.policy, profile=config.profile)
         opts = LoadOptions(device=device, dtype=dtype, offload=config.offload, int4=config.int4,
                            int4_group=config.int4_group, int4_act=config.int4_act, int4_attn=config.int4_attn,
-                           int8_head=config.int8_head,
+                           int8_head=config.int8_head, huge_pages=hugepages.env_default()
+                           if config.huge_pages is None else config.huge_pages,
                            allow_pickle=config.allow_pickle,
                            ctx=config.ctx_size or min(cfg.max_position_embeddings, 4096), batch=config.max_num_seqs,
                            offload_options=offload)

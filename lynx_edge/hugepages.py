@@ -7,9 +7,11 @@ The model is built with its weight tensors allocated but not yet written (torch.
 them between build and load puts the streamed-in weights on 2 MiB pages. Measured on the 2-core
 VM: a 1 GiB fp32 sum at 12.1-12.6 GB/s against 10.9-11.5 GB/s on 4 KiB pages (one thread).
 The price is paid at load: there a 1.28 GB model loaded in 2.2-3.1 s against 0.7-1.0 s (a fresh
-process's first touch of 2 MiB frames is slow on that VM). So it is on where a process lives long
-(`lynx-edge serve` sets $LYNX_EDGE_THP=1 unless it is set) and opt-in elsewhere (LYNX_EDGE_THP=1).
-Off Linux, with THP "never", or where madvise fails, nothing changes.
+process's first touch of 2 MiB frames is slow on that VM). So it is an Engine option,
+`EngineConfig.huge_pages` (build.LoadOptions.huge_pages): on where a process lives long
+(`lynx-edge serve`), opt-in elsewhere; None reads $LYNX_EDGE_THP (`env_default`), which also lets
+a user turn serve's off (LYNX_EDGE_THP=0). Off Linux, with THP "never", or where madvise fails,
+nothing changes.
 """
 from __future__ import annotations
 
@@ -26,10 +28,16 @@ MIN_BYTES = 4 * HUGE  # smaller tensors gain little and may share their pages wi
 MADV_HUGEPAGE = 14
 
 
+def env_default(default: bool = False) -> bool:
+    """$LYNX_EDGE_THP ("1" on, "0" off) where set, else `default`: what huge_pages=None means."""
+    value = os.environ.get("LYNX_EDGE_THP")
+    return default if value is None else value == "1"
+
+
 @functools.lru_cache(maxsize=None)
 def _madvise():
     """libc's madvise, or None where THP cannot be asked for (not Linux, THP off, no libc)."""
-    if not sys.platform.startswith("linux") or os.environ.get("LYNX_EDGE_THP", "0") != "1":
+    if not sys.platform.startswith("linux"):
         return None
     try:
         with open("/sys/kernel/mm/transparent_hugepage/enabled", encoding="ascii") as f:
@@ -76,4 +84,4 @@ def model_tensors(model: torch.nn.Module):
                     yield from (x for x in vars(v).values() if isinstance(x, torch.Tensor))
 
 
-__all__ = ["advise", "model_tensors"]
+__all__ = ["advise", "env_default", "model_tensors"]

@@ -2,11 +2,11 @@
 continuous-batching core. Only parses options, loads the engine and hands it to the server."""
 from __future__ import annotations
 
-import os
 from typing import Annotated, Optional
 
 import typer
 
+from .. import hugepages
 from . import ui
 from .common import CliError, engine_options, load_engine
 from .options import (ChatTemplateKwargs, CtxSize, Device, Dtype, Int4, Int4Act, Int4Attn, Int8Head, Lynx, Model, Offload, Profile,
@@ -61,9 +61,10 @@ def serve(
         defaults["do_sample"] = temp > 0  # --temp 0: greedy
     opts = engine_options(lynx=lynx, offload=offload, int4=int4, profile=profile, ctx_size=ctx_size, int4_act=int4_act, int4_attn=int4_attn, int8_head=int8_head)
     # the memory plan (and --offload's expert slots) count the KV cache of max_num_seqs rows
-    # a server decodes for hours: its CPU weights go on huge pages, slower to load, faster to stream (hugepages.py)
-    os.environ.setdefault("LYNX_EDGE_THP", "1")
-    engine = load_engine(model, dtype=dtype, device=device, max_num_seqs=max_num_seqs, **opts)
+    # a server decodes for hours: its CPU weights go on huge pages, slower to load, faster to stream
+    # (hugepages.py; $LYNX_EDGE_THP=0 turns them off)
+    engine = load_engine(model, dtype=dtype, device=device, max_num_seqs=max_num_seqs,
+                         huge_pages=hugepages.env_default(True), **opts)
     if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         ui.line(f"warning: listening on {host} without --api-key")
     ui.line(f"starting {served_model_name or engine.model_dir.name} on http://{host}:{port}/v1 "

@@ -100,13 +100,13 @@ class MoEForCausalLM(nn.Module):
         assert self.head_int8 is None, "the head is int8 (head_int8)"
         return self.embed_tokens if self.lm_head is None else self.lm_head.weight
 
-    def quantize_head(self, act: str | None = None) -> None:
+    def quantize_head(self, act: str | None = None, huge_pages: bool = False) -> None:
         """int8_head: the output head becomes int8 rows with fp32 scales (quant/int8.py), read with
         int8 activations too when act is "q8". An untied lm_head's 16-bit weight is freed; a tied one
-        stays (it is also the embedding)."""
+        stays (it is also the embedding). huge_pages: its codes on 2 MiB pages (hugepages.py)."""
         from ..quant.int8 import quantize_rows
 
-        self.head_int8, self.head_act = quantize_rows(self.head_weight()), act
+        self.head_int8, self.head_act = quantize_rows(self.head_weight(), huge_pages), act
         self.lm_head = None
         self.__dict__.pop("_native_head", None)
 

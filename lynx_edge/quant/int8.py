@@ -22,12 +22,14 @@ from .. import hugepages
 CHUNK_ROWS = 2048  # rows quantised / widened at a time: ~4 fp32 temporaries of 2048 x D (32 MiB each at D = 2048)
 
 
-def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q int8 [N, K], s fp32 [N]) of w [N, K] (any float dtype), one row chunk at a time."""
+def quantize_rows(w: torch.Tensor, huge_pages: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q int8 [N, K], s fp32 [N]) of w [N, K] (any float dtype), one row chunk at a time;
+    huge_pages: q marked for 2 MiB pages before it is written (it is read whole every decode step)."""
     N, K = w.shape
     q = torch.empty(N, K, dtype=torch.int8, device=w.device)
     s = torch.empty(N, dtype=torch.float32, device=w.device)
-    hugepages.advise([q])  # read whole every decode step: onto 2 MiB pages before it is written
+    if huge_pages:
+        hugepages.advise([q])
     for lo in range(0, N, CHUNK_ROWS):
         c = w[lo:lo + CHUNK_ROWS].float()
         amax = c.abs().amax(1)
