@@ -212,10 +212,11 @@ def cpu_isa() -> str:
 
 
 def compare(rows: list[dict], base_mode: str, paired: dict | None = None) -> list[dict]:
-    """Each non-base row against the base mode at the same batch size: decode speed-up (ratio of
-    the mean tok/s), the reduction of unique experts per layer, and with `paired` ({(batch, mode):
-    per-repetition tok/s}, repetitions alternating the modes) the spread of the per-repetition
-    speed-ups and a plain verdict."""
+    """Each non-base row against the base mode at the same batch size: decode speed-up, the
+    reduction of unique experts per layer, and a plain verdict. With `paired` ({(batch, mode):
+    per-repetition tok/s}, repetitions alternating the modes) the speed-up is the median of the
+    per-repetition ratios, with their min and max: a burst of background load inside one
+    repetition moves one ratio, not the median. Without it: the ratio of the mean tok/s."""
     base = {r["batch"]: r for r in rows if r["lynx"] == base_mode}
     out = []
     for r in rows:
@@ -230,6 +231,7 @@ def compare(rows: list[dict], base_mode: str, paired: dict | None = None) -> lis
         if paired is not None and (r["batch"], base_mode) in paired:
             ratios = [x / y for x, y in zip(paired[r["batch"], r["lynx"]], paired[r["batch"], base_mode]) if y]
             if ratios:
+                c["speedup"] = statistics.median(ratios)
                 c["speedup_min"], c["speedup_max"] = min(ratios), max(ratios)
         c["verdict"] = verdict(c)
         out.append(c)

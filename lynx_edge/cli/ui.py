@@ -276,8 +276,8 @@ def bench_table(result: dict) -> None:
                 cells += [_pm(r, "ppl_change_pct", "{:+.2f}"), _pm(r, "greedy_agreement_pct")]
             c.add_row(*cells, r.get("verdict", ""))
         console().print(c)
-        note("speed-up: ratio of mean decode tok/s; min–max over the repetitions (modes alternate "
-             "within each, so background load hits both alike)", stderr=False)
+        note("speed-up: median of the per-repetition decode tok/s ratios, min–max beside it (modes "
+             "alternate within each repetition, so background load hits both alike)", stderr=False)
         if result.get("quality_note") or result.get("quality"):
             note(f"quality: {result.get('quality') or result.get('quality_note')}", stderr=False)
 
