@@ -1,0 +1,111 @@
+"""Native decode attention (lynx_attn_decode in kernels/cpu_native.c): this tree's build against
+another revision's, in one process, alternating rounds; outputs compared bit for bit.
+
+Shapes: the demo at B = 16 over 144 cached positions (the main job's batch-16 step, four layers'
+caches, each call after 48 MB of other reads as a decode step's weights would evict them), and
+Qwen3-30B-A3B's heads (32 q heads of 128 on 4 kv heads) at long context: B = 1 over 4000
+positions and B = 4 over 1000, fp32 and bf16 caches.
+
+    python benchmarks/attn_decode.py --base HEAD~1 [-r 15]   # → benchmarks/results/attn_decode.json
+    LYNX_EDGE_NATIVE_ARCH=haswell python benchmarks/attn_decode.py ...   # the AVX2 build
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+SHAPES = [  # name, B, H, Hkv, hd, cached positions, cache dtype, evict between calls
+    ("demo B=16 L=144 (cold)", 16, 4, 2, 64, 144, torch.float32, True),
+    ("demo B=16 L=144 (hot)", 16, 4, 2, 64, 144, torch.float32, False),
+    ("Qwen3-30B-A3B heads B=1 L=4000", 1, 32, 4, 128, 4000, torch.float32, False),
+    ("Qwen3-30B-A3B heads B=1 L=4000 bf16", 1, 32, 4, 128, 4000, torch.bfloat16, False),
+    ("Qwen3-30B-A3B heads B=4 L=1000", 4, 32, 4, 128, 1000, torch.float32, False),
+]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--base", required=True, help="git revision whose cpu_native.c is the baseline")
+    ap.add_argument("-r", "--rounds", type=int, default=15)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/attn_decode.json"))
+    a = ap.parse_args()
+    from lynx_edge.bench import cpu_isa
+    from lynx_edge.kernels import native
+
+    base_src = Path(tempfile.mkdtemp()) / "cpu_native.c"
+    base_src.write_bytes(subprocess.run(["git", "show", f"{a.base}:lynx_edge/kernels/cpu_native.c"], cwd=ROOT,
+                                        check=True, capture_output=True).stdout)
+    libs = {}
+    for tag, src in (("base", base_src), ("tree", ROOT / "lynx_edge/kernels/cpu_native.c")):
+        native.SRC = src
+        native.lib.cache_clear()
+        libs[tag] = native.lib()
+    cur = ["base"]
+    native.lib = lambda: libs[cur[0]]
+    torch.set_num_threads(1)
+    junk = torch.randn(12 << 20)
+    rows_out = []
+    for name, B, H, Hkv, hd, L, dt, cold in SHAPES:
+        g = torch.Generator().manual_seed(0)
+        layers = 4 if cold else 1
+        caches = [(torch.randn(B, Hkv, L + 8, hd, generator=g).to(dt), torch.randn(B, Hkv, L + 8, hd, generator=g).to(dt))
+                  for _ in range(layers)]
+        qkv = torch.randn(B, (H + 2 * Hkv) * hd, generator=g)
+        cos, sin = torch.ones(B, hd), torch.zeros(B, hd)
+        pos, rows = torch.full((B,), L - 1, dtype=torch.int64), torch.arange(B)
+
+        def call(kc, vc):
+            return native.attn_decode(qkv, H, Hkv, hd, None, None, 1e-6, cos, sin, pos, rows, kc, vc, None)
+
+        outs = {}
+        for tag in libs:
+            cur[0] = tag
+            outs[tag] = call(*caches[0])
+        reps = max(1, int(2e-2 / max(1e-6, _once(call, caches))))
+        ms = {tag: [] for tag in libs}
+        for r in range(a.rounds):
+            for tag in (("base", "tree") if r % 2 == 0 else ("tree", "base")):
+                cur[0] = tag
+                tot = 0.0
+                for _ in range(reps):
+                    if cold:
+                        junk.sum()
+                    t = time.perf_counter()
+                    for kc, vc in caches:
+                        call(kc, vc)
+                    tot += time.perf_counter() - t
+                ms[tag].append(tot / reps / layers * 1e3)
+        ratios = sorted(b / t for b, t in zip(ms["base"], ms["tree"]))
+        row = {"shape": name, "base_ms_per_call": statistics.median(ms["base"]),
+               "tree_ms_per_call": statistics.median(ms["tree"]), "speedup_median": statistics.median(ratios),
+               "speedup_min": ratios[0], "speedup_max": ratios[-1],
+               "bit_equal": bool(torch.equal(outs["base"], outs["tree"]))}
+        rows_out.append(row)
+        print(json.dumps(row), flush=True)
+    out = Path(a.out)
+    runs = json.loads(out.read_text()) if out.is_file() else []
+    runs.append({"benchmark": "native decode attention, this tree vs --base (one thread, same process)",
+                 "base": a.base, "isa": cpu_isa(), "march": native.FLAGS[1], "rounds": a.rounds, "torch": torch.__version__, "rows": rows_out})
+    out.write_text(json.dumps(runs, indent=1) + "\n")
+
+
+def _once(call, caches) -> float:
+    t = time.perf_counter()
+    for kc, vc in caches:
+        call(kc, vc)
+    return time.perf_counter() - t
+
+
+if __name__ == "__main__":
+    main()
