@@ -43,6 +43,8 @@ def main() -> None:
     from lynx_edge.bench import cpu_isa
     from lynx_edge.kernels import native
 
+    base = subprocess.run(["git", "rev-parse", "--short", a.base], cwd=ROOT, check=True, capture_output=True,
+                          text=True).stdout.strip()
     base_src = Path(tempfile.mkdtemp()) / "cpu_native.c"
     base_src.write_bytes(subprocess.run(["git", "show", f"{a.base}:lynx_edge/kernels/cpu_native.c"], cwd=ROOT,
                                         check=True, capture_output=True).stdout)
@@ -96,7 +98,7 @@ def main() -> None:
     out = Path(a.out)
     runs = json.loads(out.read_text()) if out.is_file() else []
     runs.append({"benchmark": "native decode attention, this tree vs --base (one thread, same process)",
-                 "base": a.base, "isa": cpu_isa(), "march": native.FLAGS[1], "rounds": a.rounds, "torch": torch.__version__, "rows": rows_out})
+                 "base": base, "isa": cpu_isa(), "march": native.FLAGS[1], "rounds": a.rounds, "torch": torch.__version__, "rows": rows_out})
     out.write_text(json.dumps(runs, indent=1) + "\n")
 
 
