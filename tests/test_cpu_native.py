@@ -230,8 +230,10 @@ def test_attention_decode_matches_torch_path(model_type, dtype, window, extra):
 @pytest.mark.parametrize("model_type,hq,hkv,hd,dtype", [
     ("qwen3_moe", 32, 4, 128, torch.float32), ("mixtral", 32, 8, 128, torch.float32),
     ("qwen3_moe", 16, 16, 64, torch.float32), ("qwen3_moe", 32, 4, 128, torch.bfloat16),
-    # the value pass's odd tiles: 3 heads per group over 96 dims, 5 heads over 80 (bf16 cache)
+    # the value pass's odd tiles: 3 heads per group over 96 dims, 5 heads over 80 (bf16 cache); 40
+    # dims, not a multiple of 16: the generic loop on AVX-512, 8-wide tiles on AVX2
     ("qwen3_moe", 6, 2, 96, torch.float32), ("qwen3_moe", 10, 2, 80, torch.bfloat16),
+    ("qwen3_moe", 8, 2, 40, torch.float32),
 ])
 def test_attention_decode_at_published_head_shapes(model_type, hq, hkv, hd, dtype):
     att, rope = _attn(model_type, dtype, hidden_size=256, num_attention_heads=hq, num_key_value_heads=hkv,
