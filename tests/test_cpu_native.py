@@ -244,7 +244,7 @@ def test_attention_decode_at_published_head_shapes(model_type, hq, hkv, hd, dtyp
     x = torch.randn(3, 1, 256, generator=g).to(dtype)
     rows, pos = torch.tensor([2, 0, 3]), torch.tensor([[299], [37], [150]])
     (y, kv), (ref, kv_ref) = _decode_native_and_torch(att, rope, caches, x, rows, pos, 300)
-    tol = 1e-6 if dtype == torch.float32 else 1.5e-2  # observed 2.1-4.0e-7; bf16 5.8e-3 (torch rounds every op)
+    tol = 1e-6 if dtype == torch.float32 else 1.5e-2  # observed 2.0-4.0e-7; bf16 5.8e-3 (torch rounds every op)
     assert _rel(y, ref) < tol, _rel(y, ref)  # a softmax summed over only 64 positions fails it (the 12-position test passes)
     for c, r in zip(kv, kv_ref):
         assert _rel(c, r) < tol and torch.equal(c[1], r[1])  # the row not in the batch untouched

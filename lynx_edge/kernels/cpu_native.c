@@ -1740,6 +1740,70 @@ static void pv_vec(const uint8_t *v0, int cfmt, int hd, long L, const float *sc,
 }
 #endif
 
+#if defined(__AVX512F__)
+/* out[4 (n % 4) + n / 4] = the sum of v[n]'s 16 lanes, n < 16: one transposing tree (45 shuffles and
+ * adds for all 16, against ~6 each reduced alone); each sum's order is fixed, whatever the others */
+static inline __attribute__((always_inline)) __m512 sum16(const __m512 *v) {
+    __m512 t[8], u[4], w[2];
+    for (int k = 0; k < 8; k++) /* 16 lanes -> 8: [v_2k folded | v_2k+1 folded] */
+        t[k] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int k = 0; k < 4; k++) /* 8 -> 4: 128-bit lane m holds v_4k+m */
+        u[k] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * k], t[2 * k + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(t[2 * k], t[2 * k + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    for (int k = 0; k < 2; k++) /* 4 -> 2 within each 128-bit lane */
+        w[k] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * k], u[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(u[2 * k], u[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    return _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* scores of RK keys (rows k0 + r * rs, r < RK; rows past n_k repeat the last) against HB heads
+ * (q rows i0.., past G repeat the last), RK * HB == 16: one accumulator per key x head over hd / 16
+ * vectors, then sum16. sc[i * L + s0 + r] for the real keys and heads. */
+static inline __attribute__((always_inline)) void qk_tile(const uint8_t *k0, int cfmt, int hd, const float *q, int G,
+                                                          int i0, const int HB, const int RK, long n_k, float *sc,
+                                                          long L) {
+    const long es = cfmt == FMT_F32 ? 4 : 2, rs = hd * es;
+    __m512 a[16];
+    const uint8_t *kr[16];
+    const float *qi[4];
+    for (int r = 0; r < RK; r++) kr[r] = k0 + (r < n_k ? r : n_k - 1) * rs;
+    for (int i = 0; i < HB; i++) qi[i] = q + (long)(i0 + i < G ? i0 + i : G - 1) * hd;
+    for (int n = 0; n < 16; n++) a[n] = _mm512_setzero_ps();
+    for (int j = 0; j < hd; j += 16) {
+        __m512 qv[4];
+        for (int i = 0; i < HB; i++) qv[i] = _mm512_loadu_ps(qi[i] + j);
+        for (int r = 0; r < RK; r++) {
+            if ((j * es & 63) == 0) __builtin_prefetch(kr[r] + j * es + 16 * rs, 0, 3); /* sixteen rows on */
+            const __m512 kv = cfmt == FMT_F32 ? _mm512_loadu_ps((const float *)kr[r] + j)
+                : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)kr[r] + j))), 16));
+            for (int i = 0; i < HB; i++) a[r * HB + i] = _mm512_fmadd_ps(kv, qv[i], a[r * HB + i]);
+        }
+    }
+    float out[16];
+    _mm512_storeu_ps(out, sum16(a));
+    for (int r = 0; r < RK && r < n_k; r++)
+        for (int i = 0; i < HB && i0 + i < G; i++) {
+            const int n = r * HB + i;
+            sc[(long)(i0 + i) * L + r] = out[4 * (n % 4) + n / 4];
+        }
+}
+
+/* sc [G, L] = the G (scaled) query rows q [G, hd] against the L key rows from k0 (hd % 16 == 0):
+ * tiles of 4 keys x 4 heads (G >= 3), 8 x 2 (G == 2) or 16 x 1 */
+static void qk_512(const uint8_t *k0, int cfmt, int hd, long L, const float *q, int G, float *sc) {
+    const long rs = (cfmt == FMT_F32 ? 4 : 2) * (long)hd;
+    const int HB = G >= 3 ? 4 : G, RK = 16 / HB;
+    for (long s = 0; s < L; s += RK)
+        for (int i0 = 0; i0 < G; i0 += HB) {
+            if (HB == 4) qk_tile(k0 + s * rs, cfmt, hd, q, G, i0, 4, 4, L - s, sc + s, L);
+            else if (HB == 2) qk_tile(k0 + s * rs, cfmt, hd, q, G, i0, 2, 8, L - s, sc + s, L);
+            else qk_tile(k0 + s * rs, cfmt, hd, q, G, i0, 1, 16, L - s, sc + s, L);
+        }
+}
+#endif
+
 static void attn_item(const void *arg, long item) {
     const attn_t *A = arg;
     const int b = (int)(item / A->Hkv), g = (int)(item % A->Hkv), hd = A->hd, G = A->H / A->Hkv;
@@ -1758,6 +1822,10 @@ static void attn_item(const void *arg, long item) {
         for (int j = 0; j < hd; j++) qi[j] *= A->scale;
     }
     float *sc = A->scores + item * A->Lmax * G; /* scores [G, L]: q head i's at sc + i * L */
+#if defined(__AVX512F__)
+    if (hd % 16 == 0) qk_512(kc + lo * hd * es, A->cfmt, hd, L, q, G, sc);
+    else
+#endif
     for (long s = 0; s < L; s += 4) { /* four keys at a time (adjacent rows of the cache) */
         const int R = L - s < 4 ? (int)(L - s) : 4;
         dense_block(kc + (lo + s) * hd * es, hd * es, A->cfmt, hd, R, q, hd, G, acc);
