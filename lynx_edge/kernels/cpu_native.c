@@ -1804,6 +1804,51 @@ static void qk_512(const uint8_t *k0, int cfmt, int hd, long L, const float *q, 
 }
 #endif
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+/* the AVX2 form: tiles of 2 keys x 4 heads (4 x 2, 8 x 1 for smaller groups), eight accumulators
+ * (eight independent multiply-add chains: one key's four would wait on the FMA latency), the eight
+ * sums in one tree of horizontal adds; hd % 8 == 0 */
+static inline __attribute__((always_inline)) void qk_tile8(const uint8_t *k0, int cfmt, int hd, const float *q, int G,
+                                                           int i0, const int HB, const int RK, long n_k, float *sc,
+                                                           long L) {
+    const long es = cfmt == FMT_F32 ? 4 : 2, rs = hd * es;
+    __m256 a[8];
+    const uint8_t *kr[8];
+    const float *qi[4];
+    for (int r = 0; r < RK; r++) kr[r] = k0 + (r < n_k ? r : n_k - 1) * rs;
+    for (int i = 0; i < HB; i++) qi[i] = q + (long)(i0 + i < G ? i0 + i : G - 1) * hd;
+    for (int n = 0; n < 8; n++) a[n] = _mm256_setzero_ps();
+    for (int j = 0; j < hd; j += 8) {
+        __m256 qv[4];
+        for (int i = 0; i < HB; i++) qv[i] = _mm256_loadu_ps(qi[i] + j);
+        for (int r = 0; r < RK; r++) {
+            if ((j * es & 63) == 0) __builtin_prefetch(kr[r] + j * es + 16 * rs, 0, 3); /* sixteen rows on */
+            const __m256 kv = cfmt == FMT_F32 ? _mm256_loadu_ps((const float *)kr[r] + j)
+                : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)kr[r] + j))), 16));
+            for (int i = 0; i < HB; i++) a[r * HB + i] = _mm256_fmadd_ps(kv, qv[i], a[r * HB + i]);
+        }
+    }
+    /* out[n] = the sum of a[n]'s 8 lanes */
+    const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    float out[8];
+    _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31)));
+    for (int r = 0; r < RK && r < n_k; r++)
+        for (int i = 0; i < HB && i0 + i < G; i++) sc[(long)(i0 + i) * L + r] = out[r * HB + i];
+}
+
+static void qk_256(const uint8_t *k0, int cfmt, int hd, long L, const float *q, int G, float *sc) {
+    const long rs = (cfmt == FMT_F32 ? 4 : 2) * (long)hd;
+    const int HB = G >= 3 ? 4 : G, RK = 8 / HB;
+    for (long s = 0; s < L; s += RK)
+        for (int i0 = 0; i0 < G; i0 += HB) {
+            if (HB == 4) qk_tile8(k0 + s * rs, cfmt, hd, q, G, i0, 4, 2, L - s, sc + s, L);
+            else if (HB == 2) qk_tile8(k0 + s * rs, cfmt, hd, q, G, i0, 2, 4, L - s, sc + s, L);
+            else qk_tile8(k0 + s * rs, cfmt, hd, q, G, i0, 1, 8, L - s, sc + s, L);
+        }
+}
+#endif
+
 static void attn_item(const void *arg, long item) {
     const attn_t *A = arg;
     const int b = (int)(item / A->Hkv), g = (int)(item % A->Hkv), hd = A->hd, G = A->H / A->Hkv;
@@ -1824,6 +1869,9 @@ static void attn_item(const void *arg, long item) {
     float *sc = A->scores + item * A->Lmax * G; /* scores [G, L]: q head i's at sc + i * L */
 #if defined(__AVX512F__)
     if (hd % 16 == 0) qk_512(kc + lo * hd * es, A->cfmt, hd, L, q, G, sc);
+    else
+#elif defined(__AVX2__) && defined(__FMA__)
+    if (hd % 8 == 0) qk_256(kc + lo * hd * es, A->cfmt, hd, L, q, G, sc);
     else
 #endif
     for (long s = 0; s < L; s += 4) { /* four keys at a time (adjacent rows of the cache) */
