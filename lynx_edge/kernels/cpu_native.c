@@ -1665,6 +1665,7 @@ static inline float max_of(const float *v, long n) {
 }
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+/* the vector ops of attention's value pass (pv_*) and score pass (qk_*), one set per width */
 #if defined(__AVX512F__)
 #define PVW 16 /* fp32 lanes per vector */
 #define PV_VEC __m512
@@ -1740,10 +1741,12 @@ static void pv_vec(const uint8_t *v0, int cfmt, int hd, long L, const float *sc,
 }
 #endif
 
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #if defined(__AVX512F__)
-/* out[4 (n % 4) + n / 4] = the sum of v[n]'s 16 lanes, n < 16: one transposing tree (45 shuffles and
- * adds for all 16, against ~6 each reduced alone); each sum's order is fixed, whatever the others */
-static inline __attribute__((always_inline)) __m512 sum16(const __m512 *v) {
+#define QK_N 16 /* scores per tile: one accumulator each */
+/* out[n] = the sum of v[n]'s 16 lanes, n < 16: one transposing tree (45 shuffles and adds for all
+ * 16, against ~6 each reduced alone); each sum's order is fixed, whatever the others */
+static inline __attribute__((always_inline)) void sum_lanes(const __m512 *v, float *out) {
     __m512 t[8], u[4], w[2];
     for (int k = 0; k < 8; k++) /* 16 lanes -> 8: [v_2k folded | v_2k+1 folded] */
         t[k] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
@@ -1754,97 +1757,60 @@ static inline __attribute__((always_inline)) __m512 sum16(const __m512 *v) {
     for (int k = 0; k < 2; k++) /* 4 -> 2 within each 128-bit lane */
         w[k] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * k], u[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
                              _mm512_shuffle_ps(u[2 * k], u[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-    return _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    float o[16]; /* o[4 (n % 4) + n / 4] = the sum of v[n] */
+    _mm512_storeu_ps(o, _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                      _mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1))));
+    for (int n = 0; n < 16; n++) out[n] = o[4 * (n % 4) + n / 4];
 }
+#else
+#define QK_N 8
+/* out[n] = the sum of v[n]'s 8 lanes, n < 8: the horizontal-add tree of sum4_256, for all 8 at once */
+static inline __attribute__((always_inline)) void sum_lanes(const __m256 *v, float *out) {
+    const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31)));
+}
+#endif
 
-/* scores of RK keys (rows k0 + r * rs, r < RK; rows past n_k repeat the last) against HB heads
- * (q rows i0.., past G repeat the last), RK * HB == 16: one accumulator per key x head over hd / 16
- * vectors, then sum16. sc[i * L + s0 + r] for the real keys and heads. */
+/* scores of RK keys (rows k0 + r * rs, r < RK; rows past n_k repeat the last) against HB heads (q
+ * rows i0.., past G repeat the last), RK * HB == QK_N: one accumulator per key x head over hd / PVW
+ * vectors (QK_N independent multiply-add chains: one key's few would wait on the FMA latency), keys
+ * prefetched 16 rows ahead, then sum_lanes. sc[i * L + r] for the real keys and heads. */
 static inline __attribute__((always_inline)) void qk_tile(const uint8_t *k0, int cfmt, int hd, const float *q, int G,
                                                           int i0, const int HB, const int RK, long n_k, float *sc,
                                                           long L) {
     const long es = cfmt == FMT_F32 ? 4 : 2, rs = hd * es;
-    __m512 a[16];
-    const uint8_t *kr[16];
+    PV_VEC a[QK_N];
+    const uint8_t *kr[QK_N];
     const float *qi[4];
     for (int r = 0; r < RK; r++) kr[r] = k0 + (r < n_k ? r : n_k - 1) * rs;
     for (int i = 0; i < HB; i++) qi[i] = q + (long)(i0 + i < G ? i0 + i : G - 1) * hd;
-    for (int n = 0; n < 16; n++) a[n] = _mm512_setzero_ps();
-    for (int j = 0; j < hd; j += 16) {
-        __m512 qv[4];
-        for (int i = 0; i < HB; i++) qv[i] = _mm512_loadu_ps(qi[i] + j);
+    for (int n = 0; n < QK_N; n++) a[n] = PV_ZERO;
+    for (int j = 0; j < hd; j += PVW) {
+        PV_VEC qv[4];
+        for (int i = 0; i < HB; i++) qv[i] = PV_LOADF(qi[i] + j);
         for (int r = 0; r < RK; r++) {
-            if ((j * es & 63) == 0) __builtin_prefetch(kr[r] + j * es + 16 * rs, 0, 3); /* sixteen rows on */
-            const __m512 kv = cfmt == FMT_F32 ? _mm512_loadu_ps((const float *)kr[r] + j)
-                : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)kr[r] + j))), 16));
-            for (int i = 0; i < HB; i++) a[r * HB + i] = _mm512_fmadd_ps(kv, qv[i], a[r * HB + i]);
+            if ((j * es & 63) == 0) __builtin_prefetch(kr[r] + j * es + 16 * rs, 0, 3);
+            const PV_VEC kv = cfmt == FMT_F32 ? PV_LOADF((const float *)kr[r] + j) : PV_LOADB((const uint16_t *)kr[r] + j);
+            for (int i = 0; i < HB; i++) a[r * HB + i] = PV_FMA(kv, qv[i], a[r * HB + i]);
         }
     }
-    float out[16];
-    _mm512_storeu_ps(out, sum16(a));
-    for (int r = 0; r < RK && r < n_k; r++)
-        for (int i = 0; i < HB && i0 + i < G; i++) {
-            const int n = r * HB + i;
-            sc[(long)(i0 + i) * L + r] = out[4 * (n % 4) + n / 4];
-        }
-}
-
-/* sc [G, L] = the G (scaled) query rows q [G, hd] against the L key rows from k0 (hd % 16 == 0):
- * tiles of 4 keys x 4 heads (G >= 3), 8 x 2 (G == 2) or 16 x 1 */
-static void qk_512(const uint8_t *k0, int cfmt, int hd, long L, const float *q, int G, float *sc) {
-    const long rs = (cfmt == FMT_F32 ? 4 : 2) * (long)hd;
-    const int HB = G >= 3 ? 4 : G, RK = 16 / HB;
-    for (long s = 0; s < L; s += RK)
-        for (int i0 = 0; i0 < G; i0 += HB) {
-            if (HB == 4) qk_tile(k0 + s * rs, cfmt, hd, q, G, i0, 4, 4, L - s, sc + s, L);
-            else if (HB == 2) qk_tile(k0 + s * rs, cfmt, hd, q, G, i0, 2, 8, L - s, sc + s, L);
-            else qk_tile(k0 + s * rs, cfmt, hd, q, G, i0, 1, 16, L - s, sc + s, L);
-        }
-}
-#endif
-
-#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
-/* the AVX2 form: tiles of 2 keys x 4 heads (4 x 2, 8 x 1 for smaller groups), eight accumulators
- * (eight independent multiply-add chains: one key's four would wait on the FMA latency), the eight
- * sums in one tree of horizontal adds; hd % 8 == 0 */
-static inline __attribute__((always_inline)) void qk_tile8(const uint8_t *k0, int cfmt, int hd, const float *q, int G,
-                                                           int i0, const int HB, const int RK, long n_k, float *sc,
-                                                           long L) {
-    const long es = cfmt == FMT_F32 ? 4 : 2, rs = hd * es;
-    __m256 a[8];
-    const uint8_t *kr[8];
-    const float *qi[4];
-    for (int r = 0; r < RK; r++) kr[r] = k0 + (r < n_k ? r : n_k - 1) * rs;
-    for (int i = 0; i < HB; i++) qi[i] = q + (long)(i0 + i < G ? i0 + i : G - 1) * hd;
-    for (int n = 0; n < 8; n++) a[n] = _mm256_setzero_ps();
-    for (int j = 0; j < hd; j += 8) {
-        __m256 qv[4];
-        for (int i = 0; i < HB; i++) qv[i] = _mm256_loadu_ps(qi[i] + j);
-        for (int r = 0; r < RK; r++) {
-            if ((j * es & 63) == 0) __builtin_prefetch(kr[r] + j * es + 16 * rs, 0, 3); /* sixteen rows on */
-            const __m256 kv = cfmt == FMT_F32 ? _mm256_loadu_ps((const float *)kr[r] + j)
-                : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)kr[r] + j))), 16));
-            for (int i = 0; i < HB; i++) a[r * HB + i] = _mm256_fmadd_ps(kv, qv[i], a[r * HB + i]);
-        }
-    }
-    /* out[n] = the sum of a[n]'s 8 lanes */
-    const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-    const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-    float out[8];
-    _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31)));
+    float out[QK_N];
+    sum_lanes(a, out);
     for (int r = 0; r < RK && r < n_k; r++)
         for (int i = 0; i < HB && i0 + i < G; i++) sc[(long)(i0 + i) * L + r] = out[r * HB + i];
 }
 
-static void qk_256(const uint8_t *k0, int cfmt, int hd, long L, const float *q, int G, float *sc) {
+/* sc [G, L] = the G (scaled) query rows q [G, hd] against the L key rows from k0 (hd % PVW == 0):
+ * tiles of QK_N / 4 keys x 4 heads (G >= 3), or of QK_N / G keys x G heads */
+static void qk_vec(const uint8_t *k0, int cfmt, int hd, long L, const float *q, int G, float *sc) {
     const long rs = (cfmt == FMT_F32 ? 4 : 2) * (long)hd;
-    const int HB = G >= 3 ? 4 : G, RK = 8 / HB;
+    const int HB = G >= 3 ? 4 : G, RK = QK_N / HB;
     for (long s = 0; s < L; s += RK)
         for (int i0 = 0; i0 < G; i0 += HB) {
-            if (HB == 4) qk_tile8(k0 + s * rs, cfmt, hd, q, G, i0, 4, 2, L - s, sc + s, L);
-            else if (HB == 2) qk_tile8(k0 + s * rs, cfmt, hd, q, G, i0, 2, 4, L - s, sc + s, L);
-            else qk_tile8(k0 + s * rs, cfmt, hd, q, G, i0, 1, 8, L - s, sc + s, L);
+            if (HB == 4) qk_tile(k0 + s * rs, cfmt, hd, q, G, i0, 4, QK_N / 4, L - s, sc + s, L);
+            else if (HB == 2) qk_tile(k0 + s * rs, cfmt, hd, q, G, i0, 2, QK_N / 2, L - s, sc + s, L);
+            else qk_tile(k0 + s * rs, cfmt, hd, q, G, i0, 1, QK_N, L - s, sc + s, L);
         }
 }
 #endif
@@ -1867,11 +1833,8 @@ static void attn_item(const void *arg, long item) {
         for (int j = 0; j < hd; j++) qi[j] *= A->scale;
     }
     float *sc = A->scores + item * A->Lmax * G; /* scores [G, L]: q head i's at sc + i * L */
-#if defined(__AVX512F__)
-    if (hd % 16 == 0) qk_512(kc + lo * hd * es, A->cfmt, hd, L, q, G, sc);
-    else
-#elif defined(__AVX2__) && defined(__FMA__)
-    if (hd % 8 == 0) qk_256(kc + lo * hd * es, A->cfmt, hd, L, q, G, sc);
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+    if (hd % PVW == 0) qk_vec(kc + lo * hd * es, A->cfmt, hd, L, q, G, sc);
     else
 #endif
     for (long s = 0; s < L; s += 4) { /* four keys at a time (adjacent rows of the cache) */
