@@ -44,11 +44,13 @@ def main() -> None:
     from lynx_edge.bench import cpu_isa
     from lynx_edge.kernels import native
 
-    base = subprocess.run(["git", "rev-parse", "--short", a.base], cwd=ROOT, check=True, capture_output=True,
-                          text=True).stdout.strip()
+    rev = subprocess.run(["git", "rev-parse", "--short", a.base], cwd=ROOT, capture_output=True, text=True)
+    src = subprocess.run(["git", "show", f"{a.base}:lynx_edge/kernels/cpu_native.c"], cwd=ROOT, capture_output=True)
+    if rev.returncode or src.returncode:
+        sys.exit(f"attn_decode: --base {a.base!r} is not a revision with lynx_edge/kernels/cpu_native.c")
+    base = rev.stdout.strip()
     base_src = Path(tempfile.mkdtemp()) / "cpu_native.c"
-    base_src.write_bytes(subprocess.run(["git", "show", f"{a.base}:lynx_edge/kernels/cpu_native.c"], cwd=ROOT,
-                                        check=True, capture_output=True).stdout)
+    base_src.write_bytes(src.stdout)
     libs = {}
     for tag, src in (("base", base_src), ("tree", ROOT / "lynx_edge/kernels/cpu_native.c")):
         native.SRC = src

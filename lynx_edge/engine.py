@@ -114,11 +114,10 @@ class Engine:
         if config.offload:
             offload = dict(gpu_budget_gib=config.gpu_budget_gib, expert_slots=config.expert_slots,
                            policy=config.policy, profile=config.profile)
+        huge_pages = hugepages.env_default() if config.huge_pages is None else config.huge_pages
         opts = LoadOptions(device=device, dtype=dtype, offload=config.offload, int4=config.int4,
                            int4_group=config.int4_group, int4_act=config.int4_act, int4_attn=config.int4_attn,
-                           int8_head=config.int8_head, huge_pages=hugepages.env_default()
-                           if config.huge_pages is None else config.huge_pages,
-                           allow_pickle=config.allow_pickle,
+                           int8_head=config.int8_head, huge_pages=huge_pages, allow_pickle=config.allow_pickle,
                            ctx=config.ctx_size or min(cfg.max_position_embeddings, 4096), batch=config.max_num_seqs,
                            offload_options=offload)
         model = load_model(model_dir, cfg, opts, progress)

@@ -1739,9 +1739,7 @@ static void pv_vec(const uint8_t *v0, int cfmt, int hd, long L, const float *sc,
         }
     }
 }
-#endif
 
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #if defined(__AVX512F__)
 #define QK_N 16 /* scores per tile: one accumulator each */
 /* out[n] = the sum of v[n]'s 16 lanes, n < 16: one transposing tree (45 shuffles and adds for all

@@ -211,15 +211,12 @@ def choose_device(device: str | None, profile: Profile | None) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def choose_dtype(dtype: str | None, device: str, cfg: ModelConfig | None = None,
-                 file_bytes: int | None = None) -> torch.dtype:
+def choose_dtype(dtype: str | None, device: str, cfg: ModelConfig, file_bytes: int | None = None) -> torch.dtype:
     """--dtype, else the dtype the Engine would load in (build.default_dtype: bf16 on CUDA; on a CPU
     fp32 for checkpoints up to 2 GiB, else the checkpoint's own 16-bit dtype). The checkpoint's size
     is file_bytes, or its parameters at the config's dtype when the weights are not here (`info` on
     a config alone), so a 60 GB model is planned in bf16 as it loads, not in fp32."""
     if dtype is None:
-        if cfg is None:
-            return torch.bfloat16 if device == "cuda" else torch.float32
         from ..build import default_dtype
         from ..modelinfo import bytes_per_param, param_counts
 
