@@ -15,9 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -41,23 +39,12 @@ def main() -> None:
     ap.add_argument("-r", "--rounds", type=int, default=15)
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/attn_decode.json"))
     a = ap.parse_args()
+    from native_ab import tree_and_base, use
+
     from lynx_edge.bench import cpu_isa
     from lynx_edge.kernels import native
 
-    rev = subprocess.run(["git", "rev-parse", "--short", a.base], cwd=ROOT, capture_output=True, text=True)
-    src = subprocess.run(["git", "show", f"{a.base}:lynx_edge/kernels/cpu_native.c"], cwd=ROOT, capture_output=True)
-    if rev.returncode or src.returncode:
-        sys.exit(f"attn_decode: --base {a.base!r} is not a revision with lynx_edge/kernels/cpu_native.c")
-    base = rev.stdout.strip()
-    base_src = Path(tempfile.mkdtemp()) / "cpu_native.c"
-    base_src.write_bytes(src.stdout)
-    libs = {}
-    for tag, src in (("base", base_src), ("tree", ROOT / "lynx_edge/kernels/cpu_native.c")):
-        native.SRC = src
-        native.lib.cache_clear()
-        libs[tag] = native.lib()
-    cur = ["base"]
-    native.lib = lambda: libs[cur[0]]
+    libs, base = tree_and_base(a.base, "attn_decode")
     torch.set_num_threads(1)
     junk = torch.randn(12 << 20)
     rows_out = []
@@ -74,14 +61,14 @@ def main() -> None:
             return native.attn_decode(qkv, H, Hkv, hd, None, None, 1e-6, cos, sin, pos, rows, kc, vc, None)
 
         outs = {}
-        for tag in libs:
-            cur[0] = tag
+        for tag in ("base", "tree"):
+            use(libs, tag)
             outs[tag] = call(*caches[0])
         reps = max(1, int(2e-2 / max(1e-6, _once(call, caches))))
-        ms = {tag: [] for tag in libs}
+        ms = {"base": [], "tree": []}
         for r in range(a.rounds):
             for tag in (("base", "tree") if r % 2 == 0 else ("tree", "base")):
-                cur[0] = tag
+                use(libs, tag)
                 tot = 0.0
                 for _ in range(reps):
                     if cold:

@@ -640,14 +640,17 @@ def test_fp8_linear_matches_reference(T, N, Kin, block, bias):
 
 # --- row tiles: every row x token sums the same way alone or in any tile ------------------------
 
-@pytest.mark.parametrize("kind", ["f32", "bf16", "int8", "int8-q8", "int4", "int4-q8"])
-def test_row_tiles_are_batch_and_row_invariant(kind):
-    """The kernels run up to four adjacent rows and up to four tokens per tile (one token: four rows
-    at once; two tokens: two rows at once; more: one row, four tokens). Each output must be
-    bit-equal whether its row and token run alone or inside any tile: decode is batch-invariant,
-    and a projection's rows do not depend on their neighbours. N = 7 leaves a 3-row tail; T = 1, 2,
-    3, 6 take every tile shape."""
-    N, Kin, T = 7, 256, 6
+@pytest.mark.parametrize("kind,Kin", [("f32", 256), ("f32", 1024), ("bf16", 256), ("bf16", 1024), ("int8", 256),
+                                      ("int8-q8", 256), ("int4", 256), ("int4-q8", 256)])
+def test_row_tiles_are_batch_and_row_invariant(kind, Kin):
+    """The kernels run several adjacent rows and up to four tokens per tile. The 16-bit and int8
+    rows (dense_tile): one token over 4 rows; two over 8 (AVX-512; 4 on AVX2) or, for rows of 1024+
+    inputs, 4; three or more over 4 rows (AVX-512; 2 on AVX2) or 2 for long rows, each tile's rows
+    serving every group of four tokens in turn. INT4: up to four rows x four tokens. Each output
+    must be bit-equal whether its row and token run alone or inside any tile: decode is
+    batch-invariant, and a projection's rows do not depend on their neighbours. N = 19 is a 16-row
+    work item and a 3-row one; T = 1, 2, 3, 7 take every tile shape (7: a group of 4, then 3)."""
+    N, T = 19, 7
     g = torch.Generator().manual_seed(11)
     x = torch.randn(T, Kin, generator=g)
     if kind in ("f32", "bf16"):

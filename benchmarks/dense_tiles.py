@@ -1,0 +1,131 @@
+"""Native dense rows (dense_tile in kernels/cpu_native.c: fp32 / bf16 projections, the head, the
+stacked experts): this tree's build against another revision's, in one process, alternating rounds.
+
+Two parts:
+- `lynx_linear` alone on one thread at the demo's shapes (its 4096-row head and 512-row q/k/v/o
+  inputs of 256) and Qwen3-30B-A3B's (hidden 2048, expert intermediate 768), T = 1, 2, 3, 4, 16
+  tokens, fp32 and bf16 weights; the output's largest difference to float64, relative to its
+  largest value, for both builds;
+- the demo end to end (Engine, greedy, prompts of 128, 32 decode tokens) at B = 1, 4 and 16, LYNX
+  off and on: TPOT with each build, and LYNX's speed-up with each (median of paired ratios).
+
+    python benchmarks/dense_tiles.py --base HEAD~1 [-r 15] [--threads 2]   # → results/dense_tiles.json
+    LYNX_EDGE_NATIVE_ARCH=haswell python benchmarks/dense_tiles.py ...    # the AVX2 build
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+LINEAR = [  # name, K (inputs), N (rows)
+    ("demo head", 256, 4096), ("demo q/k/v", 256, 512),
+    ("Qwen3-30B-A3B expert gate/up", 2048, 768), ("Qwen3-30B-A3B o_proj", 4096, 2048)]
+TOKENS = (1, 2, 3, 4, 16)
+
+
+def _paired(base: list, tree: list) -> dict:
+    r = sorted(b / t for b, t in zip(base, tree))
+    return {"median": round(statistics.median(r), 3), "min": round(r[0], 3), "max": round(r[-1], 3)}
+
+
+def linear_rows(libs, use, rounds: int) -> list:
+    from lynx_edge.kernels import native
+
+    torch.set_num_threads(1)
+    rows = []
+    for dt in (torch.float32, torch.bfloat16):
+        for name, K, N in LINEAR:
+            g = torch.Generator().manual_seed(0)
+            w = torch.randn(N, K, generator=g).to(dt)
+            for T in TOKENS:
+                x = torch.randn(T, K, generator=g)
+                ref = x.double() @ w.double().T
+                err, ms = {}, {"base": [], "tree": []}
+                for tag in ms:
+                    use(libs, tag)
+                    err[tag] = float((native.linear(x, w).double() - ref).abs().max() / ref.abs().max())
+                t0 = time.perf_counter()
+                native.linear(x, w)
+                reps = max(1, int(5e-3 / max(1e-6, time.perf_counter() - t0)))
+                for r in range(rounds):
+                    for tag in (("base", "tree") if r % 2 == 0 else ("tree", "base")):
+                        use(libs, tag)
+                        t0 = time.perf_counter()
+                        for _ in range(reps):
+                            native.linear(x, w)
+                        ms[tag].append((time.perf_counter() - t0) / reps * 1e3)
+                row = {"shape": f"{name} T={T} {str(dt)[6:]}", "base_ms": round(statistics.median(ms["base"]), 4),
+                       "tree_ms": round(statistics.median(ms["tree"]), 4), "speedup": _paired(ms["base"], ms["tree"]),
+                       "rel_err_base": err["base"], "rel_err_tree": err["tree"]}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    return rows
+
+
+def demo_rows(libs, use, rounds: int, threads: int) -> list:
+    from lynx_edge import Engine
+    from lynx_edge.bench import measure, synthetic_prompts
+    from lynx_edge.threads import set_threads
+
+    set_threads(threads, explicit=True)
+    eng = Engine.from_pretrained("demo", device="cpu", max_num_seqs=16)
+    rows = []
+    for B in (1, 4, 16):
+        prompts = synthetic_prompts(eng, B, 128)
+        modes = ("off", "lynx") if B > 1 else ("off",)
+        tp = {(tag, m): [] for tag in ("base", "tree") for m in modes}
+        for r in range(rounds):
+            for tag in (("base", "tree") if r % 2 == 0 else ("tree", "base")):
+                use(libs, tag)
+                for m in (modes if r % 2 == 0 else modes[::-1]):
+                    eng.set_lynx(m)
+                    tp[(tag, m)].append(measure(eng, prompts, 32)["tpot_ms"])
+        row = {"batch": B, "threads": threads}
+        for m in modes:
+            row[m] = {"base_tpot_ms": round(statistics.median(tp[("base", m)]), 4),
+                      "tree_tpot_ms": round(statistics.median(tp[("tree", m)]), 4),
+                      "speedup": _paired(tp[("base", m)], tp[("tree", m)])}
+        if B > 1:
+            for tag in ("base", "tree"):
+                row[f"lynx_speedup_{tag}"] = _paired(tp[(tag, "off")], tp[(tag, "lynx")])
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--base", required=True, help="git revision whose cpu_native.c is the baseline")
+    ap.add_argument("-r", "--rounds", type=int, default=15)
+    ap.add_argument("--threads", type=int, default=2, help="threads for the end-to-end part")
+    ap.add_argument("--skip-linear", action="store_true")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/dense_tiles.json"))
+    a = ap.parse_args()
+    from native_ab import tree_and_base, use
+
+    from lynx_edge.bench import cpu_isa
+    from lynx_edge.kernels import native
+
+    libs, base = tree_and_base(a.base, "dense_tiles")
+    run = {"benchmark": "native dense rows, this tree vs --base (same process, alternating rounds)",
+           "base": base, "isa": cpu_isa(), "march": native.FLAGS[1], "rounds": a.rounds, "torch": torch.__version__}
+    if not a.skip_linear:
+        run["linear_1_thread"] = linear_rows(libs, use, a.rounds)
+    run["demo_end_to_end"] = demo_rows(libs, use, a.rounds, a.threads)
+    out = Path(a.out)
+    runs = json.loads(out.read_text()) if out.is_file() else []
+    runs.append(run)
+    out.write_text(json.dumps(runs, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
