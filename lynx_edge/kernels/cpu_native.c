@@ -1101,11 +1101,10 @@ static void gate_up_item(const void *arg, long item) {
                 dot_block(q + (I + i) * rs, rs, s + I + i, z ? z + I + i : NULL, 2L * I, D, L->G, R, xe, xo, D / 2,
                           xs, m, up4);
             }
-            for (int r = 0; r < R; r++) {
-                float *dst = (((i + r) & 1) ? L->ho : L->he) + (r0 + c) * (I / 2) + (i + r) / 2;
-                for (int t = 0; t < m; t++)
-                    put_h(L, e, i + r, dst + (long)t * (I / 2), gate4[r * ROWS_LD + t], up4[r * ROWS_LD + t]);
-            }
+            for (int t = 0; t < m; t++) /* token by token (see linear_item) */
+                for (int r = 0; r < R; r++)
+                    put_h(L, e, i + r, (((i + r) & 1) ? L->ho : L->he) + (r0 + c + t) * (I / 2) + (i + r) / 2,
+                          gate4[r * ROWS_LD + t], up4[r * ROWS_LD + t]);
         }
     }
 }
@@ -1462,10 +1461,9 @@ static void qlinear_item(const void *arg, long item) {
             else
                 dot_block(P->q + (long)n * h, h, P->s + n, P->z ? P->z + n : NULL, P->N, Kin, P->G, R,
                           P->xe + (long)c * h, P->xo + (long)c * h, h, P->xs + (long)c * ng, m, acc);
-            for (int r = 0; r < R; r++) {
-                const float b = P->bias ? P->bias[n + r] : 0.0f;
-                for (int t = 0; t < m; t++) P->out[(long)(c + t) * P->N + n + r] = acc[r * ROWS_LD + t] + b;
-            }
+            for (int t = 0; t < m; t++) /* token by token (see linear_item) */
+                for (int r = 0; r < R; r++)
+                    P->out[(long)(c + t) * P->N + n + r] = acc[r * ROWS_LD + t] + (P->bias ? P->bias[n + r] : 0.0f);
         }
     }
 }
@@ -1538,16 +1536,17 @@ typedef struct {
 
 static void f8linear_item(const void *arg, long item) {
     const f8linear_t *P = arg;
-    float acc[64];
-    const int nk = P->Kin / P->bk;
-    for (int n = (int)item * ROW_BLOCK; n < P->N && n < (item + 1) * ROW_BLOCK; n++)
-        for (int c = 0; c < P->T; c += 64) {
-            const int m = P->T - c < 64 ? P->T - c : 64;
-            f8_slots(P->q + (long)n * P->Kin, P->s + (long)(n / P->bn) * nk, P->Kin, P->bk, P->x + (long)c * P->Kin,
-                     P->Kin, m, acc);
-            const float b = P->bias ? P->bias[n] : 0.0f;
-            for (int t = 0; t < m; t++) P->out[(long)(c + t) * P->N + n] = acc[t] + b;
-        }
+    float acc[ROW_BLOCK * 64];
+    const int nk = P->Kin / P->bk, n0 = (int)item * ROW_BLOCK, R = P->N - n0 < ROW_BLOCK ? P->N - n0 : ROW_BLOCK;
+    for (int c = 0; c < P->T; c += 64) {
+        const int m = P->T - c < 64 ? P->T - c : 64;
+        for (int r = 0; r < R; r++)
+            f8_slots(P->q + (long)(n0 + r) * P->Kin, P->s + (long)((n0 + r) / P->bn) * nk, P->Kin, P->bk,
+                     P->x + (long)c * P->Kin, P->Kin, m, acc + r * 64);
+        for (int t = 0; t < m; t++) /* token by token (see linear_item) */
+            for (int r = 0; r < R; r++)
+                P->out[(long)(c + t) * P->N + n0 + r] = acc[r * 64 + t] + (P->bias ? P->bias[n0 + r] : 0.0f);
+    }
 }
 
 /* out [T, N] = x [T, Kin] fp32 @ W^T (+ bias [N] fp32 or NULL) for one block-scaled FP8 linear W
