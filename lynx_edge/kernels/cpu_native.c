@@ -566,6 +566,8 @@ static inline __attribute__((always_inline)) void dense_tile(const uint8_t *w, c
     }
     sum_lanes(a, out);
 #else
+    /* portable: eight partial sums per row x token (as vector lanes would; the compiler may
+     * vectorise them) — one running sum over a long row would lose more to rounding */
     for (r = 0; r < R; r++)
         for (t = 0; t < NT; t++) {
             float lane[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f}, sum = 0.0f;
@@ -597,6 +599,13 @@ static inline __attribute__((always_inline)) void dense_tile(const uint8_t *w, c
         if (R - r >= (RT)) dense_tile(w + r * rs, rs, FMT, Kin, (RT), x, (NT), acc + r * ROWS_LD + t, ROWS_LD), r += (RT); \
         else dense_tile(w + r * rs, rs, FMT, Kin, 1, x, (NT), acc + r * ROWS_LD + t, ROWS_LD), r += 1; \
     }
+/* one tile of RT rows (wr) x the m (1..4) tokens x[] */
+#define DENSE_TILE_M(FMT, RT) { \
+        if (m == 4) dense_tile(wr, rs, FMT, Kin, (RT), x, 4, a, ROWS_LD); \
+        else if (m == 3) dense_tile(wr, rs, FMT, Kin, (RT), x, 3, a, ROWS_LD); \
+        else if (m == 2) dense_tile(wr, rs, FMT, Kin, (RT), x, 2, a, ROWS_LD); \
+        else dense_tile(wr, rs, FMT, Kin, (RT), x, 1, a, ROWS_LD); \
+    }
 /* acc[r * ROWS_LD + t] for R (1..ROW_BLOCK) adjacent rows (stride rs bytes) and n tokens (rows x0 +
  * t*ld). Tile shapes, measured (benchmarks/results/dense_tiles.md):
  * - four or more tokens: tiles of DT_N / 4 rows (rows under 1024 inputs: the reductions and loop
@@ -619,22 +628,9 @@ static inline __attribute__((always_inline)) void dense_tile(const uint8_t *w, c
                     for (int i = 0; i < m; i++) x[i] = x0 + (t + i) * ld; \
                     float *a = acc + r * ROWS_LD + t; \
                     const uint8_t *wr = w + r * rs; \
-                    if (one) { \
-                        if (m == 4) dense_tile(wr, rs, FMT, Kin, 1, x, 4, a, ROWS_LD); \
-                        else if (m == 3) dense_tile(wr, rs, FMT, Kin, 1, x, 3, a, ROWS_LD); \
-                        else if (m == 2) dense_tile(wr, rs, FMT, Kin, 1, x, 2, a, ROWS_LD); \
-                        else dense_tile(wr, rs, FMT, Kin, 1, x, 1, a, ROWS_LD); \
-                    } else if (wide) { \
-                        if (m == 4) dense_tile(wr, rs, FMT, Kin, DT_N / 4, x, 4, a, ROWS_LD); \
-                        else if (m == 3) dense_tile(wr, rs, FMT, Kin, DT_N / 4, x, 3, a, ROWS_LD); \
-                        else if (m == 2) dense_tile(wr, rs, FMT, Kin, DT_N / 4, x, 2, a, ROWS_LD); \
-                        else dense_tile(wr, rs, FMT, Kin, DT_N / 4, x, 1, a, ROWS_LD); \
-                    } else { \
-                        if (m == 4) dense_tile(wr, rs, FMT, Kin, 2, x, 4, a, ROWS_LD); \
-                        else if (m == 3) dense_tile(wr, rs, FMT, Kin, 2, x, 3, a, ROWS_LD); \
-                        else if (m == 2) dense_tile(wr, rs, FMT, Kin, 2, x, 2, a, ROWS_LD); \
-                        else dense_tile(wr, rs, FMT, Kin, 2, x, 1, a, ROWS_LD); \
-                    } \
+                    if (one) DENSE_TILE_M(FMT, 1) \
+                    else if (wide) DENSE_TILE_M(FMT, DT_N / 4) \
+                    else DENSE_TILE_M(FMT, 2) \
                 } \
                 r += one ? 1 : RT; \
             } \
@@ -651,6 +647,8 @@ DENSE_TILES(dense_f32, FMT_F32)
 DENSE_TILES(dense_bf16, FMT_BF16)
 DENSE_TILES(dense_i8, FMT_I8)
 #undef DENSE_TILES
+#undef DENSE_TILE_M
+#undef DENSE_ROWS
 
 /* acc[r * ROWS_LD + t] for R (1..ROW_BLOCK) adjacent rows (stride rs bytes) and n tokens (rows x0 + t*ld) */
 static void dense_block(const uint8_t *w, long rs, int fmt, int Kin, int R, const float *x0, long ld, int n,
@@ -1063,8 +1061,8 @@ static void gate_up_item(const void *arg, long item) {
         const long es = L->nbytes;
         const uint8_t *gu = L->gu + e * 2L * I * D * es;
         float gate4[ROW_BLOCK * ROWS_LD], up4[ROW_BLOCK * ROWS_LD];
-        for (int i = i0; i < I && i < i0 + ROW_BLOCK; i += ROW_BLOCK) { /* the item's rows: dense_block */
-            const int R = I - i < ROW_BLOCK ? I - i : ROW_BLOCK;
+        { /* the item's rows in one dense_block */
+            const int i = i0, R = I - i < ROW_BLOCK ? I - i : ROW_BLOCK;
             for (int64_t c = 0; c < n; c += ROWS_LD) { /* slots of this expert, 64 at a time */
                 const int m = (int)(n - c < ROWS_LD ? n - c : ROWS_LD);
                 const float *x = L->xe + (r0 + c) * D;
