@@ -39,12 +39,12 @@ def main() -> None:
     ap.add_argument("-r", "--rounds", type=int, default=15)
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/attn_decode.json"))
     a = ap.parse_args()
-    from native_ab import tree_and_base, use
+    from native_ab import Builds, paired
 
     from lynx_edge.bench import cpu_isa
     from lynx_edge.kernels import native
 
-    libs, base = tree_and_base(a.base, "attn_decode")
+    builds = Builds(a.base, "attn_decode")
     torch.set_num_threads(1)
     junk = torch.randn(12 << 20)
     rows_out = []
@@ -62,13 +62,13 @@ def main() -> None:
 
         outs = {}
         for tag in ("base", "tree"):
-            use(libs, tag)
+            builds.use(tag)
             outs[tag] = call(*caches[0])
         reps = max(1, int(2e-2 / max(1e-6, _once(call, caches))))
         ms = {"base": [], "tree": []}
         for r in range(a.rounds):
             for tag in (("base", "tree") if r % 2 == 0 else ("tree", "base")):
-                use(libs, tag)
+                builds.use(tag)
                 tot = 0.0
                 for _ in range(reps):
                     if cold:
@@ -78,10 +78,10 @@ def main() -> None:
                         call(kc, vc)
                     tot += time.perf_counter() - t
                 ms[tag].append(tot / reps / layers * 1e3)
-        ratios = sorted(b / t for b, t in zip(ms["base"], ms["tree"]))
+        sp = paired(ms["base"], ms["tree"])
         row = {"shape": name, "base_ms_per_call": statistics.median(ms["base"]),
-               "tree_ms_per_call": statistics.median(ms["tree"]), "speedup_median": statistics.median(ratios),
-               "speedup_min": ratios[0], "speedup_max": ratios[-1],
+               "tree_ms_per_call": statistics.median(ms["tree"]), "speedup_median": sp["median"],
+               "speedup_min": sp["min"], "speedup_max": sp["max"],
                "bit_equal": bool(torch.equal(outs["base"], outs["tree"])),
                "max_rel_diff": float((outs["tree"] - outs["base"]).abs().max() / outs["base"].abs().max())}
         rows_out.append(row)
@@ -89,7 +89,7 @@ def main() -> None:
     out = Path(a.out)
     runs = json.loads(out.read_text()) if out.is_file() else []
     runs.append({"benchmark": "native decode attention, this tree vs --base (one thread, same process)",
-                 "base": base, "isa": cpu_isa(), "march": native.FLAGS[1], "rounds": a.rounds, "torch": torch.__version__, "rows": rows_out})
+                 "base": builds.base, "isa": cpu_isa(), "march": native.FLAGS[1], "rounds": a.rounds, "torch": torch.__version__, "rows": rows_out})
     out.write_text(json.dumps(runs, indent=1) + "\n")
 
 

@@ -26,6 +26,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from native_ab import Builds, paired  # noqa: E402  (beside this script)
+
 LINEAR = [  # name, K (inputs), N (rows)
     ("demo head", 256, 4096), ("demo q/k/v", 256, 512),
     ("Qwen3-30B-A3B expert gate/up", 2048, 768), ("Qwen3-30B-A3B o_proj", 4096, 2048)]
@@ -33,11 +35,10 @@ TOKENS = (1, 2, 3, 4, 16)
 
 
 def _paired(base: list, tree: list) -> dict:
-    r = sorted(b / t for b, t in zip(base, tree))
-    return {"median": round(statistics.median(r), 3), "min": round(r[0], 3), "max": round(r[-1], 3)}
+    return {k: round(v, 3) for k, v in paired(base, tree).items()}
 
 
-def linear_rows(libs, use, rounds: int) -> list:
+def linear_rows(builds, rounds: int) -> list:
     from lynx_edge.kernels import native
 
     torch.set_num_threads(1)
@@ -51,14 +52,14 @@ def linear_rows(libs, use, rounds: int) -> list:
                 ref = x.double() @ w.double().T
                 err, ms = {}, {"base": [], "tree": []}
                 for tag in ms:
-                    use(libs, tag)
+                    builds.use(tag)
                     err[tag] = float((native.linear(x, w).double() - ref).abs().max() / ref.abs().max())
                 t0 = time.perf_counter()
                 native.linear(x, w)
                 reps = max(1, int(5e-3 / max(1e-6, time.perf_counter() - t0)))
                 for r in range(rounds):
                     for tag in (("base", "tree") if r % 2 == 0 else ("tree", "base")):
-                        use(libs, tag)
+                        builds.use(tag)
                         t0 = time.perf_counter()
                         for _ in range(reps):
                             native.linear(x, w)
@@ -71,7 +72,7 @@ def linear_rows(libs, use, rounds: int) -> list:
     return rows
 
 
-def demo_rows(libs, use, rounds: int, threads: int) -> list:
+def demo_rows(builds, rounds: int, threads: int) -> list:
     from lynx_edge import Engine
     from lynx_edge.bench import measure, synthetic_prompts
     from lynx_edge.threads import set_threads
@@ -85,7 +86,7 @@ def demo_rows(libs, use, rounds: int, threads: int) -> list:
         tp = {(tag, m): [] for tag in ("base", "tree") for m in modes}
         for r in range(rounds):
             for tag in (("base", "tree") if r % 2 == 0 else ("tree", "base")):
-                use(libs, tag)
+                builds.use(tag)
                 for m in (modes if r % 2 == 0 else modes[::-1]):
                     eng.set_lynx(m)
                     tp[(tag, m)].append(measure(eng, prompts, 32)["tpot_ms"])
@@ -110,17 +111,16 @@ def main() -> None:
     ap.add_argument("--skip-linear", action="store_true")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/dense_tiles.json"))
     a = ap.parse_args()
-    from native_ab import tree_and_base, use
 
     from lynx_edge.bench import cpu_isa
     from lynx_edge.kernels import native
 
-    libs, base = tree_and_base(a.base, "dense_tiles")
+    builds = Builds(a.base, "dense_tiles")
     run = {"benchmark": "native dense rows, this tree vs --base (same process, alternating rounds)",
-           "base": base, "isa": cpu_isa(), "march": native.FLAGS[1], "rounds": a.rounds, "torch": torch.__version__}
+           "base": builds.base, "isa": cpu_isa(), "march": native.FLAGS[1], "rounds": a.rounds, "torch": torch.__version__}
     if not a.skip_linear:
-        run["linear_1_thread"] = linear_rows(libs, use, a.rounds)
-    run["demo_end_to_end"] = demo_rows(libs, use, a.rounds, a.threads)
+        run["linear_1_thread"] = linear_rows(builds, a.rounds)
+    run["demo_end_to_end"] = demo_rows(builds, a.rounds, a.threads)
     out = Path(a.out)
     runs = json.loads(out.read_text()) if out.is_file() else []
     runs.append(run)

@@ -593,62 +593,68 @@ static inline __attribute__((always_inline)) void dense_tile(const uint8_t *w, c
 #undef WS
 }
 
-/* rows 0..R x tokens x[0..NT) in tiles of RT rows, a last partial tile row by row */
-#define DENSE_ROWS(FMT, RT, NT) \
-    for (int r = 0; r < R;) { \
-        if (R - r >= (RT)) dense_tile(w + r * rs, rs, FMT, Kin, (RT), x, (NT), acc + r * ROWS_LD + t, ROWS_LD), r += (RT); \
-        else dense_tile(w + r * rs, rs, FMT, Kin, 1, x, (NT), acc + r * ROWS_LD + t, ROWS_LD), r += 1; \
-    }
-/* one tile of RT rows (wr) x the m (1..4) tokens x[] */
-#define DENSE_TILE_M(FMT, RT) { \
-        if (m == 4) dense_tile(wr, rs, FMT, Kin, (RT), x, 4, a, ROWS_LD); \
-        else if (m == 3) dense_tile(wr, rs, FMT, Kin, (RT), x, 3, a, ROWS_LD); \
-        else if (m == 2) dense_tile(wr, rs, FMT, Kin, (RT), x, 2, a, ROWS_LD); \
-        else dense_tile(wr, rs, FMT, Kin, (RT), x, 1, a, ROWS_LD); \
-    }
+/* one tile of RT rows from w x the m (1..4) tokens x[] into acc[r * ROWS_LD + t] */
+static inline __attribute__((always_inline)) void dense_tile_m(const uint8_t *w, long rs, const int FMT, int Kin,
+                                                               const int RT, const float *const *x, int m, float *acc) {
+    if (m == 4) dense_tile(w, rs, FMT, Kin, RT, x, 4, acc, ROWS_LD);
+    else if (m == 3) dense_tile(w, rs, FMT, Kin, RT, x, 3, acc, ROWS_LD);
+    else if (m == 2) dense_tile(w, rs, FMT, Kin, RT, x, 2, acc, ROWS_LD);
+    else dense_tile(w, rs, FMT, Kin, RT, x, 1, acc, ROWS_LD);
+}
+
 /* acc[r * ROWS_LD + t] for R (1..ROW_BLOCK) adjacent rows (stride rs bytes) and n tokens (rows x0 +
  * t*ld). Tile shapes, measured (benchmarks/results/dense_tiles.md):
  * - four or more tokens: tiles of DT_N / 4 rows (rows under 1024 inputs: the reductions and loop
  *   set-up rival their multiply-adds) or 2 rows (longer rows, streamed from memory), each serving
  *   every group of four tokens before the next rows load;
  * - three tokens: the same rows; two: DT_N / 2 rows (short) or 4 (long);
- * - one token: 4 rows (16 at once measured 0.91x end to end at B = 1). */
-#define DENSE_TILES(name, FMT) \
-    static __attribute__((noinline)) void name(const uint8_t *w, long rs, int Kin, int R, const float *x0, long ld, \
-                                               int n, float *acc) { \
-        const float *x[4]; \
-        const int wide = Kin < 1024; \
-        int t = 0; \
-        if (n >= 4) { /* each tile's rows serve every token before the next rows load */ \
-            const int RT = wide ? DT_N / 4 : 2; \
-            for (int r = 0; r < R;) { \
-                const int one = R - r < RT; /* a last partial tile: row by row */ \
-                for (t = 0; t < n; t += 4) { \
-                    const int m = n - t < 4 ? n - t : 4; \
-                    for (int i = 0; i < m; i++) x[i] = x0 + (t + i) * ld; \
-                    float *a = acc + r * ROWS_LD + t; \
-                    const uint8_t *wr = w + r * rs; \
-                    if (one) DENSE_TILE_M(FMT, 1) \
-                    else if (wide) DENSE_TILE_M(FMT, DT_N / 4) \
-                    else DENSE_TILE_M(FMT, 2) \
-                } \
-                r += one ? 1 : RT; \
-            } \
-            return; \
-        } \
-        for (int i = 0; i < n; i++) x[i] = x0 + i * ld; \
-        if (n == 3 && wide) DENSE_ROWS(FMT, DT_N / 4, 3) \
-        else if (n == 3) DENSE_ROWS(FMT, 2, 3) \
-        else if (n == 2 && wide) DENSE_ROWS(FMT, DT_N / 2, 2) \
-        else if (n == 2) DENSE_ROWS(FMT, 4, 2) \
-        else DENSE_ROWS(FMT, 4, 1) \
+ * - one token: 4 rows (16 at once measured 0.91x end to end at B = 1).
+ * A last partial tile runs row by row. */
+static inline __attribute__((always_inline)) void dense_tiles(const uint8_t *w, long rs, const int FMT, int Kin, int R,
+                                                              const float *x0, long ld, int n, float *acc) {
+    const float *x[4];
+    const int wide = Kin < 1024;
+    for (int i = 0; i < n && i < 4; i++) x[i] = x0 + i * ld;
+    if (n < 4) { /* one token group: tiles of RT rows */
+        const int RT = n == 1 ? 4 : n == 2 ? (wide ? DT_N / 2 : 4) : (wide ? DT_N / 4 : 2);
+        for (int r = 0; r < R;) {
+            const int one = R - r < RT;
+            if (one) dense_tile_m(w + r * rs, rs, FMT, Kin, 1, x, n, acc + r * ROWS_LD);
+            else if (n == 1) dense_tile(w + r * rs, rs, FMT, Kin, 4, x, 1, acc + r * ROWS_LD, ROWS_LD);
+            else if (n == 2 && wide) dense_tile(w + r * rs, rs, FMT, Kin, DT_N / 2, x, 2, acc + r * ROWS_LD, ROWS_LD);
+            else if (n == 2) dense_tile(w + r * rs, rs, FMT, Kin, 4, x, 2, acc + r * ROWS_LD, ROWS_LD);
+            else if (wide) dense_tile(w + r * rs, rs, FMT, Kin, DT_N / 4, x, 3, acc + r * ROWS_LD, ROWS_LD);
+            else dense_tile(w + r * rs, rs, FMT, Kin, 2, x, 3, acc + r * ROWS_LD, ROWS_LD);
+            r += one ? 1 : RT;
+        }
+        return;
     }
-DENSE_TILES(dense_f32, FMT_F32)
-DENSE_TILES(dense_bf16, FMT_BF16)
-DENSE_TILES(dense_i8, FMT_I8)
-#undef DENSE_TILES
-#undef DENSE_TILE_M
-#undef DENSE_ROWS
+    const int RT = wide ? DT_N / 4 : 2; /* each tile's rows serve every token group before the next load */
+    for (int r = 0; r < R;) {
+        const int one = R - r < RT;
+        for (int t = 0; t < n; t += 4) {
+            const int m = n - t < 4 ? n - t : 4;
+            for (int i = 0; i < m; i++) x[i] = x0 + (t + i) * ld;
+            float *a = acc + r * ROWS_LD + t;
+            if (one) dense_tile_m(w + r * rs, rs, FMT, Kin, 1, x, m, a);
+            else if (wide) dense_tile_m(w + r * rs, rs, FMT, Kin, DT_N / 4, x, m, a);
+            else dense_tile_m(w + r * rs, rs, FMT, Kin, 2, x, m, a);
+        }
+        r += one ? 1 : RT;
+    }
+}
+static __attribute__((noinline)) void dense_f32(const uint8_t *w, long rs, int Kin, int R, const float *x0, long ld,
+                                                int n, float *acc) {
+    dense_tiles(w, rs, FMT_F32, Kin, R, x0, ld, n, acc);
+}
+static __attribute__((noinline)) void dense_bf16(const uint8_t *w, long rs, int Kin, int R, const float *x0, long ld,
+                                                 int n, float *acc) {
+    dense_tiles(w, rs, FMT_BF16, Kin, R, x0, ld, n, acc);
+}
+static __attribute__((noinline)) void dense_i8(const uint8_t *w, long rs, int Kin, int R, const float *x0, long ld,
+                                               int n, float *acc) {
+    dense_tiles(w, rs, FMT_I8, Kin, R, x0, ld, n, acc);
+}
 
 /* acc[r * ROWS_LD + t] for R (1..ROW_BLOCK) adjacent rows (stride rs bytes) and n tokens (rows x0 + t*ld) */
 static void dense_block(const uint8_t *w, long rs, int fmt, int Kin, int R, const float *x0, long ld, int n,
