@@ -35,7 +35,12 @@ log = logging.getLogger(__name__)
 SRC = Path(__file__).with_name("cpu_native.c")
 # LYNX_EDGE_NATIVE_ARCH picks another -march (e.g. haswell: the AVX2/FMA paths; x86-64: the
 # portable loops) — how the tests check the paths this machine's own ISA would not take
-FLAGS = ["-O3", f"-march={os.environ.get('LYNX_EDGE_NATIVE_ARCH', 'native')}", "-fPIC", "-shared", "-fno-math-errno"]
+# -ffp-contract=off: a scalar a * b + c stays two roundings wherever the compiler puts it. With
+# contraction (gcc's default) it may fuse the same line in one tile shape and not in another (seen
+# with -march=znver4: the INT4 q8 zero-point sums of a token differed alone and in a batch); the
+# vector paths' fused multiply-adds are explicit intrinsics and unaffected
+FLAGS = ["-O3", f"-march={os.environ.get('LYNX_EDGE_NATIVE_ARCH', 'native')}", "-fPIC", "-shared", "-fno-math-errno",
+         "-ffp-contract=off"]
 # -fopenmp links libgomp.so.1, which the loader binds to the copy torch already loaded (same
 # soname): one OpenMP runtime, one thread pool. Tried first; the build retries without it.
 OPENMP = ["-fopenmp"]
