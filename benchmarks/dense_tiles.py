@@ -6,10 +6,13 @@ Two parts:
   inputs of 256) and Qwen3-30B-A3B's (hidden 2048, expert intermediate 768), T = 1, 2, 3, 4, 16
   tokens, fp32 and bf16 weights; the output's largest difference to float64, relative to its
   largest value, for both builds;
-- the demo end to end (Engine, greedy, prompts of 128, 32 decode tokens) at B = 1, 4 and 16, LYNX
-  off and on: TPOT with each build, and LYNX's speed-up with each (median of paired ratios).
+- the demo (or `--model`) end to end (Engine, greedy, prompts of 128, 32 decode tokens) at B = 1, 4
+  and 16, LYNX off and on: TPOT with each build, and LYNX's speed-up with each (median of paired
+  ratios).
 
     python benchmarks/dense_tiles.py --base HEAD~1 [-r 15] [--threads 2]   # → results/dense_tiles.json
+    python benchmarks/dense_tiles.py --base HEAD~1 --skip-linear --model mixtral --dtype float32,bfloat16 \
+        --batch 1,16 --threads 1 --out benchmarks/results/dense_prefetch.json   # vs_transformers.py's model
     LYNX_EDGE_NATIVE_ARCH=haswell python benchmarks/dense_tiles.py ...    # the AVX2 build
 """
 from __future__ import annotations
@@ -72,15 +75,23 @@ def linear_rows(builds, rounds: int) -> list:
     return rows
 
 
-def demo_rows(builds, rounds: int, threads: int) -> list:
+def demo_rows(builds, rounds: int, threads: int, model: str = "demo", dtype: str | None = None,
+              batches: tuple = (1, 4, 16)) -> list:
     from lynx_edge import Engine
     from lynx_edge.bench import measure, synthetic_prompts
     from lynx_edge.threads import set_threads
 
     set_threads(threads, explicit=True)
-    eng = Engine.from_pretrained("demo", device="cpu", max_num_seqs=16)
+    if model == "mixtral":  # vs_transformers.py's checkpoint: 8 layers, D=512, 8 experts top-2, I=1024
+        import tempfile
+
+        from vs_transformers import make_checkpoint  # noqa: I001  (beside this script)
+
+        model = str(make_checkpoint(Path(tempfile.mkdtemp()) / "mixtral-8l-512"))
+        set_threads(threads, explicit=True)  # importing the tests' conftest set torch's threads
+    eng = Engine.from_pretrained(model, device="cpu", dtype=dtype, max_num_seqs=16)
     rows = []
-    for B in (1, 4, 16):
+    for B in batches:
         prompts = synthetic_prompts(eng, B, 128)
         modes = ("off", "lynx") if B > 1 else ("off",)
         tp = {(tag, m): [] for tag in ("base", "tree") for m in modes}
@@ -90,7 +101,8 @@ def demo_rows(builds, rounds: int, threads: int) -> list:
                 for m in (modes if r % 2 == 0 else modes[::-1]):
                     eng.set_lynx(m)
                     tp[(tag, m)].append(measure(eng, prompts, 32)["tpot_ms"])
-        row = {"batch": B, "threads": threads}
+        row = {"model": Path(model).name, "dtype": str(eng.model.embed_tokens.dtype)[6:], "batch": B,
+               "threads": threads}
         for m in modes:
             row[m] = {"base_tpot_ms": round(statistics.median(tp[("base", m)]), 4),
                       "tree_tpot_ms": round(statistics.median(tp[("tree", m)]), 4),
@@ -109,6 +121,9 @@ def main() -> None:
     ap.add_argument("-r", "--rounds", type=int, default=15)
     ap.add_argument("--threads", type=int, default=2, help="threads for the end-to-end part")
     ap.add_argument("--skip-linear", action="store_true")
+    ap.add_argument("--model", default="demo", help="the end-to-end model: demo, mixtral (vs_transformers.py's), or a path")
+    ap.add_argument("--dtype", default=None, help="comma-separated dtypes for the end-to-end part (default: the CPU default)")
+    ap.add_argument("--batch", default="1,4,16")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/dense_tiles.json"))
     a = ap.parse_args()
 
@@ -120,7 +135,8 @@ def main() -> None:
            "base": builds.base, "isa": cpu_isa(), "march": native.FLAGS[1], "rounds": a.rounds, "torch": torch.__version__}
     if not a.skip_linear:
         run["linear_1_thread"] = linear_rows(builds, a.rounds)
-    run["demo_end_to_end"] = demo_rows(builds, a.rounds, a.threads)
+    run["demo_end_to_end"] = [row for dt in (a.dtype or "").split(",") for row in demo_rows(
+        builds, a.rounds, a.threads, a.model, dt or None, tuple(int(b) for b in a.batch.split(",")))]
     out = Path(a.out)
     runs = json.loads(out.read_text()) if out.is_file() else []
     runs.append(run)
