@@ -40,6 +40,18 @@
 #ifndef PREFETCH
 #define PREFETCH 4096 /* bytes ahead the one-token row loops prefetch (the next rows of the block) */
 #endif
+#ifndef TILE_PREFETCH
+#define TILE_PREFETCH 8192 /* the least distance the dense and INT4 row tiles prefetch ahead */
+#endif
+/* The prefetch distance of a tile of `tile` bytes of rows: its rows' places in a later tile, whole
+ * tiles, at least `least` bytes (TILE_PREFETCH) ahead. A fixed distance shorter than the tile (4 KB against
+ * four 2 KB rows) fetched rows the tile was already reading and left the next tile's last rows to
+ * miss: on this AMD EPYC 1.15-1.35x end to end for 512-wide fp32 rows
+ * (benchmarks/results/dense_prefetch.json), 1.1-1.5x for INT4 rows read from DRAM at one token
+ * (benchmarks/results/int4_prefetch.json). */
+static inline long tile_ahead(long tile, long least) {
+    return tile >= least ? tile : (least + tile - 1) / tile * tile;
+}
 
 static inline float h2f(uint16_t h) { /* fp16 bits -> fp32, exactly (normal and subnormal; no inf/NaN) */
 #if defined(__F16C__)
@@ -141,8 +153,10 @@ static inline __attribute__((always_inline)) void dot_tile_h(
     const uint8_t *q, const long rs, const uint16_t *s, const uint8_t *z, long N, int Kin, const int H, const int R,
     const float *const *xe, const float *const *xo, const float *const *xs, const int NT, float *acc, const long ald) {
     const int ng = Kin / (2 * H), RN = R * NT;
+    const long pf = tile_ahead(R * rs, TILE_PREFETCH); /* AVX-512's prefetch distance */
     float corr[4] = {0.0f, 0.0f, 0.0f, 0.0f}, out[4];
     int t, r;
+    (void)pf;
 /* one body for both widths: P the intrinsics' prefix, V / VI float / int vectors of BITS bits,
  * LOAD8(p) BITS / 32 code bytes widened to int32 lanes, LO(b) / HI(b) the low / high nibble of each
  * lane as fp32 (exact small integers), PREF(r, g) the AVX-512 form's prefetch, REDUCE reduce_512 /
@@ -180,7 +194,7 @@ static inline __attribute__((always_inline)) void dot_tile_h(
     }
 #if defined(__AVX512F__)
 #define LOAD8_512(p) _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p)))
-#define PREF_512(r, g) _mm_prefetch((const char *)q + (r) * rs + (long)(g) * H + PREFETCH / 2, _MM_HINT_T0) /* the rows after these */
+#define PREF_512(r, g) _mm_prefetch((const char *)q + (r) * rs + (long)(g) * H + pf, _MM_HINT_T0) /* the rows after these */
 /* a nibble as fp32 by table: vpermps reads the low 4 bits of each lane, so the low nibble needs no
  * mask and neither needs a conversion (two ops fewer per 32 weights than and + shift + 2 cvt, on a
  * loop bound by its vector ops; the values are the same exact integers) */
@@ -385,8 +399,13 @@ static inline __attribute__((always_inline)) void q8_tile(
     const int8_t *const *xe, const int8_t *const *xo, const float *const *d, const float *const *zx, const int NT,
     float *acc, const long ald) {
     const int ng = Kin / G, RN = R * NT;
+    /* one-token tiles prefetch whole tiles ahead, at least PREFETCH (8 KB measured 0.93-1.2x against
+     * 4 KB where 4 KB was already a tile ahead); tiles of several tokens keep the constant distance
+     * (a run-time one took a register there: 0.73-0.81x at four tokens) */
+    const long pf = NT > 1 ? PREFETCH : tile_ahead(R * rs, PREFETCH);
     float corr[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f}, out[8];
     int t, r;
+    (void)pf;
     for (int g = 0; g < ng; g++)
         for (r = 0; r < R; r++) {
             const float sg = h2f(s[g * N + r]), zg = (float)(z ? z[g * N + r] : 8);
@@ -408,7 +427,7 @@ static inline __attribute__((always_inline)) void q8_tile(
                 const uint8_t *qr = q + r * rs;
                 const uint16_t *sr = s + r;
                 const __m512i w = _mm512_loadu_si512((const void *)(qr + 64L * c));
-                _mm_prefetch((const char *)qr + 64L * c + PREFETCH, _MM_HINT_T0);
+                _mm_prefetch((const char *)qr + 64L * c + pf, _MM_HINT_T0);
                 const __m512i lo = _mm512_and_si512(w, m4), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), m4);
                 __m512 sv; /* s_g per lane: a group covers G/8 lanes */
                 if (G >= 128) sv = _mm512_set1_ps(h2f(sr[(long)(c * 128 / G) * N]));
@@ -513,10 +532,7 @@ enum { FMT_INT4 = 0, FMT_F32 = 1, FMT_BF16 = 2, FMT_MXFP4 = 3, FMT_FP8 = 4, FMT_
  * and NT tokens, R * NT <= DT_N (the accumulators of one tile), NT <= 4. One accumulator per row x
  * token (a 4 x 4 tile loads 8 vectors per 16 multiply-adds; the earlier four partial sums per row x
  * token allowed only one row x 4 tokens, 20 loads per 16). Each tile prefetches its rows' places in
- * the tiles after it (whole tiles, DT_PREFETCH bytes or more ahead). */
-#ifndef DT_PREFETCH
-#define DT_PREFETCH 8192 /* the least distance the dense tiles prefetch ahead */
-#endif
+ * the tiles after it (tile_ahead). */
 #if defined(__AVX512F__)
 #define DT_N 16
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -543,11 +559,7 @@ static inline __attribute__((always_inline)) void dense_tile(const uint8_t *w, c
 #define W16(r) (FMT == FMT_F32 ? _mm512_loadu_ps(WF(r) + j) \
                 : FMT == FMT_I8 ? _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(WI(r) + j)))) \
                 : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(WB(r) + j))), 16)))
-    /* each row prefetches the same row of a tile DT_PREFETCH or more bytes ahead, whole tiles: a
-     * fixed distance shorter than the tile (4 KB against four 2 KB rows) fetched rows the tile was
-     * already reading and left the next tile's last rows to miss (1.2-1.3x at 16 tokens on 512-wide
-     * fp32 rows, benchmarks/results/dense_prefetch.json) */
-    const long tile = R * rs, pf = tile >= DT_PREFETCH ? tile : (DT_PREFETCH + tile - 1) / tile * tile;
+    const long pf = tile_ahead(R * rs, TILE_PREFETCH); /* each row prefetches its place in a later tile */
     for (; j + 16 <= Kin; j += 16) {
         __m512 xv[4];
         for (t = 0; t < NT; t++) xv[t] = _mm512_loadu_ps(x[t] + j);

@@ -1,0 +1,81 @@
+"""Native INT4 rows (lynx_linear_int4: a GPTQ / AWQ projection read packed, the tiles of the INT4
+experts too) read from DRAM: this tree's build against another revision's, in one process,
+alternating rounds. Each shape holds 64 MiB of packed codes (group 128, symmetric), far past the
+caches, so one token is a stream of weights; T = 1 (B=1 decode) and 4, fp32 activations (exact) and
+int8 ones (`--int4-act q8`); GB/s of packed weights and the paired speed-up.
+
+    python benchmarks/int4_rows.py --base HEAD~1 [-r 11] [--threads 1,2]   # → results/int4_prefetch.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from native_ab import Builds, paired  # noqa: E402  (beside this script)
+
+SHAPES = [(768, 131072), (2048, 65536), (4096, 32768)]  # K (inputs; rows of K/2 bytes), N (rows)
+
+
+def rows(builds, rounds: int, threads: int) -> list:
+    from lynx_edge.kernels import native
+
+    torch.set_num_threads(threads)
+    out = []
+    for K, N in SHAPES:
+        g = torch.Generator().manual_seed(0)
+        packed = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, generator=g)
+        scales = (torch.rand(K // 128, N, generator=g) * 0.01).half()
+        for act in ("f32", "q8"):
+            for T in (1, 4):
+                x = torch.randn(T, K, generator=g)
+                ys, ms = {}, {"base": [], "tree": []}
+                for r in range(rounds):
+                    for tag in (("base", "tree") if r % 2 == 0 else ("tree", "base")):
+                        builds.use(tag)
+                        t0 = time.perf_counter()
+                        ys[tag] = native.linear_int4(x, packed, scales, None, act=act)
+                        ms[tag].append((time.perf_counter() - t0) * 1e3)
+                gb = N * K / 2 / 1e9
+                row = {"shape": f"K={K} N={N} T={T} {act}", "threads": threads,
+                       "base_gb_s": round(gb / statistics.median(ms["base"]) * 1e3, 2),
+                       "tree_gb_s": round(gb / statistics.median(ms["tree"]) * 1e3, 2),
+                       "speedup": {k: round(v, 3) for k, v in paired(ms["base"], ms["tree"]).items()},
+                       "bit_equal": torch.equal(ys["base"], ys["tree"])}
+                out.append(row)
+                print(json.dumps(row), flush=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--base", required=True, help="git revision whose cpu_native.c is the baseline")
+    ap.add_argument("-r", "--rounds", type=int, default=11)
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/int4_prefetch.json"))
+    a = ap.parse_args()
+
+    from lynx_edge.bench import cpu_isa
+    from lynx_edge.kernels import native
+
+    builds = Builds(a.base, "int4_rows")
+    run = {"benchmark": "native INT4 rows from DRAM, this tree vs --base (same process, alternating rounds)",
+           "base": builds.base, "isa": cpu_isa(), "march": native.FLAGS[1], "rounds": a.rounds,
+           "torch": torch.__version__,
+           "rows": [row for t in a.threads.split(",") for row in rows(builds, a.rounds, int(t))]}
+    out = Path(a.out)
+    runs = json.loads(out.read_text()) if out.is_file() else []
+    runs.append(run)
+    out.write_text(json.dumps(runs, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
