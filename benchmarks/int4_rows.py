@@ -1,10 +1,11 @@
 """Native INT4 rows (lynx_linear_int4: a GPTQ / AWQ projection read packed, the tiles of the INT4
-experts too) read from DRAM: this tree's build against another revision's, in one process,
-alternating rounds. Each shape holds 64 MiB of packed codes (group 128, symmetric), far past the
-caches, so one token is a stream of weights; T = 1 (B=1 decode) and 4, fp32 activations (exact) and
-int8 ones (`--int4-act q8`); GB/s of packed weights and the paired speed-up.
+experts too) and int8 rows (lynx_linear_int8: the `--int8-head` kernel) read from DRAM: this tree's
+build against another revision's, in one process, alternating rounds. Each shape holds 64 MiB of
+codes (INT4: group 128, symmetric), far past the caches, so one token is a stream of weights; T = 1
+(B=1 decode) and 4, fp32 activations (exact) and int8 ones (`--int4-act q8`); GB/s of codes and the
+paired speed-up.
 
-    python benchmarks/int4_rows.py --base HEAD~1 [-r 11] [--threads 1,2]   # → results/int4_prefetch.json
+    python benchmarks/int4_rows.py --base HEAD~1 [-r 11] [--threads 1,2] [--kinds int4,int8]   # → results/int4_prefetch.json
 """
 from __future__ import annotations
 
@@ -25,15 +26,20 @@ from native_ab import Builds, paired  # noqa: E402  (beside this script)
 SHAPES = [(768, 131072), (2048, 65536), (4096, 32768)]  # K (inputs; rows of K/2 bytes), N (rows)
 
 
-def rows(builds, rounds: int, threads: int) -> list:
+def rows(builds, rounds: int, threads: int, kind: str) -> list:
     from lynx_edge.kernels import native
 
     torch.set_num_threads(threads)
     out = []
     for K, N in SHAPES:
         g = torch.Generator().manual_seed(0)
-        packed = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, generator=g)
-        scales = (torch.rand(K // 128, N, generator=g) * 0.01).half()
+        if kind == "int4":
+            packed = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, generator=g)
+            scales = (torch.rand(K // 128, N, generator=g) * 0.01).half()
+        else:  # int8 rows (the int8 head's kernel) of the same bytes: half the rows
+            N //= 2
+            codes = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=g)
+            scales = torch.rand(N, generator=g) * 0.01
         for act in ("f32", "q8"):
             for T in (1, 4):
                 x = torch.randn(T, K, generator=g)
@@ -42,10 +48,11 @@ def rows(builds, rounds: int, threads: int) -> list:
                     for tag in (("base", "tree") if r % 2 == 0 else ("tree", "base")):
                         builds.use(tag)
                         t0 = time.perf_counter()
-                        ys[tag] = native.linear_int4(x, packed, scales, None, act=act)
+                        ys[tag] = (native.linear_int4(x, packed, scales, None, act=act) if kind == "int4" else
+                                   native.linear_int8(x, codes, scales, act=act))
                         ms[tag].append((time.perf_counter() - t0) * 1e3)
-                gb = N * K / 2 / 1e9
-                row = {"shape": f"K={K} N={N} T={T} {act}", "threads": threads,
+                gb = N * K / (2 if kind == "int4" else 1) / 1e9
+                row = {"shape": f"{kind} K={K} N={N} T={T} {act}", "threads": threads,
                        "base_gb_s": round(gb / statistics.median(ms["base"]) * 1e3, 2),
                        "tree_gb_s": round(gb / statistics.median(ms["tree"]) * 1e3, 2),
                        "speedup": {k: round(v, 3) for k, v in paired(ms["base"], ms["tree"]).items()},
@@ -60,6 +67,7 @@ def main() -> None:
     ap.add_argument("--base", required=True, help="git revision whose cpu_native.c is the baseline")
     ap.add_argument("-r", "--rounds", type=int, default=11)
     ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--kinds", default="int4,int8", help="int4 rows, int8 rows (the int8 head's kernel)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/int4_prefetch.json"))
     a = ap.parse_args()
 
@@ -70,7 +78,8 @@ def main() -> None:
     run = {"benchmark": "native INT4 rows from DRAM, this tree vs --base (same process, alternating rounds)",
            "base": builds.base, "isa": cpu_isa(), "march": native.FLAGS[1], "rounds": a.rounds,
            "torch": torch.__version__,
-           "rows": [row for t in a.threads.split(",") for row in rows(builds, a.rounds, int(t))]}
+           "rows": [row for k in a.kinds.split(",") for t in a.threads.split(",")
+                    for row in rows(builds, a.rounds, int(t), k)]}
     out = Path(a.out)
     runs = json.loads(out.read_text()) if out.is_file() else []
     runs.append(run)

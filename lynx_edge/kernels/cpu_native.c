@@ -47,7 +47,7 @@
  * tiles, at least `least` bytes (TILE_PREFETCH) ahead. A fixed distance shorter than the tile (4 KB against
  * four 2 KB rows) fetched rows the tile was already reading and left the next tile's last rows to
  * miss: on this AMD EPYC 1.15-1.35x end to end for 512-wide fp32 rows
- * (benchmarks/results/dense_prefetch.json), 1.1-1.5x for INT4 rows read from DRAM at one token
+ * (benchmarks/results/dense_prefetch.json), 1.1-1.3x for INT4 rows read from DRAM at one token
  * (benchmarks/results/int4_prefetch.json). */
 static inline long tile_ahead(long tile, long least) {
     return tile >= least ? tile : (least + tile - 1) / tile * tile;
@@ -1339,6 +1339,7 @@ static inline __attribute__((always_inline)) void i8q8_tile(const int8_t *w, con
                                                            const float *const *ct, const int NT, float *acc,
                                                            const long ald) {
     const int RN = R * NT, nc = Kin / 64;
+    const long pf = NT > 1 ? PREFETCH : tile_ahead(R * rs, PREFETCH); /* as q8_tile's */
     float corr[8], out[8];
     __m512 tot[8];
     __m512i ai[8];
@@ -1353,7 +1354,7 @@ static inline __attribute__((always_inline)) void i8q8_tile(const int8_t *w, con
         for (int c = b * (QH / 64); c < c1; c++)
             for (int r = 0; r < R; r++) {
                 const __m512i wu = _mm512_xor_si512(_mm512_loadu_si512((const void *)(w + r * rs + 64L * c)), flip);
-                _mm_prefetch((const char *)(w + r * rs + 64L * c) + PREFETCH, _MM_HINT_T0);
+                _mm_prefetch((const char *)(w + r * rs + 64L * c) + pf, _MM_HINT_T0);
                 for (int t = 0; t < NT; t++)
                     ai[r * NT + t] = _mm512_dpbusd_epi32(ai[r * NT + t], wu, _mm512_loadu_si512((const void *)(xq[t] + 64L * c)));
             }
