@@ -39,7 +39,7 @@ def main() -> None:
     ap.add_argument("-r", "--rounds", type=int, default=15)
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/attn_decode.json"))
     a = ap.parse_args()
-    from native_ab import Builds, paired
+    from native_ab import Builds, append_run, paired
 
     from lynx_edge.bench import cpu_isa
     from lynx_edge.kernels import native
@@ -86,11 +86,9 @@ def main() -> None:
                "max_rel_diff": float((outs["tree"] - outs["base"]).abs().max() / outs["base"].abs().max())}
         rows_out.append(row)
         print(json.dumps(row), flush=True)
-    out = Path(a.out)
-    runs = json.loads(out.read_text()) if out.is_file() else []
-    runs.append({"benchmark": "native decode attention, this tree vs --base (one thread, same process)",
-                 "base": builds.base, "isa": cpu_isa(), "march": native.FLAGS[1], "rounds": a.rounds, "torch": torch.__version__, "rows": rows_out})
-    out.write_text(json.dumps(runs, indent=1) + "\n")
+    append_run(Path(a.out), {"benchmark": "native decode attention, this tree vs --base (one thread, same process)",
+                             "base": builds.base, "isa": cpu_isa(), "march": native.FLAGS[1], "rounds": a.rounds,
+                             "torch": torch.__version__, "rows": rows_out})
 
 
 def _once(call, caches) -> float:

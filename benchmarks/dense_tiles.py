@@ -29,7 +29,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from native_ab import Builds, paired  # noqa: E402  (beside this script)
+from native_ab import Builds, alternate, append_run, paired  # noqa: E402  (beside this script)
 
 LINEAR = [  # name, K (inputs), N (rows)
     ("demo head", 256, 4096), ("demo q/k/v", 256, 512),
@@ -53,20 +53,14 @@ def linear_rows(builds, rounds: int) -> list:
             for T in TOKENS:
                 x = torch.randn(T, K, generator=g)
                 ref = x.double() @ w.double().T
-                err, ms = {}, {"base": [], "tree": []}
-                for tag in ms:
+                err = {}
+                for tag in ("base", "tree"):
                     builds.use(tag)
                     err[tag] = float((native.linear(x, w).double() - ref).abs().max() / ref.abs().max())
                 t0 = time.perf_counter()
                 native.linear(x, w)
                 reps = max(1, int(5e-3 / max(1e-6, time.perf_counter() - t0)))
-                for r in range(rounds):
-                    for tag in (("base", "tree") if r % 2 == 0 else ("tree", "base")):
-                        builds.use(tag)
-                        t0 = time.perf_counter()
-                        for _ in range(reps):
-                            native.linear(x, w)
-                        ms[tag].append((time.perf_counter() - t0) / reps * 1e3)
+                ms = alternate(builds, rounds, lambda: native.linear(x, w), reps)
                 row = {"shape": f"{name} T={T} {str(dt)[6:]}", "base_ms": round(statistics.median(ms["base"]), 4),
                        "tree_ms": round(statistics.median(ms["tree"]), 4), "speedup": _paired(ms["base"], ms["tree"]),
                        "rel_err_base": err["base"], "rel_err_tree": err["tree"]}
@@ -137,10 +131,7 @@ def main() -> None:
         run["linear_1_thread"] = linear_rows(builds, a.rounds)
     run["demo_end_to_end"] = [row for dt in (a.dtype or "").split(",") for row in demo_rows(
         builds, a.rounds, a.threads, a.model, dt or None, tuple(int(b) for b in a.batch.split(",")))]
-    out = Path(a.out)
-    runs = json.loads(out.read_text()) if out.is_file() else []
-    runs.append(run)
-    out.write_text(json.dumps(runs, indent=1) + "\n")
+    append_run(Path(a.out), run)
 
 
 if __name__ == "__main__":

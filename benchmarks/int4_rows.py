@@ -13,7 +13,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -21,7 +20,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from native_ab import Builds, paired  # noqa: E402  (beside this script)
+from native_ab import Builds, alternate, append_run, paired  # noqa: E402  (beside this script)
 
 SHAPES = [(768, 131072), (2048, 65536), (4096, 32768)]  # K (inputs; rows of K/2 bytes), N (rows)
 
@@ -43,14 +42,16 @@ def rows(builds, rounds: int, threads: int, kind: str) -> list:
         for act in ("f32", "q8"):
             for T in (1, 4):
                 x = torch.randn(T, K, generator=g)
-                ys, ms = {}, {"base": [], "tree": []}
-                for r in range(rounds):
-                    for tag in (("base", "tree") if r % 2 == 0 else ("tree", "base")):
-                        builds.use(tag)
-                        t0 = time.perf_counter()
-                        ys[tag] = (native.linear_int4(x, packed, scales, None, act=act) if kind == "int4" else
-                                   native.linear_int8(x, codes, scales, act=act))
-                        ms[tag].append((time.perf_counter() - t0) * 1e3)
+
+                def call():
+                    return (native.linear_int4(x, packed, scales, None, act=act) if kind == "int4" else
+                            native.linear_int8(x, codes, scales, act=act))
+
+                ys = {}
+                for tag in ("base", "tree"):
+                    builds.use(tag)
+                    ys[tag] = call()
+                ms = alternate(builds, rounds, call)
                 gb = N * K / (2 if kind == "int4" else 1) / 1e9
                 row = {"shape": f"{kind} K={K} N={N} T={T} {act}", "threads": threads,
                        "base_gb_s": round(gb / statistics.median(ms["base"]) * 1e3, 2),
@@ -80,10 +81,7 @@ def main() -> None:
            "torch": torch.__version__,
            "rows": [row for k in a.kinds.split(",") for t in a.threads.split(",")
                     for row in rows(builds, a.rounds, int(t), k)]}
-    out = Path(a.out)
-    runs = json.loads(out.read_text()) if out.is_file() else []
-    runs.append(run)
-    out.write_text(json.dumps(runs, indent=1) + "\n")
+    append_run(Path(a.out), run)
 
 
 if __name__ == "__main__":

@@ -3,12 +3,16 @@ kernel A/B benchmarks (attn_decode.py, dense_tiles.py).
 
     builds = Builds("HEAD~1", "attn_decode")   # both built and loaded; builds.base: short hash
     builds.use("base")                          # every native call now goes to the base build
-    paired(base_times, tree_times)              # {"median", "min", "max"} of the per-round ratios
+    ms = alternate(builds, rounds, fn, reps)    # {"base": [ms...], "tree": [ms...]}, order alternating
+    paired(ms["base"], ms["tree"])              # {"median", "min", "max"} of the per-round ratios
+    append_run(path, run)                       # the results file: a JSON list of runs
 """
 from __future__ import annotations
 
+import json
 import statistics
 import subprocess
+import time
 import sys
 import tempfile
 from pathlib import Path
@@ -50,3 +54,24 @@ def paired(base: list, tree: list) -> dict:
     """Speed-up of tree over base per round (base time / tree time): median, min and max."""
     r = sorted(b / t for b, t in zip(base, tree))
     return {"median": statistics.median(r), "min": r[0], "max": r[-1]}
+
+
+def alternate(builds: Builds, rounds: int, fn, reps: int = 1) -> dict:
+    """ms per fn() call with each build, `reps` calls per sample, the build that goes first
+    alternating round by round (background load hits both alike) → {"base": [...], "tree": [...]}."""
+    ms = {"base": [], "tree": []}
+    for r in range(rounds):
+        for tag in (("base", "tree") if r % 2 == 0 else ("tree", "base")):
+            builds.use(tag)
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            ms[tag].append((time.perf_counter() - t0) / reps * 1e3)
+    return ms
+
+
+def append_run(path: Path, run: dict) -> None:
+    """Add run to the results file at path (a JSON list of runs, made when missing)."""
+    runs = json.loads(path.read_text()) if path.is_file() else []
+    runs.append(run)
+    path.write_text(json.dumps(runs, indent=1) + "\n")
