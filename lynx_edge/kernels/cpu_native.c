@@ -153,7 +153,7 @@ static inline __attribute__((always_inline)) void dot_tile_h(
     const uint8_t *q, const long rs, const uint16_t *s, const uint8_t *z, long N, int Kin, const int H, const int R,
     const float *const *xe, const float *const *xo, const float *const *xs, const int NT, float *acc, const long ald) {
     const int ng = Kin / (2 * H), RN = R * NT;
-    /* AVX-512's prefetch distance: one-token tiles whole tiles ahead, at least TILE_PREFETCH (the
+    /* the prefetch distance: one-token tiles whole tiles ahead, at least TILE_PREFETCH (the
      * fixed 2 KB fell inside a tile of four rows of 1 KB and more); tiles of several tokens, whose
      * decoding outlasts the memory, keep the 2 KB (8 KB there measured 0.87-0.96x at B=16) */
     const long pf = NT > 1 ? PREFETCH / 2 : tile_ahead(R * rs, TILE_PREFETCH);
@@ -162,7 +162,7 @@ static inline __attribute__((always_inline)) void dot_tile_h(
     (void)pf;
 /* one body for both widths: P the intrinsics' prefix, V / VI float / int vectors of BITS bits,
  * LOAD8(p) BITS / 32 code bytes widened to int32 lanes, LO(b) / HI(b) the low / high nibble of each
- * lane as fp32 (exact small integers), PREF(r, g) the AVX-512 form's prefetch, REDUCE reduce_512 /
+ * lane as fp32 (exact small integers), PREF(r, g) the prefetch of group g of row r, REDUCE reduce_512 /
  * reduce_256 */
 #define DOT_TILE_VEC(P, V, VI, BITS, LOAD8, LO, HI, PREF, REDUCE) \
     if (H % ((BITS) / 32) == 0) { \
@@ -195,23 +195,22 @@ static inline __attribute__((always_inline)) void dot_tile_h(
             for (t = 0; t < NT; t++) acc[r * ald + t] = out[r * NT + t]; \
         return; \
     }
+#define PREF_ROWS(r, g) _mm_prefetch((const char *)q + (r) * rs + (long)(g) * H + pf, _MM_HINT_T0) /* the rows after these */
 #if defined(__AVX512F__)
 #define LOAD8_512(p) _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p)))
-#define PREF_512(r, g) _mm_prefetch((const char *)q + (r) * rs + (long)(g) * H + pf, _MM_HINT_T0) /* the rows after these */
 /* a nibble as fp32 by table: vpermps reads the low 4 bits of each lane, so the low nibble needs no
  * mask and neither needs a conversion (two ops fewer per 32 weights than and + shift + 2 cvt, on a
  * loop bound by its vector ops; the values are the same exact integers) */
 #define NIB_512(b) _mm512_permutexvar_ps((b), _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15))
 #define LO_512(b) NIB_512(b)
 #define HI_512(b) NIB_512(_mm512_srli_epi32((b), 4))
-    DOT_TILE_VEC(_mm512, __m512, __m512i, 512, LOAD8_512, LO_512, HI_512, PREF_512, reduce_512)
+    DOT_TILE_VEC(_mm512, __m512, __m512i, 512, LOAD8_512, LO_512, HI_512, PREF_ROWS, reduce_512)
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
 #define LOAD8_256(p) _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p)))
-#define PREF_NONE(r, g) (void)0
 #define LO_256(b) _mm256_cvtepi32_ps(_mm256_and_si256((b), _mm256_set1_epi32(15)))
 #define HI_256(b) _mm256_cvtepi32_ps(_mm256_srli_epi32((b), 4))
-    DOT_TILE_VEC(_mm256, __m256, __m256i, 256, LOAD8_256, LO_256, HI_256, PREF_NONE, reduce_256)
+    DOT_TILE_VEC(_mm256, __m256, __m256i, 256, LOAD8_256, LO_256, HI_256, PREF_ROWS, reduce_256)
 #endif
     /* portable: the compiler vectorises what it can (the zero point stays in the loop) */
     (void)xs; (void)corr; (void)out; (void)RN;
@@ -465,6 +464,7 @@ static inline __attribute__((always_inline)) void q8_tile(
                 const uint8_t *qr = q + r * rs;
                 const uint16_t *sr = s + r;
                 const __m256i w = _mm256_loadu_si256((const __m256i *)(qr + 32L * c));
+                if ((c & 1) == 0) _mm_prefetch((const char *)qr + 32L * c + pf, _MM_HINT_T0);
                 const __m256i lo = _mm256_and_si256(w, m4), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), m4);
                 const float s0 = h2f(sr[(long)(c * 64 / G) * N]);
                 const __m256 sv = G >= 64 ? _mm256_set1_ps(s0)
@@ -577,10 +577,12 @@ static inline __attribute__((always_inline)) void dense_tile(const uint8_t *w, c
 #elif defined(__AVX2__) && defined(__FMA__)
     __m256 a[8];
     for (t = 0; t < 8; t++) a[t] = _mm256_setzero_ps();
+    const long pf = tile_ahead(R * rs, TILE_PREFETCH);
     for (; j + 8 <= Kin; j += 8) {
         __m256 xv[4];
         for (t = 0; t < NT; t++) xv[t] = _mm256_loadu_ps(x[t] + j);
         for (r = 0; r < R; r++) {
+            if (((j * ES) & 63) == 0) _mm_prefetch((const char *)(w + r * rs) + (long)j * ES + pf, _MM_HINT_T0);
             const __m256 wv = FMT == FMT_F32 ? _mm256_loadu_ps(WF(r) + j)
                 : FMT == FMT_I8 ? _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(WI(r) + j))))
                 : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(WB(r) + j))), 16));
@@ -831,6 +833,7 @@ static inline __attribute__((always_inline)) void f8_rows(const uint8_t *q, cons
         __m256 p0[4], p1[4];
         for (t = 0; t < NT; t++) { xb[t] = x[t] + (long)b * bk; p0[t] = p1[t] = _mm256_setzero_ps(); }
         for (int j = 0; j < bk; j += 16) {
+            if ((j & 63) == 0) _mm_prefetch((const char *)qb + j + PREFETCH, _MM_HINT_T0); /* as AVX-512's */
             const __m256 w0 = F8X8(qb + j), w1 = F8X8(qb + j + 8);
             for (t = 0; t < NT; t++) {
                 p0[t] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xb[t] + j), p0[t]);
