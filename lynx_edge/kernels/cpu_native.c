@@ -44,11 +44,11 @@
 #define TILE_PREFETCH 8192 /* the least distance the dense and INT4 row tiles prefetch ahead */
 #endif
 /* The prefetch distance of a tile of `tile` bytes of rows: its rows' places in a later tile, whole
- * tiles, at least `least` bytes (TILE_PREFETCH) ahead. A fixed distance shorter than the tile (4 KB against
- * four 2 KB rows) fetched rows the tile was already reading and left the next tile's last rows to
- * miss: on this AMD EPYC 1.15-1.35x end to end for 512-wide fp32 rows
+ * tiles, at least `least` bytes ahead. A fixed distance shorter than the tile (4 KB against four
+ * 2 KB rows) fetched rows the tile was already reading and left the next tile's last rows to miss:
+ * on an AMD EPYC (Zen4) 1.15-1.35x end to end for 512-wide fp32 rows
  * (benchmarks/results/dense_prefetch.json), 1.1-1.3x for INT4 rows read from DRAM at one token
- * (benchmarks/results/int4_prefetch.json). */
+ * (int4_prefetch.json); the AVX2 paths, which prefetched nothing, 1.2-2.5x (avx2_prefetch.json). */
 static inline long tile_ahead(long tile, long least) {
     return tile >= least ? tile : (least + tile - 1) / tile * tile;
 }
