@@ -12,7 +12,6 @@ positions and B = 4 over 1000, fp32 and bf16 caches.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -34,16 +33,11 @@ SHAPES = [  # name, B, H, Hkv, hd, cached positions, cache dtype, evict between 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--base", required=True, help="git revision whose cpu_native.c is the baseline")
-    ap.add_argument("-r", "--rounds", type=int, default=15)
-    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/attn_decode.json"))
-    a = ap.parse_args()
-    from native_ab import Builds, append_run, paired
+    from native_ab import Builds, append_run, paired, parser
 
-    from lynx_edge.bench import cpu_isa
     from lynx_edge.kernels import native
 
+    a = parser("attn_decode.json", rounds=15).parse_args()
     builds = Builds(a.base, "attn_decode")
     torch.set_num_threads(1)
     junk = torch.randn(12 << 20)
@@ -86,9 +80,8 @@ def main() -> None:
                "max_rel_diff": float((outs["tree"] - outs["base"]).abs().max() / outs["base"].abs().max())}
         rows_out.append(row)
         print(json.dumps(row), flush=True)
-    append_run(Path(a.out), {"benchmark": "native decode attention, this tree vs --base (one thread, same process)",
-                             "base": builds.base, "isa": cpu_isa(), "march": native.FLAGS[1], "rounds": a.rounds,
-                             "torch": torch.__version__, "rows": rows_out})
+    append_run(Path(a.out), builds.header("native decode attention, this tree vs --base (one thread, same process)",
+                                          a.rounds) | {"rows": rows_out})
 
 
 def _once(call, caches) -> float:

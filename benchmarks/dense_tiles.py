@@ -17,7 +17,6 @@ Two parts:
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -29,7 +28,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from native_ab import Builds, alternate, append_run, paired  # noqa: E402  (beside this script)
+from native_ab import Builds, alternate, append_run, paired, parser  # noqa: E402  (beside this script)
 
 LINEAR = [  # name, K (inputs), N (rows)
     ("demo head", 256, 4096), ("demo q/k/v", 256, 512),
@@ -110,23 +109,15 @@ def demo_rows(builds, rounds: int, threads: int, model: str = "demo", dtype: str
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--base", required=True, help="git revision whose cpu_native.c is the baseline")
-    ap.add_argument("-r", "--rounds", type=int, default=15)
+    ap = parser("dense_tiles.json", rounds=15)
     ap.add_argument("--threads", type=int, default=2, help="threads for the end-to-end part")
     ap.add_argument("--skip-linear", action="store_true")
     ap.add_argument("--model", default="demo", help="the end-to-end model: demo, mixtral (vs_transformers.py's), or a path")
     ap.add_argument("--dtype", default=None, help="comma-separated dtypes for the end-to-end part (default: the CPU default)")
     ap.add_argument("--batch", default="1,4,16")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/dense_tiles.json"))
     a = ap.parse_args()
-
-    from lynx_edge.bench import cpu_isa
-    from lynx_edge.kernels import native
-
     builds = Builds(a.base, "dense_tiles")
-    run = {"benchmark": "native dense rows, this tree vs --base (same process, alternating rounds)",
-           "base": builds.base, "isa": cpu_isa(), "march": native.FLAGS[1], "rounds": a.rounds, "torch": torch.__version__}
+    run = builds.header("native dense rows, this tree vs --base (same process, alternating rounds)", a.rounds)
     if not a.skip_linear:
         run["linear_1_thread"] = linear_rows(builds, a.rounds)
     run["demo_end_to_end"] = [row for dt in (a.dtype or "").split(",") for row in demo_rows(

@@ -9,7 +9,6 @@ paired speed-up.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -20,7 +19,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from native_ab import Builds, alternate, append_run, paired  # noqa: E402  (beside this script)
+from native_ab import Builds, alternate, append_run, paired, parser  # noqa: E402  (beside this script)
 
 SHAPES = [(768, 131072), (2048, 65536), (4096, 32768)]  # K (inputs; rows of K/2 bytes), N (rows)
 
@@ -64,23 +63,13 @@ def rows(builds, rounds: int, threads: int, kind: str) -> list:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--base", required=True, help="git revision whose cpu_native.c is the baseline")
-    ap.add_argument("-r", "--rounds", type=int, default=11)
+    ap = parser("int4_prefetch.json", rounds=11)
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--kinds", default="int4,int8", help="int4 rows, int8 rows (the int8 head's kernel)")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/int4_prefetch.json"))
     a = ap.parse_args()
-
-    from lynx_edge.bench import cpu_isa
-    from lynx_edge.kernels import native
-
     builds = Builds(a.base, "int4_rows")
-    run = {"benchmark": "native INT4 rows from DRAM, this tree vs --base (same process, alternating rounds)",
-           "base": builds.base, "isa": cpu_isa(), "march": native.FLAGS[1], "rounds": a.rounds,
-           "torch": torch.__version__,
-           "rows": [row for k in a.kinds.split(",") for t in a.threads.split(",")
-                    for row in rows(builds, a.rounds, int(t), k)]}
+    run = builds.header("native INT4 rows from DRAM, this tree vs --base (same process, alternating rounds)", a.rounds)
+    run["rows"] = [row for k in a.kinds.split(",") for t in a.threads.split(",") for row in rows(builds, a.rounds, int(t), k)]
     append_run(Path(a.out), run)
 
 

@@ -1,14 +1,16 @@
 """This tree's native kernels against another revision's, in one process: the shared set-up of the
-kernel A/B benchmarks (attn_decode.py, dense_tiles.py).
+kernel A/B benchmarks (attn_decode.py, dense_tiles.py, int4_rows.py).
 
     builds = Builds("HEAD~1", "attn_decode")   # both built and loaded; builds.base: short hash
+    ap = parser("attn_decode.json", rounds=15)  # --base, -r/--rounds, --out (under benchmarks/results/)
     builds.use("base")                          # every native call now goes to the base build
     ms = alternate(builds, rounds, fn, reps)    # {"base": [ms...], "tree": [ms...]}, order alternating
     paired(ms["base"], ms["tree"])              # {"median", "min", "max"} of the per-round ratios
-    append_run(path, run)                       # the results file: a JSON list of runs
+    append_run(path, builds.header(what, a.rounds) | {...})  # the results file: a JSON list of runs
 """
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import subprocess
@@ -48,6 +50,27 @@ class Builds:
 
     def use(self, tag: str) -> None:
         self.current = tag
+
+    def header(self, benchmark: str, rounds: int) -> dict:
+        """The fields every recorded run starts with: what was measured, against which revision, on
+        which ISA and build flags."""
+        import torch
+
+        from lynx_edge.bench import cpu_isa
+        from lynx_edge.kernels import native
+
+        return {"benchmark": benchmark, "base": self.base, "isa": cpu_isa(), "march": native.FLAGS[1],
+                "rounds": rounds, "torch": torch.__version__}
+
+
+def parser(out: str, rounds: int) -> argparse.ArgumentParser:
+    """The kernel A/Bs' shared options: --base REV (required), -r/--rounds, --out (default
+    benchmarks/results/<out>)."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--base", required=True, help="git revision whose cpu_native.c is the baseline")
+    ap.add_argument("-r", "--rounds", type=int, default=rounds)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks/results" / out))
+    return ap
 
 
 def paired(base: list, tree: list) -> dict:
