@@ -78,7 +78,7 @@ def demo_rows(builds, rounds: int, threads: int, model: str = "demo", dtype: str
     if model == "mixtral":  # vs_transformers.py's checkpoint: 8 layers, D=512, 8 experts top-2, I=1024
         import tempfile
 
-        from vs_transformers import make_checkpoint  # noqa: I001  (beside this script)
+        from vs_transformers import make_checkpoint  # beside this script
 
         model = str(make_checkpoint(Path(tempfile.mkdtemp()) / "mixtral-8l-512"))
         set_threads(threads, explicit=True)  # importing the tests' conftest set torch's threads
