@@ -15,6 +15,8 @@ temporaries (RTN) — see benchmarks/load_memory.py. Glossary: E experts, D hidd
 """
 from __future__ import annotations
 
+import functools
+import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,9 +32,33 @@ from .models.layers import StackedExperts
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
-# On a CPU the model is widened to fp32 (fast matmuls without native bf16) only while that costs
-# little memory; a bigger 16-bit checkpoint stays 16-bit so it is not doubled in RAM.
+# On a CPU without native bf16 math the model is widened to fp32 (torch's bf16 GEMMs are slow
+# there) only while that costs little memory; a bigger 16-bit checkpoint stays 16-bit so it is not
+# doubled in RAM. A CPU with native bf16 keeps a bf16 checkpoint bf16 (see default_dtype).
 CPU_FP32_MAX_BYTES = 2 << 30
+CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags of x86 bf16 dot products / tiles
+
+
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def cpu_bf16() -> bool:
+    """This CPU multiplies bf16 natively (x86 AVX512_BF16 or AMX-BF16): torch's bf16 GEMMs run on
+    oneDNN's bf16 kernels there. $LYNX_EDGE_CPU_BF16=1/0 says so instead (Arm's BF16 extension is
+    not measured yet, so it counts as absent)."""
+    env = os.environ.get("LYNX_EDGE_CPU_BF16")
+    if env in ("0", "1"):
+        return env == "1"
+    return any(f in _cpu_flags() for f in CPU_BF16_FLAGS)
 
 
 @dataclass
@@ -74,13 +100,17 @@ def resolve_dtype(dtype, device: torch.device, cfg: ModelConfig, ckpt_bytes: int
 
 
 def default_dtype(device: torch.device, cfg: ModelConfig, ckpt_bytes: int) -> torch.dtype:
-    """bf16 on CUDA. On CPU: fp32 while the checkpoint is ≤ 2 GiB (widening is cheap; torch's fp32
-    GEMMs prefill up to 1.5× faster than bf16 on CPUs without native bf16 math, while the native
-    decode kernels make bf16 decode 1.1–1.5× faster: benchmarks/results/cpu_native.md), else the
-    checkpoint's own 16-bit dtype (memory first)."""
+    """bf16 on CUDA. On CPU: a bf16 checkpoint stays bf16 where the CPU has native bf16 math
+    (cpu_bf16: on a Zen4 EPYC the demo then prefills 1.45× and decodes 1.7–2.0× faster than in fp32
+    at +0.03% perplexity, benchmarks/results/cpu_dtype_s15_t1.md); elsewhere fp32 while the
+    checkpoint is ≤ 2 GiB (widening is cheap; torch's fp32 GEMMs prefill up to 1.5× faster than
+    bf16 on CPUs without native bf16 math: benchmarks/results/cpu_native.md), else the checkpoint's
+    own 16-bit dtype (memory first)."""
     if device.type == "cuda":
         return torch.bfloat16
     ckpt = DTYPES.get(str(cfg.torch_dtype or "bfloat16"), torch.bfloat16)
+    if ckpt == torch.bfloat16 and cpu_bf16():
+        return torch.bfloat16
     if ckpt == torch.float32 or ckpt_bytes <= CPU_FP32_MAX_BYTES:
         return torch.float32
     return ckpt
@@ -317,4 +347,4 @@ def _offload_runtime(cfg, opts: LoadOptions, dt, dev, name, group, sym, mixed, f
     return make_runtime(cfg, oo, dt, dev, fmt=fmt)
 
 
-__all__ = ["DTYPES", "LoadOptions", "Placement", "default_dtype", "load_model", "resolve_device", "resolve_dtype"]
+__all__ = ["DTYPES", "LoadOptions", "Placement", "cpu_bf16", "default_dtype", "load_model", "resolve_device", "resolve_dtype"]

@@ -319,12 +319,16 @@ def test_profiles_carry_host_memory():
         profile_from_dict({**data, "host": {"ram_gib": 8}}, "x.toml")
 
 
-def test_info_plans_in_the_dtype_the_engine_loads(memlock):
+def test_info_plans_in_the_dtype_the_engine_loads(memlock, monkeypatch):
     """No --dtype on a CPU: info plans in the dtype Engine.from_pretrained picks (build.default_dtype):
     the checkpoint's bf16 for a 30B model (only its config here: sized from its parameters), fp32
-    for the 29 MB demo; --dtype still wins."""
+    for the 29 MB demo on a CPU without native bf16, bf16 with it; --dtype still wins."""
     from lynx_edge import Engine
 
+    monkeypatch.setenv("LYNX_EDGE_CPU_BF16", "1")
+    assert json.loads(info("demo", "--device", "cpu", "-o", "json").stdout)["memory"]["dtype"] == "bf16"
+    assert Engine.from_pretrained("demo", device="cpu").model.placement.dtype == "bfloat16"
+    monkeypatch.setenv("LYNX_EDGE_CPU_BF16", "0")
     assert json.loads(info(QWEN3, "--device", "cpu", "-o", "json").stdout)["memory"]["dtype"] == "bf16"
     assert json.loads(info(QWEN3, "--device", "cpu", "--dtype", "float32", "-o", "json").stdout)["memory"]["dtype"] == "fp32"
     assert json.loads(info("demo", "--device", "cpu", "-o", "json").stdout)["memory"]["dtype"] == "fp32"

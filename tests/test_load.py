@@ -106,12 +106,31 @@ def test_missing_expert_projection_is_named(q3, tmp_path):
             _load(dst, **kw)
 
 
-def test_default_cpu_dtype_widens_only_small_checkpoints():
+def test_default_cpu_dtype_widens_only_small_checkpoints_without_native_bf16(monkeypatch):
     cfg = ModelConfig.from_dict(json.loads((ROOT / "lynx_edge/demo/config.json").read_text()))
     cpu = torch.device("cpu")
+    monkeypatch.setenv("LYNX_EDGE_CPU_BF16", "0")
     assert default_dtype(cpu, cfg, 30 << 20) == torch.float32  # the demo: widening is cheap
     assert default_dtype(cpu, cfg, 20 << 30) == torch.bfloat16  # a 20 GB bf16 checkpoint stays bf16
     assert default_dtype(torch.device("cuda"), cfg, 1) == torch.bfloat16
+    monkeypatch.setenv("LYNX_EDGE_CPU_BF16", "1")  # native bf16: a bf16 checkpoint stays bf16
+    assert default_dtype(cpu, cfg, 30 << 20) == torch.bfloat16
+    for ckpt in ("float16", "float32"):  # fp16 would lose mantissa bits as bf16; fp32 stays fp32
+        c = ModelConfig.from_dict({**json.loads((ROOT / "lynx_edge/demo/config.json").read_text()), "dtype": ckpt,
+                                   "torch_dtype": ckpt})
+        assert default_dtype(cpu, c, 30 << 20) == torch.float32
+
+
+def test_cpu_bf16_reads_the_cpu_flags(monkeypatch):
+    from lynx_edge import build
+
+    monkeypatch.delenv("LYNX_EDGE_CPU_BF16", raising=False)
+    monkeypatch.setattr(build, "_cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512_bf16"}))
+    assert build.cpu_bf16()
+    monkeypatch.setattr(build, "_cpu_flags", lambda: frozenset({"avx2", "amx_bf16", "amx_tile"}))
+    assert build.cpu_bf16()
+    monkeypatch.setattr(build, "_cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512bw"}))
+    assert not build.cpu_bf16()
 
 
 class _FakeCudart:

@@ -32,7 +32,7 @@ Int4Act = Annotated[Optional[Int4ActChoice], typer.Option(
     "--int4-act", help="CPU INT4 kernels' activations: f32 (exact) | q8 (int8 like llama.cpp's Q4_0: faster, "
     "approximate) [default: $LYNX_EDGE_INT4_ACT, else f32]")]
 Profile = Annotated[Optional[str], typer.Option("--profile", help="hardware profile (TOML) for placement")]
-Dtype = Annotated[Optional[str], typer.Option("--dtype", help="float32 | bfloat16 | float16 (default: bf16 on CUDA, fp32 on CPU)")]
+Dtype = Annotated[Optional[str], typer.Option("--dtype", help="float32 | bfloat16 | float16 (default: bf16 on CUDA; on a CPU bf16 with native bf16 (AVX512_BF16/AMX), else fp32 up to 2 GiB)")]
 Device = Annotated[Optional[str], typer.Option("--device", help="cuda | cpu (default: cuda when present)")]
 Threads = Annotated[Optional[int], typer.Option(
     "--threads", "-t", min=1, help="CPU threads for torch [default: the idle physical cores, ≥ 1]")]

@@ -213,7 +213,8 @@ def choose_device(device: str | None, profile: Profile | None) -> str:
 
 def choose_dtype(dtype: str | None, device: str, cfg: ModelConfig, file_bytes: int | None = None) -> torch.dtype:
     """--dtype, else the dtype the Engine would load in (build.default_dtype: bf16 on CUDA; on a CPU
-    fp32 for checkpoints up to 2 GiB, else the checkpoint's own 16-bit dtype). The checkpoint's size
+    a bf16 checkpoint's bf16 where the CPU has native bf16, else fp32 for checkpoints up to 2 GiB,
+    else the checkpoint's own 16-bit dtype). The checkpoint's size
     is file_bytes, or its parameters at the config's dtype when the weights are not here (`info` on
     a config alone), so a 60 GB model is planned in bf16 as it loads, not in fp32."""
     if dtype is None:
