@@ -4,7 +4,7 @@ On the demo model as is, and with every expert's intermediate size zero-padded (
 outputs and routing are identical (silu(0)·0 = 0 and zero columns of down add nothing) but the
 experts weigh ≥ 1 GB, so decode is memory-bound as on a real large MoE.
 
-    python benchmarks/lynx_cpu.py [--model demo] [--batch 1,4,8,16,32] [--pad 8192] [--lynx lynx]
+    python benchmarks/lynx_cpu.py [--model demo] [--batch 1,4,8,16,32] [--pad 8192] [--lynx lynx] [--dtype D]
 """
 from __future__ import annotations
 
@@ -71,6 +71,7 @@ def main() -> None:
     ap.add_argument("--pad", type=int, default=8192, help="0: skip the padded run")
     ap.add_argument("--lynx", default="lynx")
     ap.add_argument("--threads", type=int, default=None, help="default: lynx_edge.threads (idle cores)")
+    ap.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: the CPU default, build.default_dtype)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/lynx_cpu.json"))
     args = ap.parse_args()
     from lynx_edge.bench import cpu_isa
@@ -81,11 +82,11 @@ def main() -> None:
     from lynx_edge.eval import load_sequences
 
     batches = [int(b) for b in args.batch.split(",")]
-    eng = Engine.from_pretrained(args.model, device="cpu", dtype="float32", record_routing=True)
+    eng = Engine.from_pretrained(args.model, device="cpu", dtype=args.dtype, record_routing=True)
     prompts = load_sequences(eng, num_seqs=max(batches), seq_len=args.prompt)
     modes = ["off", args.lynx]
     out = {"benchmark": "CPU decode TPOT, LYNX vs exact (median of reps, alternated)", "model": args.model,
-           "lynx": args.lynx, "threads": args.threads, "isa": cpu_isa(), "new_tokens": args.new, "prompt_tokens": args.prompt, "runs": []}
+           "lynx": args.lynx, "threads": args.threads, "isa": cpu_isa(), "dtype": eng.model.placement.dtype, "new_tokens": args.new, "prompt_tokens": args.prompt, "runs": []}
     for label, pad in (("as-is", 0), (f"padded-I{args.pad}", args.pad)):
         if label != "as-is" and not pad:
             continue
