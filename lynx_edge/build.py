@@ -15,8 +15,6 @@ temporaries (RTN) — see benchmarks/load_memory.py. Glossary: E experts, D hidd
 """
 from __future__ import annotations
 
-import functools
-import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +24,7 @@ import torch
 from . import hugepages
 from .checkpoint import Checkpoint
 from .config import ConfigError, ModelConfig
+from .cpuflags import cpu_bf16
 from .loader import ProgressFn, expert_storage, load_weights
 from .models import FAMILIES, MoEForCausalLM
 from .models.layers import StackedExperts
@@ -36,29 +35,6 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
 # there) only while that costs little memory; a bigger 16-bit checkpoint stays 16-bit so it is not
 # doubled in RAM. A CPU with native bf16 keeps a bf16 checkpoint bf16 (see default_dtype).
 CPU_FP32_MAX_BYTES = 2 << 30
-CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags of x86 bf16 dot products / tiles
-
-
-@functools.cache
-def _cpu_flags() -> frozenset[str]:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
-
-
-def cpu_bf16() -> bool:
-    """This CPU multiplies bf16 natively (x86 AVX512_BF16 or AMX-BF16): torch's bf16 GEMMs run on
-    oneDNN's bf16 kernels there. $LYNX_EDGE_CPU_BF16=1/0 says so instead (Arm's BF16 extension is
-    not measured yet, so it counts as absent)."""
-    env = os.environ.get("LYNX_EDGE_CPU_BF16")
-    if env in ("0", "1"):
-        return env == "1"
-    return any(f in _cpu_flags() for f in CPU_BF16_FLAGS)
 
 
 @dataclass

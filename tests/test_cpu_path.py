@@ -425,3 +425,37 @@ def test_rope_table_rows(dtype):
     assert torch.equal(alone[0], cos[1])
     rope._table[dtype] = tuple(t.roll(1, 0) for t in rope._table[dtype])  # bug: rows one position off
     assert not torch.allclose(rope.cos_sin(pos, dtype, bound=701)[0], ref_c, atol=1e-3)
+
+
+@pytest.mark.parametrize("native_bf16", ["0", "1"])
+def test_bf16_prefill_paths_follow_the_cpu(monkeypatch, native_bf16):
+    """Past the decode-sized batches, bf16 projections and experts take the path that measured
+    faster for the CPU: widened to fp32 without native bf16 math, torch's bf16 GEMMs with it
+    (cpuflags.cpu_bf16). Both agree with an fp64 reference within bf16 output rounding; decode-sized
+    batches keep the native kernel either way (batch-invariant)."""
+    from lynx_edge.kernels import native
+    from lynx_edge.kernels.moe_gemm import moe_ref
+    from lynx_edge.models import layers
+
+    monkeypatch.setenv("LYNX_EDGE_CPU_BF16", native_bf16)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(200, 256, generator=g).bfloat16()
+    w = (torch.randn(96, 256, generator=g) / 16).bfloat16()
+    ref = x.double() @ w.double().T
+    y = layers.linear(x, w)
+    assert y.dtype == torch.bfloat16
+    assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 2 ** -8  # one bf16 rounding of the output
+    want = torch.nn.functional.linear(x, w) if native_bf16 == "1" else torch.nn.functional.linear(x.float(), w.float()).bfloat16()
+    assert torch.equal(y, want)
+    assert torch.equal(layers.linear(x[:16], w), native.linear(x[:16], w))  # decode-sized: the native kernel
+    E, K, D, I = 8, 4, 64, 32
+    gu = (torch.randn(E, 2 * I, D, generator=g) / 8).bfloat16()
+    dn = (torch.randn(E, D, I, generator=g) / 6).bfloat16()
+    xs = torch.randn(160, D, generator=g).bfloat16()  # 640 slots: past NATIVE_SLOTS
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(160)])
+    wts = torch.softmax(torch.randn(160, K, generator=g), -1)
+    out = layers.cpu_moe(xs, ids, wts, gu, dn)
+    fast = moe_ref(xs, ids, wts, gu, dn) if native_bf16 == "1" else native.moe_dense(xs, ids, wts, gu, dn)
+    assert torch.equal(out, fast)
+    ref = native.moe_dense(xs.float(), ids, wts, gu.float(), dn.float())  # fp32 activations and sums
+    assert ((out.float() - ref).abs().max() / ref.abs().max()).item() < 2 ** -6  # bf16 h and output roundings (~5e-3)

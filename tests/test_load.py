@@ -122,15 +122,15 @@ def test_default_cpu_dtype_widens_only_small_checkpoints_without_native_bf16(mon
 
 
 def test_cpu_bf16_reads_the_cpu_flags(monkeypatch):
-    from lynx_edge import build
+    from lynx_edge import cpuflags
 
     monkeypatch.delenv("LYNX_EDGE_CPU_BF16", raising=False)
-    monkeypatch.setattr(build, "_cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512_bf16"}))
-    assert build.cpu_bf16()
-    monkeypatch.setattr(build, "_cpu_flags", lambda: frozenset({"avx2", "amx_bf16", "amx_tile"}))
-    assert build.cpu_bf16()
-    monkeypatch.setattr(build, "_cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512bw"}))
-    assert not build.cpu_bf16()
+    monkeypatch.setattr(cpuflags, "_cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512_bf16"}))
+    assert cpuflags.cpu_bf16()
+    monkeypatch.setattr(cpuflags, "_cpu_flags", lambda: frozenset({"avx2", "amx_bf16", "amx_tile"}))
+    assert cpuflags.cpu_bf16()
+    monkeypatch.setattr(cpuflags, "_cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512bw"}))
+    assert not cpuflags.cpu_bf16()
 
 
 class _FakeCudart:

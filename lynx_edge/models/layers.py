@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from ..cpuflags import cpu_bf16
 from ..kernels import native
 from ..kernels.moe_gemm import expert_mlp, fused_moe, moe_ref
 from ..routing import ExactRouter, RouteFn, RouterSpec, RoutingStats
@@ -37,6 +38,9 @@ def _param(*shape: int, dtype, device) -> nn.Parameter:
 # - bf16 weights: torch widens bf16 slowly without native bf16 math, so the native kernel (which
 #   widens by a shift and reads half fp32's bytes) up to 128 rows, and past that torch's fp32 GEMM
 #   on the weight widened in row chunks (a bounded transient; 4-5x torch's bf16 GEMM at 512 rows).
+# A CPU with native bf16 math (cpuflags.cpu_bf16: AVX512_BF16 / AMX) turns the last around: there
+# torch's bf16 GEMM (oneDNN) ran 3.8-5.0x the widened fp32 one past 128 rows on a Zen4 EPYC (129 to
+# 2048 rows, 1 and 2 threads), so bf16 prefill GEMMs stay bf16 (its rounding: as transformers' bf16).
 NATIVE_ROWS = {torch.bfloat16: (1, 128), torch.float32: (1, 32)}
 WIDEN_ROWS = 4096  # bf16 weight rows widened to fp32 at a time past NATIVE_ROWS (≤ 32 MiB at D=2048)
 
@@ -50,7 +54,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     rows = x.numel() // x.shape[-1]
     if lo <= rows <= hi and native.dense_ok(weight):
         return native.linear(x, weight, bias)
-    if weight.dtype == torch.bfloat16 and rows > hi:
+    if weight.dtype == torch.bfloat16 and rows > hi and not (x.dtype == torch.bfloat16 and cpu_bf16()):
         xf = x.float()
         out = torch.cat([F.linear(xf, weight[n:n + WIDEN_ROWS].float(),
                                   None if bias is None else bias[n:n + WIDEN_ROWS].float())
@@ -404,9 +408,12 @@ class DenseMLP(nn.Module):
 
 def cpu_moe(x, ids, weights, gate_up, down):
     """Resident experts on a CPU: the native kernel (one call, each active expert's rows read once,
-    fp32 sums) for bf16 experts at any batch and fp32 ones at decode-sized batches (moe_ref's
-    grouped GEMM is the faster one past NATIVE_SLOTS fp32 slots)."""
-    if (ids.numel() <= NATIVE_SLOTS or gate_up.dtype == torch.bfloat16) and native.dense_ok(gate_up, down):
+    fp32 sums) at decode-sized batches, and for bf16 experts at any batch where the CPU has no
+    native bf16 math; past NATIVE_SLOTS slots moe_ref's grouped GEMM (fp32, or bf16 on a CPU with
+    native bf16: 1.4-2.2x the native kernel at 512-8192 slots on a Zen4 EPYC, one thread; it rounds
+    gate, up and h to bf16 as transformers' bf16 experts do)."""
+    big = ids.numel() > NATIVE_SLOTS and (gate_up.dtype != torch.bfloat16 or (x.dtype == torch.bfloat16 and cpu_bf16()))
+    if not big and native.dense_ok(gate_up, down):
         return native.moe_dense(x, ids, weights, gate_up, down)
     return moe_ref(x, ids, weights, gate_up, down)
 
