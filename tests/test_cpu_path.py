@@ -449,6 +449,7 @@ def test_bf16_prefill_paths_follow_the_cpu(monkeypatch, native_bf16):
     assert torch.equal(y, want)
     assert torch.equal(layers.linear(x[:16], w), native.linear(x[:16], w))  # decode-sized: the native kernel
     E, K, D, I = 8, 4, 64, 32
+    monkeypatch.setattr(layers, "GROUPED_BF16_MIN", D * I)  # these small experts count as big
     gu = (torch.randn(E, 2 * I, D, generator=g) / 8).bfloat16()
     dn = (torch.randn(E, D, I, generator=g) / 6).bfloat16()
     xs = torch.randn(160, D, generator=g).bfloat16()  # 640 slots: past NATIVE_SLOTS
@@ -457,5 +458,7 @@ def test_bf16_prefill_paths_follow_the_cpu(monkeypatch, native_bf16):
     out = layers.cpu_moe(xs, ids, wts, gu, dn)
     fast = moe_ref(xs, ids, wts, gu, dn) if native_bf16 == "1" else native.moe_dense(xs, ids, wts, gu, dn)
     assert torch.equal(out, fast)
+    monkeypatch.setattr(layers, "GROUPED_BF16_MIN", D * I + 1)  # small experts: the native kernel
+    assert torch.equal(layers.cpu_moe(xs, ids, wts, gu, dn), native.moe_dense(xs, ids, wts, gu, dn))
     ref = native.moe_dense(xs.float(), ids, wts, gu.float(), dn.float())  # fp32 activations and sums
     assert ((out.float() - ref).abs().max() / ref.abs().max()).item() < 2 ** -6  # bf16 h and output roundings (~5e-3)

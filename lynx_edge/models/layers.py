@@ -409,16 +409,21 @@ class DenseMLP(nn.Module):
 def cpu_moe(x, ids, weights, gate_up, down):
     """Resident experts on a CPU: the native kernel (one call, each active expert's rows read once,
     fp32 sums) at decode-sized batches, and for bf16 experts at any batch where the CPU has no
-    native bf16 math; past NATIVE_SLOTS slots moe_ref's grouped GEMM (fp32, or bf16 on a CPU with
-    native bf16: 1.4-2.2x the native kernel at 512-8192 slots on a Zen4 EPYC, one thread; it rounds
-    gate, up and h to bf16 as transformers' bf16 experts do)."""
-    big = ids.numel() > NATIVE_SLOTS and (gate_up.dtype != torch.bfloat16 or (x.dtype == torch.bfloat16 and cpu_bf16()))
+    native bf16 math or the experts are small; past NATIVE_SLOTS slots moe_ref's grouped GEMM (fp32,
+    or bf16 on a CPU with native bf16 for experts of GROUPED_BF16_MIN weights per projection and
+    more: it rounds gate, up and h to bf16 as transformers' bf16 experts do)."""
+    bf16_grouped = x.dtype == torch.bfloat16 and down[0].numel() >= GROUPED_BF16_MIN and cpu_bf16()
+    big = ids.numel() > NATIVE_SLOTS and (gate_up.dtype != torch.bfloat16 or bf16_grouped)
     if not big and native.dense_ok(gate_up, down):
         return native.moe_dense(x, ids, weights, gate_up, down)
     return moe_ref(x, ids, weights, gate_up, down)
 
 
 NATIVE_SLOTS = 512  # fp32 token-expert slots per call up to which cpu_moe takes the native kernel
+# bf16 experts' D x I from which torch's bf16 grouped GEMM beats the native kernel past NATIVE_SLOTS on
+# a CPU with native bf16 (Zen4 EPYC, 2 threads: D=1024, I=768 1.9x at 32768 slots, 2.2x at 2048;
+# the demo's D=256, I=128 0.56-0.93x, too small to amortise its gathers and per-group set-up)
+GROUPED_BF16_MIN = 1 << 18
 
 
 class StackedExperts(nn.Module):
