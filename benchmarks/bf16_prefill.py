@@ -36,7 +36,7 @@ def main() -> None:
 
     from lynx_edge import Engine
     from lynx_edge.bench import cpu_isa, measure, synthetic_prompts
-    from lynx_edge.cpuflags import _cpu_flags
+    from lynx_edge.cpuflags import cpu_flags
     from lynx_edge.threads import set_threads
 
     rows = []
@@ -61,7 +61,7 @@ def main() -> None:
                     print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items() if k != "all"}),
                           flush=True)
     os.environ.pop("LYNX_EDGE_CPU_BF16", None)
-    flags = sorted(f for f in _cpu_flags() if f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "avx512_vnni"))
+    flags = sorted(f for f in cpu_flags() if f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "avx512_vnni"))
     Path(a.out).write_text(json.dumps({"benchmark": "bf16 prefill tok/s: torch bf16 GEMMs (native bf16 CPUs) vs widened fp32 / native kernel",
                                        "isa": cpu_isa(), "cpu_flags": flags, "torch": torch.__version__,
                                        "rounds": a.rounds, "rows": rows}, indent=1) + "\n")

@@ -2,7 +2,7 @@
 checkpoint, side by side.
 
 build.default_dtype keeps a bf16 checkpoint bf16 on a CPU with native bf16 math (AVX512_BF16 or
-AMX: build.cpu_bf16); elsewhere it widens to fp32 while the checkpoint is ≤ 2 GiB (fp32 matmuls
+AMX: cpuflags.cpu_bf16); elsewhere it widens to fp32 while the checkpoint is ≤ 2 GiB (fp32 matmuls
 are fast on CPUs without native bf16, and a small model's doubling costs little memory), and a
 bigger 16-bit checkpoint stays 16-bit so it is not doubled in RAM. This records what that choice
 costs: median prefill tok/s and TPOT per dtype at each batch (prompts of --prompt tokens, bench's
@@ -35,7 +35,7 @@ def main() -> None:
 
     from lynx_edge import Engine
     from lynx_edge.bench import measure, synthetic_prompts
-    from lynx_edge.build import cpu_bf16
+    from lynx_edge.cpuflags import cpu_bf16, cpu_flags
     from lynx_edge.threads import set_threads
 
     set_threads(args.threads, explicit=True)
@@ -62,12 +62,7 @@ def main() -> None:
         print(f"B={B:3d}  fp32 {med['float32']:7.2f} ms  bf16 {med['bfloat16']:7.2f} ms  "
               f"bf16/fp32 time {rows[-1]['bf16_over_fp32']:.2f}x  prefill bf16/fp32 speed "
               f"{rows[-1]['prefill_bf16_over_fp32']:.2f}x", flush=True)
-    flags = ""
-    try:
-        flags = " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "fma")
-                         if f in Path("/proc/cpuinfo").read_text().split())
-    except OSError:
-        pass
+    flags = " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "fma") if f in cpu_flags())
     res = dict(model=args.model, threads=args.threads, tokens=args.tokens, reps=args.reps, cpu_flags=flags,
                machine=platform.machine(), cores=os.cpu_count(), torch=torch.__version__,
                prompt=args.prompt, cpu_bf16=cpu_bf16(), weight_bytes=weights, rows=rows)
@@ -76,7 +71,7 @@ def main() -> None:
     md = [f"# CPU dtype: fp32 vs bf16 on `{args.model}` ({args.threads} threads, CPU flags: {flags or '?'})", "",
           f"Weights: fp32 {weights['float32'] / 2**20:.1f} MiB, bf16 {weights['bfloat16'] / 2**20:.1f} MiB. "
           f"Medians of {args.reps} interleaved runs: prompts of {args.prompt} tokens, {args.tokens} decoded. "
-          f"Native bf16 here (build.cpu_bf16): {cpu_bf16()}.", "",
+          f"Native bf16 here (cpuflags.cpu_bf16): {cpu_bf16()}.", "",
           "| B | fp32 TPOT ms | bf16 TPOT ms | bf16 time / fp32 time | fp32 prefill tok/s | bf16 prefill tok/s | bf16 / fp32 prefill speed |",
           "|---|---|---|---|---|---|---|"]
     md += [f"| {r['batch']} | {r['tpot_ms']['float32']:.2f} | {r['tpot_ms']['bfloat16']:.2f} | {r['bf16_over_fp32']:.2f}x | "

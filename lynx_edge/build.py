@@ -323,4 +323,4 @@ def _offload_runtime(cfg, opts: LoadOptions, dt, dev, name, group, sym, mixed, f
     return make_runtime(cfg, oo, dt, dev, fmt=fmt)
 
 
-__all__ = ["DTYPES", "LoadOptions", "Placement", "cpu_bf16", "default_dtype", "load_model", "resolve_device", "resolve_dtype"]
+__all__ = ["DTYPES", "LoadOptions", "Placement", "default_dtype", "load_model", "resolve_device", "resolve_dtype"]

@@ -1,5 +1,6 @@
 """What this CPU can do, read once from /proc/cpuinfo (Linux x86; elsewhere nothing is claimed).
 
+    cpu_flags()  # {"avx2", "avx512f", "avx512_bf16", …}
     cpu_bf16()  # native bf16 math: the CPU default dtype (build.default_dtype) and the prefill
                 # GEMMs (models/layers.py) follow it
 """
@@ -12,7 +13,8 @@ BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # x86 bf16 dot products / tiles
 
 
 @functools.cache
-def _cpu_flags() -> frozenset[str]:
+def cpu_flags() -> frozenset[str]:
+    """The flags line of /proc/cpuinfo as a set (empty where there is none)."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             for line in f:
@@ -30,4 +32,4 @@ def cpu_bf16() -> bool:
     env = os.environ.get("LYNX_EDGE_CPU_BF16")
     if env in ("0", "1"):
         return env == "1"
-    return any(f in _cpu_flags() for f in BF16_FLAGS)
+    return any(f in cpu_flags() for f in BF16_FLAGS)

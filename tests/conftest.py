@@ -10,7 +10,7 @@ import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-# The CPU default dtype follows the CPU (build.cpu_bf16: bf16 where it has native bf16, else fp32
+# The CPU default dtype follows the CPU (cpuflags.cpu_bf16: bf16 where it has native bf16, else fp32
 # for a small checkpoint); the suite pins the fp32 choice so it runs the same on every machine —
 # tests of the choice itself set the variable.
 os.environ.setdefault("LYNX_EDGE_CPU_BF16", "0")

@@ -125,11 +125,11 @@ def test_cpu_bf16_reads_the_cpu_flags(monkeypatch):
     from lynx_edge import cpuflags
 
     monkeypatch.delenv("LYNX_EDGE_CPU_BF16", raising=False)
-    monkeypatch.setattr(cpuflags, "_cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512_bf16"}))
+    monkeypatch.setattr(cpuflags, "cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512_bf16"}))
     assert cpuflags.cpu_bf16()
-    monkeypatch.setattr(cpuflags, "_cpu_flags", lambda: frozenset({"avx2", "amx_bf16", "amx_tile"}))
+    monkeypatch.setattr(cpuflags, "cpu_flags", lambda: frozenset({"avx2", "amx_bf16", "amx_tile"}))
     assert cpuflags.cpu_bf16()
-    monkeypatch.setattr(cpuflags, "_cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512bw"}))
+    monkeypatch.setattr(cpuflags, "cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512bw"}))
     assert not cpuflags.cpu_bf16()
 
 

@@ -412,8 +412,8 @@ def cpu_moe(x, ids, weights, gate_up, down):
     native bf16 math or the experts are small; past NATIVE_SLOTS slots moe_ref's grouped GEMM (fp32,
     or bf16 on a CPU with native bf16 for experts of GROUPED_BF16_MIN weights per projection and
     more: it rounds gate, up and h to bf16 as transformers' bf16 experts do)."""
-    bf16_grouped = x.dtype == torch.bfloat16 and down[0].numel() >= GROUPED_BF16_MIN and cpu_bf16()
-    big = ids.numel() > NATIVE_SLOTS and (gate_up.dtype != torch.bfloat16 or bf16_grouped)
+    big = ids.numel() > NATIVE_SLOTS and (gate_up.dtype != torch.bfloat16 or (
+        x.dtype == torch.bfloat16 and down[0].numel() >= GROUPED_BF16_MIN and cpu_bf16()))
     if not big and native.dense_ok(gate_up, down):
         return native.moe_dense(x, ids, weights, gate_up, down)
     return moe_ref(x, ids, weights, gate_up, down)
