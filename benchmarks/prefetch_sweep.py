@@ -1,17 +1,20 @@
-"""One-token dense rows streamed from DRAM: lynx_linear built with several TILE_PREFETCH distances
-(kernels/cpu_native.c) against torch's sum over the same bytes, one thread, rounds alternating.
+"""One-token rows streamed from DRAM: lynx_linear (or lynx_linear_int4) built with several values of
+a prefetch macro (kernels/cpu_native.c: TILE_PREFETCH, the distance, or PF_HINT, the cache level)
+against torch's sum over the same bytes, one thread, rounds alternating.
 
 Each round runs 16 matrices of 24 MB (more than a 32 MB L3 holds between calls) through every
 build, order flipped per round, then sums them with torch: GB/s of weights read, medians and
 ranges. It answers how far the row kernel's streaming is from the machine's plain read rate and
-whether the prefetch distance is what limits it.
+whether the prefetch distance or level is what limits it.
 
     python benchmarks/prefetch_sweep.py --distances 8192,32768,65536 --k 1024 --dtype float32
+    python benchmarks/prefetch_sweep.py --defines PF_HINT=_MM_HINT_T0,PF_HINT=_MM_HINT_T1 --dtype int4
 """
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 import tempfile
@@ -22,32 +25,53 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-DEFAULT = "#define TILE_PREFETCH 8192"
 
 
-def builds(distances: list[int]) -> dict:
-    """distance → the kernel library built with that TILE_PREFETCH (this tree's source otherwise)"""
+def builds(variants: list[str]) -> dict:
+    """variant "NAME=VALUE" → the kernel library built with `#define NAME VALUE` (this tree's source
+    otherwise; NAME must have a `#define` line of its own there)"""
     from lynx_edge.kernels import native
 
     src = native.SRC.read_text()
-    if DEFAULT not in src:
-        sys.exit(f"prefetch_sweep: {native.SRC} has no line {DEFAULT!r} to vary")
     libs = {}
-    for d in distances:
+    for v in variants:
+        name, value = v.split("=", 1)
+        pat = re.compile(rf"^#define {re.escape(name)} .*$", re.M)
+        if not pat.search(src):
+            sys.exit(f"prefetch_sweep: {native.SRC} has no line '#define {name} …' to vary")
         p = Path(tempfile.mkdtemp()) / "cpu_native.c"
-        p.write_text(src.replace(DEFAULT, f"#define TILE_PREFETCH {d}"))
+        p.write_text(pat.sub(f"#define {name} {value}", src, count=1))
         native.SRC = p
         native.lib.cache_clear()
-        libs[d] = native.lib()
+        libs[v] = native.lib()
     native.SRC = ROOT / "lynx_edge/kernels/cpu_native.c"
     return libs
 
 
+def weights(dtype: str, k: int) -> tuple[list, callable]:
+    """16 matrices of 24 MB of fp32 rows' worth of inputs (fewer bytes in bf16 / int4) and the call
+    that runs one of them on one token"""
+    from lynx_edge.kernels import native
+
+    n = 6144 * 1024 // k
+    if dtype != "int4":
+        return [torch.randn(n, k).to(getattr(torch, dtype)) for _ in range(16)], native.linear
+    g = 128  # symmetric INT4, group 128, no act order: the packed GPTQ row layout
+    ws = [(torch.randint(0, 256, (n, k // 2), dtype=torch.uint8), (torch.rand(k // g, n) / 64).half())
+          for _ in range(16)]
+    return ws, lambda x, w: native.linear_int4(x, w[0], w[1], None)
+
+
+def nbytes(w) -> int:
+    return sum(t.numel() * t.element_size() for t in (w if isinstance(w, tuple) else (w,)))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--distances", default="8192,16384,32768,65536")
+    ap.add_argument("--distances", default="8192,16384,32768,65536", help="TILE_PREFETCH values")
+    ap.add_argument("--defines", default=None, help="NAME=VALUE,… builds to compare instead of --distances")
     ap.add_argument("--k", type=int, default=1024, help="inputs per row")
-    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "int4"))
     ap.add_argument("-r", "--rounds", type=int, default=9)
     ap.add_argument("--out", default=None, help="append this run to a JSON list")
     a = ap.parse_args()
@@ -55,25 +79,24 @@ def main() -> None:
     from lynx_edge.kernels import native
 
     torch.set_num_threads(1)
-    dists = [int(d) for d in a.distances.split(",")]
+    dists = (a.defines.split(",") if a.defines else [f"TILE_PREFETCH={d}" for d in a.distances.split(",")])
     libs, cur = builds(dists), [dists[0]]
     native.lib = lambda: libs[cur[0]]
-    dt = getattr(torch, a.dtype)
-    ws = [torch.randn(6144 * 1024 // a.k, a.k).to(dt) for _ in range(16)]  # 16 x 24 MB (fp32)
+    ws, call = weights(a.dtype, a.k)
     x = torch.randn(1, a.k)
-    nbytes = sum(w.numel() * w.element_size() for w in ws)
+    total = sum(nbytes(w) for w in ws)
     gbs: dict = {d: [] for d in dists} | {"torch_sum": []}
     for r in range(a.rounds):
         for d in (dists if r % 2 == 0 else dists[::-1]):
             cur[0] = d
             t = time.perf_counter()
             for w in ws:
-                native.linear(x, w)
-            gbs[d].append(nbytes / (time.perf_counter() - t) / 1e9)
+                call(x, w)
+            gbs[d].append(total / (time.perf_counter() - t) / 1e9)
         t = time.perf_counter()
         for w in ws:
-            w.sum()
-        gbs["torch_sum"].append(nbytes / (time.perf_counter() - t) / 1e9)
+            (w[0] if isinstance(w, tuple) else w).sum()
+        gbs["torch_sum"].append(total / (time.perf_counter() - t) / 1e9)
     rows = {str(k): {"median_gb_s": round(statistics.median(v), 2), "min": round(min(v), 2), "max": round(max(v), 2)}
             for k, v in gbs.items()}
     res = {"benchmark": "prefetch_sweep", "isa": cpu_isa(), "dtype": a.dtype, "k": a.k, "rounds": a.rounds,

@@ -43,6 +43,14 @@
 #ifndef TILE_PREFETCH
 #define TILE_PREFETCH 8192 /* the least distance the dense and INT4 row tiles prefetch ahead */
 #endif
+/* Where the row loops' software prefetches land. L2 (T1), not L1 (T0): a core has few L1 miss
+ * buffers, and prefetches into L1 queued behind them, so one-token rows streamed from DRAM read at
+ * about half a plain sum's rate on an AMD EPYC (Zen4): one-token 1024-wide rows, one thread, T0 ->
+ * T1 fp32 17.6 -> 25.3 GB/s, bf16 12.4 -> 21.2 GB/s (sum 25-28), L3-resident 1.1-1.2x, L2-resident
+ * equal (benchmarks/results/prefetch_hint_s17.json). The load itself then finds the line in L2. */
+#ifndef PF_HINT
+#define PF_HINT _MM_HINT_T1
+#endif
 /* The prefetch distance of a tile of `tile` bytes of rows: its rows' places in a later tile, whole
  * tiles, at least `least` bytes ahead. A fixed distance shorter than the tile (4 KB against four
  * 2 KB rows) fetched rows the tile was already reading and left the next tile's last rows to miss:
@@ -195,7 +203,7 @@ static inline __attribute__((always_inline)) void dot_tile_h(
             for (t = 0; t < NT; t++) acc[r * ald + t] = out[r * NT + t]; \
         return; \
     }
-#define PREF_ROWS(r, g) _mm_prefetch((const char *)q + (r) * rs + (long)(g) * H + pf, _MM_HINT_T0) /* the rows after these */
+#define PREF_ROWS(r, g) _mm_prefetch((const char *)q + (r) * rs + (long)(g) * H + pf, PF_HINT) /* the rows after these */
 #if defined(__AVX512F__)
 #define LOAD8_512(p) _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p)))
 /* a nibble as fp32 by table: vpermps reads the low 4 bits of each lane, so the low nibble needs no
@@ -429,7 +437,7 @@ static inline __attribute__((always_inline)) void q8_tile(
                 const uint8_t *qr = q + r * rs;
                 const uint16_t *sr = s + r;
                 const __m512i w = _mm512_loadu_si512((const void *)(qr + 64L * c));
-                _mm_prefetch((const char *)qr + 64L * c + pf, _MM_HINT_T0);
+                _mm_prefetch((const char *)qr + 64L * c + pf, PF_HINT);
                 const __m512i lo = _mm512_and_si512(w, m4), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), m4);
                 __m512 sv; /* s_g per lane: a group covers G/8 lanes */
                 if (G >= 128) sv = _mm512_set1_ps(h2f(sr[(long)(c * 128 / G) * N]));
@@ -464,7 +472,7 @@ static inline __attribute__((always_inline)) void q8_tile(
                 const uint8_t *qr = q + r * rs;
                 const uint16_t *sr = s + r;
                 const __m256i w = _mm256_loadu_si256((const __m256i *)(qr + 32L * c));
-                if ((c & 1) == 0) _mm_prefetch((const char *)qr + 32L * c + pf, _MM_HINT_T0);
+                if ((c & 1) == 0) _mm_prefetch((const char *)qr + 32L * c + pf, PF_HINT);
                 const __m256i lo = _mm256_and_si256(w, m4), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), m4);
                 const float s0 = h2f(sr[(long)(c * 64 / G) * N]);
                 const __m256 sv = G >= 64 ? _mm256_set1_ps(s0)
@@ -567,7 +575,7 @@ static inline __attribute__((always_inline)) void dense_tile(const uint8_t *w, c
         __m512 xv[4];
         for (t = 0; t < NT; t++) xv[t] = _mm512_loadu_ps(x[t] + j);
         for (r = 0; r < R; r++) {
-            if (((j * ES) & 63) == 0) _mm_prefetch((const char *)(w + r * rs) + (long)j * ES + pf, _MM_HINT_T0);
+            if (((j * ES) & 63) == 0) _mm_prefetch((const char *)(w + r * rs) + (long)j * ES + pf, PF_HINT);
             const __m512 wv = W16(r);
             for (t = 0; t < NT; t++) a[r * NT + t] = _mm512_fmadd_ps(wv, xv[t], a[r * NT + t]);
         }
@@ -582,7 +590,7 @@ static inline __attribute__((always_inline)) void dense_tile(const uint8_t *w, c
         __m256 xv[4];
         for (t = 0; t < NT; t++) xv[t] = _mm256_loadu_ps(x[t] + j);
         for (r = 0; r < R; r++) {
-            if (((j * ES) & 63) == 0) _mm_prefetch((const char *)(w + r * rs) + (long)j * ES + pf, _MM_HINT_T0);
+            if (((j * ES) & 63) == 0) _mm_prefetch((const char *)(w + r * rs) + (long)j * ES + pf, PF_HINT);
             const __m256 wv = FMT == FMT_F32 ? _mm256_loadu_ps(WF(r) + j)
                 : FMT == FMT_I8 ? _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(WI(r) + j))))
                 : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(WB(r) + j))), 16));
@@ -809,7 +817,7 @@ static inline __attribute__((always_inline)) void f8_rows(const uint8_t *q, cons
         __m512 p0[4], p1[4];
         for (t = 0; t < NT; t++) { xb[t] = x[t] + (long)b * bk; p0[t] = p1[t] = _mm512_setzero_ps(); }
         for (int j = 0; j < bk; j += 32) {
-            _mm_prefetch((const char *)qb + j + PREFETCH, _MM_HINT_T0);
+            _mm_prefetch((const char *)qb + j + PREFETCH, PF_HINT);
             const __m512 w0 = F8X16(qb + j), w1 = F8X16(qb + j + 16);
             for (t = 0; t < NT; t++) {
                 p0[t] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xb[t] + j), p0[t]);
@@ -833,7 +841,7 @@ static inline __attribute__((always_inline)) void f8_rows(const uint8_t *q, cons
         __m256 p0[4], p1[4];
         for (t = 0; t < NT; t++) { xb[t] = x[t] + (long)b * bk; p0[t] = p1[t] = _mm256_setzero_ps(); }
         for (int j = 0; j < bk; j += 16) {
-            if ((j & 63) == 0) _mm_prefetch((const char *)qb + j + PREFETCH, _MM_HINT_T0); /* as AVX-512's */
+            if ((j & 63) == 0) _mm_prefetch((const char *)qb + j + PREFETCH, PF_HINT); /* as AVX-512's */
             const __m256 w0 = F8X8(qb + j), w1 = F8X8(qb + j + 8);
             for (t = 0; t < NT; t++) {
                 p0[t] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xb[t] + j), p0[t]);
@@ -1360,7 +1368,7 @@ static inline __attribute__((always_inline)) void i8q8_tile(const int8_t *w, con
         for (int c = b * (QH / 64); c < c1; c++)
             for (int r = 0; r < R; r++) {
                 const __m512i wu = _mm512_xor_si512(_mm512_loadu_si512((const void *)(w + r * rs + 64L * c)), flip);
-                _mm_prefetch((const char *)(w + r * rs + 64L * c) + pf, _MM_HINT_T0);
+                _mm_prefetch((const char *)(w + r * rs + 64L * c) + pf, PF_HINT);
                 for (int t = 0; t < NT; t++)
                     ai[r * NT + t] = _mm512_dpbusd_epi32(ai[r * NT + t], wu, _mm512_loadu_si512((const void *)(xq[t] + 64L * c)));
             }
