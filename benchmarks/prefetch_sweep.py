@@ -28,19 +28,22 @@ sys.path.insert(0, str(ROOT))
 
 
 def builds(variants: list[str]) -> dict:
-    """variant "NAME=VALUE" → the kernel library built with `#define NAME VALUE` (this tree's source
+    """variant "NAME=VALUE[:NAME=VALUE…]" → the kernel library built with those `#define`s (this tree's source
     otherwise; NAME must have a `#define` line of its own there)"""
     from lynx_edge.kernels import native
 
     src = native.SRC.read_text()
     libs = {}
     for v in variants:
-        name, value = v.split("=", 1)
-        pat = re.compile(rf"^#define {re.escape(name)} .*$", re.M)
-        if not pat.search(src):
-            sys.exit(f"prefetch_sweep: {native.SRC} has no line '#define {name} …' to vary")
+        text = src
+        for define in v.split(":"):  # "A=1:B=2" sets both in one build
+            name, value = define.split("=", 1)
+            pat = re.compile(rf"^#define {re.escape(name)} .*$", re.M)
+            if not pat.search(text):
+                sys.exit(f"prefetch_sweep: {native.SRC} has no line '#define {name} …' to vary")
+            text = pat.sub(f"#define {name} {value}", text, count=1)
         p = Path(tempfile.mkdtemp()) / "cpu_native.c"
-        p.write_text(pat.sub(f"#define {name} {value}", src, count=1))
+        p.write_text(text)
         native.SRC = p
         native.lib.cache_clear()
         libs[v] = native.lib()
@@ -69,7 +72,7 @@ def nbytes(w) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--distances", default="8192,16384,32768,65536", help="TILE_PREFETCH values")
-    ap.add_argument("--defines", default=None, help="NAME=VALUE,… builds to compare instead of --distances")
+    ap.add_argument("--defines", default=None, help="NAME=VALUE[:NAME=VALUE],… builds to compare instead of --distances")
     ap.add_argument("--k", type=int, default=1024, help="inputs per row")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "int4"))
     ap.add_argument("-r", "--rounds", type=int, default=9)

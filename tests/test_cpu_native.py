@@ -64,7 +64,7 @@ def test_moe_dense_bugs_are_caught():
     assert _rel(native.moe_dense(x, ids.flip(1), w, gu, dn), ref) > 100 * TOL_MOE
 
 
-@pytest.mark.parametrize("T,Kin,N,bias", [(1, 64, 48, False), (3, 200, 17, True), (8, 1024, 64, False),
+@pytest.mark.parametrize("T,Kin,N,bias", [(1, 64, 48, False), (3, 200, 17, True), (8, 1024, 64, False), (1, 1000, 24, True),
                                           (19, 128, 33, True)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_linear_matches_reference(T, Kin, N, bias, dtype):
@@ -75,6 +75,7 @@ def test_linear_matches_reference(T, Kin, N, bias, dtype):
     ref = F.linear(x, W.float(), None if b is None else b.float())
     y = native.linear(x, W, b)
     assert y.shape == ref.shape and _rel(y, ref) < TOL_LIN, _rel(y, ref)
+    assert _rel(native.linear(x[0, :1], W, b), ref[0, :1]) < TOL_LIN  # one token: its own tile shape
     yb = native.linear(x.to(dtype), W, b)  # bf16 activations: fp32 math on them, one rounding out
     refb = F.linear(x.to(dtype).float(), W.float(), None if b is None else b.float())
     assert yb.dtype == dtype and _rel(yb, refb) <= (TOL_LIN if dtype == torch.float32 else 2**-8)
