@@ -583,10 +583,10 @@ static inline __attribute__((always_inline)) void dense_tile(const uint8_t *w, c
      * depend on which tokens or rows share the call (decode is batch-invariant) */
     __m512 a[16];
     for (t = 0; t < 16; t++) a[t] = _mm512_setzero_ps();
-#define W16(r) (FMT == FMT_F32 ? _mm512_loadu_ps(WF(r) + j) \
-                : FMT == FMT_I8 ? _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(WI(r) + j)))) \
-                : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(WB(r) + j))), 16)))
-#define W16R(r, jj) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(WB(r) + (jj)))), 16))
+#define W16AT(r, jj) (FMT == FMT_F32 ? _mm512_loadu_ps(WF(r) + (jj)) \
+                : FMT == FMT_I8 ? _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(WI(r) + (jj))))) \
+                : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(WB(r) + (jj)))), 16)))
+#define W16(r) W16AT(r, j)
     const long pf = tile_ahead(R * rs, TILE_PREFETCH); /* each row prefetches its place in a later tile */
     if (NT == 1 && FMT == FMT_BF16 && ROW_RUN > 0 && Kin >= ROW_RUN_MIN_K) { /* bf16, one token: a run of each row in turn */
         /* whole runs only, with constant trip counts, so the rows' accumulators stay in registers;
@@ -594,11 +594,10 @@ static inline __attribute__((always_inline)) void dense_tile(const uint8_t *w, c
         for (; j + ROW_RUN <= Kin; j += ROW_RUN)
 #pragma GCC unroll 16
             for (r = 0; r < R; r++) {
-                _mm_prefetch((const char *)(w + r * rs) + (long)j * ES + pf, PF_HINT);
 #pragma GCC unroll 4
                 for (int u = 0; u < ROW_RUN; u += 16) {
-                    if (u && ((u * ES) & 63) == 0) _mm_prefetch((const char *)(w + r * rs) + (long)(j + u) * ES + pf, PF_HINT);
-                    a[r] = _mm512_fmadd_ps(W16R(r, j + u), _mm512_loadu_ps(x[0] + j + u), a[r]);
+                    if ((((j + u) * ES) & 63) == 0) _mm_prefetch((const char *)(w + r * rs) + (long)(j + u) * ES + pf, PF_HINT);
+                    a[r] = _mm512_fmadd_ps(W16AT(r, j + u), _mm512_loadu_ps(x[0] + j + u), a[r]);
                 }
             }
     }
@@ -612,7 +611,7 @@ static inline __attribute__((always_inline)) void dense_tile(const uint8_t *w, c
         }
     }
 #undef W16
-#undef W16R
+#undef W16AT
     sum_lanes(a, out);
 #elif defined(__AVX2__) && defined(__FMA__)
     __m256 a[8];
