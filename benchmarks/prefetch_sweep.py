@@ -102,7 +102,9 @@ def main() -> None:
         gbs["torch_sum"].append(total / (time.perf_counter() - t) / 1e9)
     rows = {str(k): {"median_gb_s": round(statistics.median(v), 2), "min": round(min(v), 2), "max": round(max(v), 2)}
             for k, v in gbs.items()}
-    res = {"benchmark": "prefetch_sweep", "isa": cpu_isa(), "dtype": a.dtype, "k": a.k, "rounds": a.rounds,
+    from lynx_edge.kernels import native
+
+    res = {"benchmark": "prefetch_sweep", "isa": cpu_isa(), "march": native.FLAGS[1], "dtype": a.dtype, "k": a.k, "rounds": a.rounds,
            "threads": 1, "torch": torch.__version__, "gb_s": rows}
     print(json.dumps(res, indent=1))
     if a.out:

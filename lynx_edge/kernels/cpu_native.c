@@ -553,12 +553,20 @@ enum { FMT_INT4 = 0, FMT_F32 = 1, FMT_BF16 = 2, FMT_MXFP4 = 3, FMT_FP8 = 4, FMT_
  * 768 inputs 19.7 -> 22.8 (256: 24.0). Short rows keep the interleaved loop: with the demo's 128-
  * and 256-wide rows, mostly in cache, runs cost 6-18% of a decode step; fp32 rows lose with runs
  * (23.3 -> 18.8 GB/s). The run loops are unrolled so a[r] stays in a register (a runtime index
- * spills the accumulators for the whole tile). */
+ * spills the accumulators for the whole tile).
+ * The AVX2 path runs ROW_RUN_AVX2 (64) inputs per row, measured on the same host built for haswell
+ * (benchmarks/results/row_run_avx2_s19.json, one thread, GB/s interleaved -> runs of 64): 1024 inputs
+ * 17.1 -> 25.4 (128: 20.8), 1408 21.7 -> 22.5, 2048 16.2 -> 18.4, 2880 20.7 -> 22.4; 768 27.1 -> 24.9
+ * in one sweep and 22.8 -> 22.1 in another (the only width where runs do not win; kept one rule);
+ * random qwen3_moe bf16 end to end 1.26x at B = 1, 1.07x at B = 16 (row_run_avx2_e2e_s19.json). */
 #ifndef ROW_RUN_MIN_K
 #define ROW_RUN_MIN_K 512
 #endif
 #ifndef ROW_RUN
 #define ROW_RUN 128
+#endif
+#ifndef ROW_RUN_AVX2
+#define ROW_RUN_AVX2 64
 #endif
 #if defined(__AVX512F__)
 #define DT_N 16
@@ -616,18 +624,31 @@ static inline __attribute__((always_inline)) void dense_tile(const uint8_t *w, c
 #elif defined(__AVX2__) && defined(__FMA__)
     __m256 a[8];
     for (t = 0; t < 8; t++) a[t] = _mm256_setzero_ps();
+#define W8AT(r, jj) (FMT == FMT_F32 ? _mm256_loadu_ps(WF(r) + (jj)) \
+                : FMT == FMT_I8 ? _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(WI(r) + (jj))))) \
+                : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(WB(r) + (jj)))), 16)))
     const long pf = tile_ahead(R * rs, TILE_PREFETCH);
+    if (NT == 1 && FMT == FMT_BF16 && ROW_RUN_AVX2 > 0 && Kin >= ROW_RUN_MIN_K) { /* as AVX-512's run loop */
+        for (; j + ROW_RUN_AVX2 <= Kin; j += ROW_RUN_AVX2)
+#pragma GCC unroll 16
+            for (r = 0; r < R; r++) {
+#pragma GCC unroll 8
+                for (int u = 0; u < ROW_RUN_AVX2; u += 8) {
+                    if ((((j + u) * ES) & 63) == 0) _mm_prefetch((const char *)(w + r * rs) + (long)(j + u) * ES + pf, PF_HINT);
+                    a[r] = _mm256_fmadd_ps(W8AT(r, j + u), _mm256_loadu_ps(x[0] + j + u), a[r]);
+                }
+            }
+    }
     for (; j + 8 <= Kin; j += 8) {
         __m256 xv[4];
         for (t = 0; t < NT; t++) xv[t] = _mm256_loadu_ps(x[t] + j);
         for (r = 0; r < R; r++) {
             if (((j * ES) & 63) == 0) _mm_prefetch((const char *)(w + r * rs) + (long)j * ES + pf, PF_HINT);
-            const __m256 wv = FMT == FMT_F32 ? _mm256_loadu_ps(WF(r) + j)
-                : FMT == FMT_I8 ? _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(WI(r) + j))))
-                : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(WB(r) + j))), 16));
+            const __m256 wv = W8AT(r, j);
             for (t = 0; t < NT; t++) a[r * NT + t] = _mm256_fmadd_ps(wv, xv[t], a[r * NT + t]);
         }
     }
+#undef W8AT
     sum_lanes(a, out);
 #else
     /* portable: eight partial sums per row x token (as vector lanes would; the compiler may
