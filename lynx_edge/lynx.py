@@ -24,7 +24,7 @@ from . import lynx_host as _host
 from .kernels import lynx_route as _kernel
 from .kernels import native as _native
 from .kernels.moe_gemm import expert_table
-from .routing import RouterSpec, rank_experts, scale_weights
+from .routing import ExactRouter, RouterSpec, rank_experts, scale_weights
 
 _MODES = ("off", "lynx", "budget", "lynx-mass")
 # CPU tensors take a host path (_select_host: lynx_host compiled; numpy telemetry) that reads them as numpy arrays:
@@ -558,6 +558,7 @@ class LynxRouter:
         self.use_triton: Optional[bool] = None if device is None else _kernel.available(device)
         self._args: dict[int, dict] = {}  # layer → kernel_args
         self._host: dict[tuple, Optional[tuple]] = {}  # (layer, T) → host_params
+        self._exact = ExactRouter(spec)  # all-prefill CPU forwards (exact by the spec)
 
     def begin_step(self, is_decode: Optional[bool] = None) -> None:
         self.phase = None if is_decode is None else bool(is_decode)
@@ -625,6 +626,19 @@ class LynxRouter:
             else:
                 p = torch.softmax(z, dim=-1, dtype=torch.float32) if probs is None else probs.float()
                 r = _scaled(_select_host(z, p, hp), self.spec)
+        elif phase is False and res is None and probs is None and logits.device.type == "cpu":
+            # an all-prefill CPU forward is exact: the exact router's own call (one native call),
+            # so a prompt routes bit-identically with LYNX on and off and costs what it costs off
+            # (lynx_select's torch ops made the demo's prefill 4-10% slower with LYNX on)
+            z = logits.float().contiguous()
+            plan = self._exact.native_plan(layer, T) if T > 0 and E >= self.spec.top_k else None
+            if plan is not None:
+                ids, w, vec = _native.route(z, plan)
+                vec[1] = vec[2] = 0.0  # its stats count every token as decode: none is
+                r = LynxResult(ids, w, vec, None)
+            else:
+                ids, w = self._exact(z, False, layer)
+                r = _result(E, ids, ids, w, 0, 0.0, 0.0, None)
         else:
             r = lynx_select(logits, phase, self.spec, self.cfg, layer, res, probs)
         self.last = r

@@ -78,3 +78,31 @@ def test_a_stopped_stream_keeps_its_stats():
     full = list(eng.stream("def main():", max_new_tokens=20, do_sample=False, ignore_eos=True))
     assert "stopped" not in eng.last_stats and eng.last_stats["completion_tokens"] == 20
     assert sum(len(c.token_ids) for c in full) == 20 and eng.last_stats["decode_steps"] == 19
+
+
+def test_lynx_on_prefill_routes_as_exact(tiny_models, monkeypatch):
+    """Prefill stays exact under LYNX, to the bit: each prefill forward's ids and gate weights with
+    LYNX on equal those with it off (the exact router's own call, not lynx_select's torch ops)."""
+    import lynx_edge.lynx as lynx_mod
+    from lynx_edge.routing import ExactRouter
+
+    got, engine_router = {ExactRouter: [], lynx_mod.LynxRouter: []}, []
+    for cls in got:
+        def call(self, logits, is_decode, layer, *a, _real=cls.__call__, **k):
+            ids, w = _real(self, logits, is_decode, layer, *a, **k)
+            if self is engine_router[-1] and not bool(torch.as_tensor(is_decode).any()):
+                got[type(self)].append((layer, ids.clone(), w.clone()))
+            return ids, w
+
+        monkeypatch.setattr(cls, "__call__", call)
+    called = []
+    real_select = lynx_mod.lynx_select
+    monkeypatch.setattr(lynx_mod, "lynx_select", lambda *a, **k: called.append(1) or real_select(*a, **k))
+    for mode in ("off", "lynx"):
+        eng = Engine.from_pretrained(tiny_models["olmoe"], lynx=mode)
+        engine_router.append(eng.model.routing.route)
+        eng.generate_batch(PROMPTS[:3], max_new_tokens=1, ignore_eos=True)
+    off, on = got[ExactRouter], got[lynx_mod.LynxRouter]
+    assert off and len(off) == len(on) and not called
+    for (la, ia, wa), (lb, ib, wb) in zip(off, on):
+        assert la == lb and torch.equal(ia, ib) and torch.equal(wa, wb)
