@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Callable, Optional
 
@@ -437,6 +438,25 @@ def lynx_route_ref(logits, is_decode, spec: RouterSpec, cfg: "LynxConfig | str |
     return r.ids, r.weights, active.to(torch.int32), counts, tab["slot"], r.vec
 
 
+class _StepStats(Mapping):
+    """One step of a burst in LynxTelemetry.steps: layer → its stat vector [7], read from the burst's
+    vec [S, n, 7] when asked (a dict per step cost more than the rest of the step's Python)."""
+
+    def __init__(self, layers: tuple, vec: torch.Tensor, s: int):
+        self._layers, self._vec, self._s = layers, vec, s
+
+    def __getitem__(self, layer: int) -> torch.Tensor:
+        if layer not in self._layers:
+            raise KeyError(layer)
+        return self._vec[self._s, self._layers.index(layer)]
+
+    def __iter__(self):
+        return iter(self._layers)
+
+    def __len__(self) -> int:
+        return len(self._layers)
+
+
 class LynxTelemetry:
     """Per-layer running sums of LynxResult stats over pure decode calls (every token decode),
     plus the last `history` steps' per-layer stat vectors. No host sync until summary()."""
@@ -485,14 +505,30 @@ class LynxTelemetry:
         if len(self._pending) >= 256:
             self._fold()
 
+    def record_burst(self, layers: tuple, vec: torch.Tensor) -> None:
+        """record_block() for S decode steps of one native call: vec [S, n, 7] float64 on the CPU; the
+        first step is the one in progress (begin_step ran), the other S - 1 are begun here. Their
+        per-step views are built on access (_StepStats): per step, the Python of a record_block and a
+        begin_step cost the demo 5% of a B = 1 token."""
+        if not self.steps:
+            self.begin_step()
+        self.steps[-1].update(zip(layers, vec[0].unbind(0)))
+        S = vec.shape[0]
+        for s in range(max(1, S - (self.steps.maxlen or S)), S):
+            self.steps.append(_StepStats(layers, vec, s))
+        self.num_steps += S - 1
+        self._pending.append((layers, vec))
+        if len(self._pending) >= 256:
+            self._fold()
+
     def _fold(self) -> None:
         """Sum the pending blocks into their layers' running sums (pure decode calls only)."""
         by_key: dict[tuple, list] = {}
         for layers, vec in self._pending:
-            by_key.setdefault(layers, []).append(vec)
+            by_key.setdefault(layers, []).append(vec.view(-1, *vec.shape[-2:]))  # [n, 7] or a burst's [S, n, 7]
         self._pending.clear()
         for layers, vecs in by_key.items():
-            vn = torch.stack(vecs).numpy()  # [steps, n, 7]
+            vn = torch.cat(vecs).numpy()  # [steps, n, 7]
             pure = ((vn[..., 1] == vn[..., 0]) & (vn[..., 0] > 0)).astype(np.float64)  # [steps, n]
             blk = self._blocks.get(layers)
             if blk is None:
@@ -586,6 +622,12 @@ class LynxRouter:
         weights [n, B, K], vec [n, 7]. `last` is the last layer's result."""
         self._last, self._last_block = None, (ids, weights, vec)  # `last` built if asked for
         self.telemetry.record_block(layers, vec)
+
+    def native_done_burst(self, layers: tuple, ids: torch.Tensor, weights: torch.Tensor, vec: torch.Tensor) -> None:
+        """native_done for S decode steps of one greedy burst: ids, weights [S, n, B, K], vec [S, n, 7];
+        the first step begun by the caller, the rest all decode (the phase stays True)."""
+        self._last, self._last_block = None, (ids[-1], weights[-1], vec[-1])
+        self.telemetry.record_burst(layers, vec)
 
     @property
     def last(self) -> Optional[LynxResult]:

@@ -87,3 +87,26 @@ def test_burst_rejects_a_token_outside_the_vocabulary(q3):
     eng, kv = _setup(q3, 1, "float32")
     with pytest.raises(ValueError, match="outside the vocabulary"):
         decode_greedy(eng.model, kv, [0], [10_000], 3)
+
+
+def test_burst_lynx_telemetry_in_one_report(q3, monkeypatch):
+    """Without routing stats, a LYNX burst tells the router all its steps in one call
+    (native_done_burst): the same telemetry as step by step — summary, step count and each step's
+    per-layer stat vectors — and no per-step report."""
+    from lynx_edge.lynx import LynxRouter
+
+    eng, kv = _setup(q3, 4, "bfloat16", "on")
+    per_step = []
+    monkeypatch.setattr(LynxRouter, "native_done", lambda self, *a: per_step.append(1))
+    rows, toks = list(range(4)), [20, 21, 22, 23]
+    got = decode_greedy(eng.model, kv, rows, toks, 6)
+    assert len(got) == 6 and not per_step
+    tel = eng.lynx.telemetry
+    monkeypatch.undo()
+    ref_eng, ref_kv = _setup(q3, 4, "bfloat16", "on")
+    assert got == _stepwise(ref_eng, ref_kv, rows, toks, 6)
+    ref = ref_eng.lynx.telemetry
+    assert tel.summary() == ref.summary() and tel.num_steps == ref.num_steps
+    assert len(tel.steps) == len(ref.steps)
+    for a, b in zip(tel.steps, ref.steps):
+        assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in b)
