@@ -510,16 +510,14 @@ class LynxTelemetry:
         first step is the one in progress (begin_step ran), the other S - 1 are begun here. Their
         per-step views are built on access (_StepStats): per step, the Python of a record_block and a
         begin_step cost the demo 5% of a B = 1 token."""
-        if not self.steps:
-            self.begin_step()
-        self.steps[-1].update(zip(layers, vec[0].unbind(0)))
+        self.record_block(layers, vec[0])  # the step in progress
         S = vec.shape[0]
+        if S == 1:
+            return
         for s in range(max(1, S - (self.steps.maxlen or S)), S):
             self.steps.append(_StepStats(layers, vec, s))
         self.num_steps += S - 1
-        self._pending.append((layers, vec))
-        if len(self._pending) >= 256:
-            self._fold()
+        self._pending.append((layers, vec[1:]))
 
     def _fold(self) -> None:
         """Sum the pending blocks into their layers' running sums (pure decode calls only)."""
@@ -672,15 +670,12 @@ class LynxRouter:
             # an all-prefill CPU forward is exact: the exact router's own call (one native call),
             # so a prompt routes bit-identically with LYNX on and off and costs what it costs off
             # (lynx_select's torch ops made the demo's prefill 4-10% slower with LYNX on)
-            z = logits.float().contiguous()
-            plan = self._exact.native_plan(layer, T) if T > 0 and E >= self.spec.top_k else None
-            if plan is not None:
-                ids, w, vec = _native.route(z, plan)
+            ids, w, vec = self._exact.route_with_stats(logits.float(), layer)
+            if vec is None:
+                r = _result(E, ids, ids, w, 0, 0.0, 0.0, None)
+            else:
                 vec[1] = vec[2] = 0.0  # its stats count every token as decode: none is
                 r = LynxResult(ids, w, vec, None)
-            else:
-                ids, w = self._exact(z, False, layer)
-                r = _result(E, ids, ids, w, 0, 0.0, 0.0, None)
         else:
             r = lynx_select(logits, phase, self.spec, self.cfg, layer, res, probs)
         self.last = r

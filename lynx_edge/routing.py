@@ -130,12 +130,16 @@ class ExactRouter:
     native_done = None  # the native layer routed with native_plan: nothing to tell exact routing
 
     def __call__(self, logits, is_decode, layer, probs=None):
+        return self.route_with_stats(logits, layer, probs)[:2]
+
+    def route_with_stats(self, logits, layer: int, probs=None):
+        """→ (ids, weights, the native router's stats [7] fp64 — LynxResult.vec, every token counted
+        as decode — or None where torch routed)"""
         if probs is None and logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2:
             plan = self.native_plan(layer, logits.shape[0])
             if plan is not None and logits.shape[0] > 0 and logits.shape[1] >= self.spec.top_k:
-                ids, w, _ = self._native_route(logits.contiguous(), plan)
-                return ids, w
-        return exact_route(logits, self.spec, probs)
+                return self._native_route(logits.contiguous(), plan)
+        return (*exact_route(logits, self.spec, probs), None)
 
 
 RouteFactory = Callable[[RouterSpec], RouteFn]

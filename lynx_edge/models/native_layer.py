@@ -240,7 +240,6 @@ def greedy_burst(model, kv, ab: AttnBatch, tokens: list[int], steps: int, stops)
     ctx, layers = st.nls[0].mlp.ctx, tuple(nl.mlp.layer for nl in st.nls)
     burst = getattr(ctx.route, "native_done_burst", None)
     if burst is not None and ran and not ctx.stats.record:  # LYNX: the steps told in one call
-        model.routing.is_decode = True
         burst(layers, ids[:ran], w[:ran], vec[:ran])
         return out[:ran].tolist()
     for s in range(ran):
