@@ -568,10 +568,34 @@ enum { FMT_INT4 = 0, FMT_F32 = 1, FMT_BF16 = 2, FMT_MXFP4 = 3, FMT_FP8 = 4, FMT_
 #ifndef ROW_RUN_AVX2
 #define ROW_RUN_AVX2 64
 #endif
+#define DT_PRAGMA(x) _Pragma(#x)
+/* dense_tile's vector macros: DT_N accumulators of DT_VL lanes, one weight vector of row r at input
+ * jj widened to fp32 (DT_WAT: fp32 loads, int8 codes convert, bf16 widens by a shift), runs of
+ * DT_RUN inputs unrolled by DT_UNROLL_RUN (the measured unrolls of each path) */
 #if defined(__AVX512F__)
 #define DT_N 16
+#define DT_VL 16
+#define DT_VEC __m512
+#define DT_VZERO _mm512_setzero_ps
+#define DT_VLOAD _mm512_loadu_ps
+#define DT_VFMA _mm512_fmadd_ps
+#define DT_RUN ROW_RUN
+#define DT_UNROLL_RUN DT_PRAGMA(GCC unroll 4)
+#define DT_WAT(r, jj) (FMT == FMT_F32 ? _mm512_loadu_ps(WF(r) + (jj)) \
+                : FMT == FMT_I8 ? _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(WI(r) + (jj))))) \
+                : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(WB(r) + (jj)))), 16)))
 #elif defined(__AVX2__) && defined(__FMA__)
 #define DT_N 8
+#define DT_VL 8
+#define DT_VEC __m256
+#define DT_VZERO _mm256_setzero_ps
+#define DT_VLOAD _mm256_loadu_ps
+#define DT_VFMA _mm256_fmadd_ps
+#define DT_RUN ROW_RUN_AVX2
+#define DT_UNROLL_RUN DT_PRAGMA(GCC unroll 8)
+#define DT_WAT(r, jj) (FMT == FMT_F32 ? _mm256_loadu_ps(WF(r) + (jj)) \
+                : FMT == FMT_I8 ? _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(WI(r) + (jj))))) \
+                : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(WB(r) + (jj)))), 16)))
 #else
 #define DT_N 16
 #endif
@@ -585,70 +609,36 @@ static inline __attribute__((always_inline)) void dense_tile(const uint8_t *w, c
 #define WI(r) ((const int8_t *)(w + (r) * rs))
 #define WS(r, j) (FMT == FMT_F32 ? WF(r)[j] : FMT == FMT_I8 ? (float)WI(r)[j] : bf16_f(WB(r)[j])) /* one weight */
     const long ES = FMT == FMT_F32 ? 4 : FMT == FMT_BF16 ? 2 : 1; /* bytes per weight */
-#if defined(__AVX512F__)
-    /* one accumulator per row x token over the inputs' 16-wide vectors in order, then sum_lanes's
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+    /* one accumulator per row x token over the inputs' VL-wide vectors in order, then sum_lanes's
      * fixed tree: every row x token sums the same way in any tile, so a token's result does not
-     * depend on which tokens or rows share the call (decode is batch-invariant) */
-    __m512 a[16];
-    for (t = 0; t < 16; t++) a[t] = _mm512_setzero_ps();
-#define W16AT(r, jj) (FMT == FMT_F32 ? _mm512_loadu_ps(WF(r) + (jj)) \
-                : FMT == FMT_I8 ? _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(WI(r) + (jj))))) \
-                : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(WB(r) + (jj)))), 16)))
-#define W16(r) W16AT(r, j)
+     * depend on which tokens or rows share the call (decode is batch-invariant). The AVX-512 and
+     * AVX2 paths are one body over the vector macros (DT_V*) defined before this function. */
+    DT_VEC a[DT_N];
+    for (t = 0; t < DT_N; t++) a[t] = DT_VZERO();
     const long pf = tile_ahead(R * rs, TILE_PREFETCH); /* each row prefetches its place in a later tile */
-    if (NT == 1 && FMT == FMT_BF16 && ROW_RUN > 0 && Kin >= ROW_RUN_MIN_K) { /* bf16, one token: a run of each row in turn */
+    if (NT == 1 && FMT == FMT_BF16 && DT_RUN > 0 && Kin >= ROW_RUN_MIN_K) { /* bf16, one token: a run of each row in turn */
         /* whole runs only, with constant trip counts, so the rows' accumulators stay in registers;
          * the interleaved loop below goes on from the first input no run covered */
-        for (; j + ROW_RUN <= Kin; j += ROW_RUN)
+        for (; j + DT_RUN <= Kin; j += DT_RUN)
 #pragma GCC unroll 16
             for (r = 0; r < R; r++) {
-#pragma GCC unroll 4
-                for (int u = 0; u < ROW_RUN; u += 16) {
+                DT_UNROLL_RUN
+                for (int u = 0; u < DT_RUN; u += DT_VL) {
                     if ((((j + u) * ES) & 63) == 0) _mm_prefetch((const char *)(w + r * rs) + (long)(j + u) * ES + pf, PF_HINT);
-                    a[r] = _mm512_fmadd_ps(W16AT(r, j + u), _mm512_loadu_ps(x[0] + j + u), a[r]);
+                    a[r] = DT_VFMA(DT_WAT(r, j + u), DT_VLOAD(x[0] + j + u), a[r]);
                 }
             }
     }
-    for (; j + 16 <= Kin; j += 16) {
-        __m512 xv[4];
-        for (t = 0; t < NT; t++) xv[t] = _mm512_loadu_ps(x[t] + j);
+    for (; j + DT_VL <= Kin; j += DT_VL) {
+        DT_VEC xv[4];
+        for (t = 0; t < NT; t++) xv[t] = DT_VLOAD(x[t] + j);
         for (r = 0; r < R; r++) {
             if (((j * ES) & 63) == 0) _mm_prefetch((const char *)(w + r * rs) + (long)j * ES + pf, PF_HINT);
-            const __m512 wv = W16(r);
-            for (t = 0; t < NT; t++) a[r * NT + t] = _mm512_fmadd_ps(wv, xv[t], a[r * NT + t]);
+            const DT_VEC wv = DT_WAT(r, j);
+            for (t = 0; t < NT; t++) a[r * NT + t] = DT_VFMA(wv, xv[t], a[r * NT + t]);
         }
     }
-#undef W16
-#undef W16AT
-    sum_lanes(a, out);
-#elif defined(__AVX2__) && defined(__FMA__)
-    __m256 a[8];
-    for (t = 0; t < 8; t++) a[t] = _mm256_setzero_ps();
-#define W8AT(r, jj) (FMT == FMT_F32 ? _mm256_loadu_ps(WF(r) + (jj)) \
-                : FMT == FMT_I8 ? _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(WI(r) + (jj))))) \
-                : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(WB(r) + (jj)))), 16)))
-    const long pf = tile_ahead(R * rs, TILE_PREFETCH);
-    if (NT == 1 && FMT == FMT_BF16 && ROW_RUN_AVX2 > 0 && Kin >= ROW_RUN_MIN_K) { /* as AVX-512's run loop */
-        for (; j + ROW_RUN_AVX2 <= Kin; j += ROW_RUN_AVX2)
-#pragma GCC unroll 16
-            for (r = 0; r < R; r++) {
-#pragma GCC unroll 8
-                for (int u = 0; u < ROW_RUN_AVX2; u += 8) {
-                    if ((((j + u) * ES) & 63) == 0) _mm_prefetch((const char *)(w + r * rs) + (long)(j + u) * ES + pf, PF_HINT);
-                    a[r] = _mm256_fmadd_ps(W8AT(r, j + u), _mm256_loadu_ps(x[0] + j + u), a[r]);
-                }
-            }
-    }
-    for (; j + 8 <= Kin; j += 8) {
-        __m256 xv[4];
-        for (t = 0; t < NT; t++) xv[t] = _mm256_loadu_ps(x[t] + j);
-        for (r = 0; r < R; r++) {
-            if (((j * ES) & 63) == 0) _mm_prefetch((const char *)(w + r * rs) + (long)j * ES + pf, PF_HINT);
-            const __m256 wv = W8AT(r, j);
-            for (t = 0; t < NT; t++) a[r * NT + t] = _mm256_fmadd_ps(wv, xv[t], a[r * NT + t]);
-        }
-    }
-#undef W8AT
     sum_lanes(a, out);
 #else
     /* portable: eight partial sums per row x token (as vector lanes would; the compiler may
