@@ -641,11 +641,12 @@ def test_fp8_linear_matches_reference(T, N, Kin, block, bias):
 
 # --- row tiles: every row x token sums the same way alone or in any tile ------------------------
 
-@pytest.mark.parametrize("kind,Kin", [("f32", 256), ("f32", 1024), ("bf16", 256), ("bf16", 1024), ("int8", 256),
+@pytest.mark.parametrize("kind,Kin", [("f32", 100), ("f32", 256), ("f32", 1024), ("bf16", 256), ("bf16", 1024), ("int8", 256),
                                       ("int8-q8", 256), ("int4", 256), ("int4-q8", 256)])
 def test_row_tiles_are_batch_and_row_invariant(kind, Kin):
     """The kernels run several adjacent rows and up to four tokens per tile. The 16-bit and int8
-    rows (dense_tile): one token over 4 rows; two over 8 (AVX-512; 4 on AVX2) or, for rows of 1024+
+    rows (dense_tile): one token over 4 rows (on AVX2, fp32 rows of ≤ 512 inputs read each row whole:
+    K = 100 and 256, 100 with a scalar tail); two over 8 (AVX-512; 4 on AVX2) or, for rows of 1024+
     inputs, 4; three or more over 4 rows (AVX-512; 2 on AVX2) or 2 for long rows, each tile's rows
     serving every group of four tokens in turn. INT4: up to four rows x four tokens. Each output
     must be bit-equal whether its row and token run alone or inside any tile: decode is

@@ -568,6 +568,23 @@ enum { FMT_INT4 = 0, FMT_F32 = 1, FMT_BF16 = 2, FMT_MXFP4 = 3, FMT_FP8 = 4, FMT_
 #ifndef ROW_RUN_AVX2
 #define ROW_RUN_AVX2 64
 #endif
+/* One-token fp32 rows of at most ROW_WHOLE_F32_AVX2 inputs on the AVX2 path are read whole, one row
+ * after another (the tile's bytes in address order), instead of interleaving the tile's rows 8 inputs
+ * (32 bytes) at a time: the demo's rows (256 and 128 inputs, 1 KB and 512 B) stream from DRAM far
+ * below the read rate when four rows are walked side by side. Bit-equal to the interleaved loop (each
+ * row's accumulator, inputs ascending). One thread, built for the host, GB/s interleaved -> whole
+ * (benchmarks/results/row_whole_f32_avx2_s21.json, benchmarks/prefetch_sweep.py --defines
+ * ROW_WHOLE_F32_AVX2=0,ROW_WHOLE_F32_AVX2=512 --k K --dtype float32):
+ *   AMD EPYC Zen3 (L3 32 MiB; torch sum ~22.5): 128 inputs 11.5 -> 18.8, 256 13.2 -> 19.6,
+ *     512 15.8 -> 19.8; 768 18.6 -> 20.3 and 1024 20.7 -> 20.3 (about even); demo fp32 end to end
+ *     B=1 1.06x, B=4 1.24x (benchmarks/dense_tiles.py --base 4ce1487 --batch 1,4 -r 15);
+ *   AMD EPYC Zen1 (L3 8 MiB; torch sum ~13): 128 8.8 -> 12.3, 256 8.7 -> 12.0, 512 10.2 -> 11.5;
+ *     768 12.6 -> 12.0 and 1024 11.9 -> 11.2 lose, and so do bf16 rows at every width (0.81-0.96x:
+ *     their widening shift, not the read, bounds them there).
+ * Hence rows of <= 512 inputs only; the AVX-512 path is unmeasured and keeps the interleaved loop. */
+#ifndef ROW_WHOLE_F32_AVX2
+#define ROW_WHOLE_F32_AVX2 512
+#endif
 #define DT_PRAGMA(x) _Pragma(#x)
 /* dense_tile's vector macros: DT_N accumulators of DT_VL lanes, one weight vector of row r at input
  * jj widened to fp32 (DT_WAT: fp32 loads, int8 codes convert, bf16 widens by a shift), runs of
@@ -581,6 +598,7 @@ enum { FMT_INT4 = 0, FMT_F32 = 1, FMT_BF16 = 2, FMT_MXFP4 = 3, FMT_FP8 = 4, FMT_
 #define DT_VFMA _mm512_fmadd_ps
 #define DT_RUN ROW_RUN
 #define DT_UNROLL_RUN DT_PRAGMA(GCC unroll 4)
+#define DT_WHOLE_F32 0
 #define DT_WAT(r, jj) (FMT == FMT_F32 ? _mm512_loadu_ps(WF(r) + (jj)) \
                 : FMT == FMT_I8 ? _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(WI(r) + (jj))))) \
                 : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(WB(r) + (jj)))), 16)))
@@ -593,6 +611,7 @@ enum { FMT_INT4 = 0, FMT_F32 = 1, FMT_BF16 = 2, FMT_MXFP4 = 3, FMT_FP8 = 4, FMT_
 #define DT_VFMA _mm256_fmadd_ps
 #define DT_RUN ROW_RUN_AVX2
 #define DT_UNROLL_RUN DT_PRAGMA(GCC unroll 8)
+#define DT_WHOLE_F32 ROW_WHOLE_F32_AVX2
 #define DT_WAT(r, jj) (FMT == FMT_F32 ? _mm256_loadu_ps(WF(r) + (jj)) \
                 : FMT == FMT_I8 ? _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(WI(r) + (jj))))) \
                 : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(WB(r) + (jj)))), 16)))
@@ -617,7 +636,14 @@ static inline __attribute__((always_inline)) void dense_tile(const uint8_t *w, c
     DT_VEC a[DT_N];
     for (t = 0; t < DT_N; t++) a[t] = DT_VZERO();
     const long pf = tile_ahead(R * rs, TILE_PREFETCH); /* each row prefetches its place in a later tile */
-    if (NT == 1 && FMT == FMT_BF16 && DT_RUN > 0 && Kin >= ROW_RUN_MIN_K) { /* bf16, one token: a run of each row in turn */
+    if (NT == 1 && FMT == FMT_F32 && Kin <= DT_WHOLE_F32) { /* fp32, one token, short rows: each row whole */
+#pragma GCC unroll 16
+        for (r = 0; r < R; r++) /* unrolled: a[r] a register; j ends where the interleaved loop would */
+            for (j = 0; j + DT_VL <= Kin; j += DT_VL) {
+                if (((j * ES) & 63) == 0) _mm_prefetch((const char *)(w + r * rs) + (long)j * ES + pf, PF_HINT);
+                a[r] = DT_VFMA(DT_WAT(r, j), DT_VLOAD(x[0] + j), a[r]);
+            }
+    } else if (NT == 1 && FMT == FMT_BF16 && DT_RUN > 0 && Kin >= ROW_RUN_MIN_K) { /* bf16, one token: a run of each row in turn */
         /* whole runs only, with constant trip counts, so the rows' accumulators stay in registers;
          * the interleaved loop below goes on from the first input no run covered */
         for (; j + DT_RUN <= Kin; j += DT_RUN)
