@@ -334,6 +334,13 @@ static void group_sums(const float *xe, const float *xo, long S, int Kin, int G,
  * input (far below the 4-bit weights' own), which is why it is an option (native.INT4_ACT).
  * Needs Kin % 128 == 0 (64-byte weight chunks); other widths use the fp32 rows above. */
 #define QB 32
+/* Floats per activation block in the block scales d: the AVX2 build stores each block's scale 4 times,
+ * so a 64-weight chunk's two scales are one 8-lane load in q8_tile (AVX-512 and the portable build: 1) */
+#if !(defined(__AVX512F__) && defined(__AVX512BW__)) && defined(__AVX2__) && defined(__FMA__)
+#define QD 4
+#else
+#define QD 1
+#endif
 
 /* The int8 rule of every activation block (llama.cpp's Q8_0 / Q8_K): scale amax / 127, codes
  * round-to-nearest-even(x * 127 / amax) (an all-zero block: scale 0, codes 0) → the scale, its
@@ -351,7 +358,8 @@ static inline __m512i q8_codes16(const float *v, float id, int8_t *dst) {
 }
 #endif
 
-/* xq [S, Kin/2] even and odd columns (int8), d [S, Kin/QB], zx [S, Kin/G] of fp32 rows xe/xo */
+/* xq [S, Kin/2] even and odd columns (int8), d [S, Kin/QB * QD] (each block's scale QD times), zx [S, Kin/G]
+ * of fp32 rows xe/xo */
 static void quant_q8(const float *xe, const float *xo, long S, int Kin, int G, int8_t *qe, int8_t *qo, float *d,
                      float *zx) {
     const int h = Kin / 2, nb = Kin / QB, bpg = G / QB;
@@ -368,7 +376,7 @@ static void quant_q8(const float *xe, const float *xo, long S, int Kin, int G, i
                 const float db = q8_scale(_mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(ve), _mm512_abs_ps(vo))), &id);
                 const __m512i qe8 = q8_codes16(e + b * (QB / 2), id, ge + b * (QB / 2));
                 const __m512i qo8 = q8_codes16(o + b * (QB / 2), id, go + b * (QB / 2));
-                d[r * nb + b] = db;
+                d[r * nb + b] = db; /* QD == 1 here */
                 zsum += db * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qe8, qo8));
                 if ((b + 1) % bpg == 0) {
                     zx[r * (Kin / G) + b / bpg] = zsum;
@@ -392,7 +400,7 @@ static void quant_q8(const float *xe, const float *xo, long S, int Kin, int G, i
                 go[j] = (int8_t)c;
                 isum += a + c;
             }
-            d[r * nb + b] = db;
+            for (int i = 0; i < QD; i++) d[(r * nb + b) * QD + i] = db;
             zsum += db * (float)isum;
             if ((b + 1) % bpg == 0) {
                 zx[r * (Kin / G) + b / bpg] = zsum;
@@ -463,28 +471,37 @@ static inline __attribute__((always_inline)) void q8_tile(
         reduce_512(tot, corr, RN, out);
     }
 #elif defined(__AVX2__) && defined(__FMA__)
-    {
-        __m256 tot[8];
+    { /* per scale step (a group of G >= 64 weights, or one 64-weight chunk when G = 32): ga = sum over its
+       * chunks of the integer dots times the token's block scales (one 8-lane load: QD = 4), then
+       * tot += ga * s_g once per step, not once per chunk (a multiply and three scale shuffles fewer per
+       * row x token x chunk: on an AMD EPYC Zen3, one thread, codes from DRAM T = 4 1.07-1.18x, T = 1
+       * 1.01-1.03x; benchmarks/results/q8_avx2_s22.json) */
+        __m256 tot[8], ga[8];
         for (t = 0; t < RN; t++) tot[t] = _mm256_setzero_ps();
         const __m256i m4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
-        for (int c = 0; c < Kin / 64; c++) { /* 32 bytes: 64 weights, 2 blocks of QB */
-            for (r = 0; r < R; r++) {
-                const uint8_t *qr = q + r * rs;
-                const uint16_t *sr = s + r;
-                const __m256i w = _mm256_loadu_si256((const __m256i *)(qr + 32L * c));
-                if ((c & 1) == 0) _mm_prefetch((const char *)qr + 32L * c + pf, PF_HINT);
-                const __m256i lo = _mm256_and_si256(w, m4), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), m4);
-                const float s0 = h2f(sr[(long)(c * 64 / G) * N]);
-                const __m256 sv = G >= 64 ? _mm256_set1_ps(s0)
-                                          : _mm256_set_m128(_mm_set1_ps(h2f(sr[(long)(2 * c + 1) * N])), _mm_set1_ps(s0));
-                for (t = 0; t < NT; t++) {
-                    const __m256i ve = _mm256_loadu_si256((const __m256i *)(xe[t] + 32L * c));
-                    const __m256i vo = _mm256_loadu_si256((const __m256i *)(xo[t] + 32L * c));
-                    const __m256i a = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, ve),
-                                                                         _mm256_maddubs_epi16(hi, vo)), ones);
-                    const __m256 dv = _mm256_set_m128(_mm_set1_ps(d[t][2 * c + 1]), _mm_set1_ps(d[t][2 * c]));
-                    tot[r * NT + t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_mul_ps(dv, sv), tot[r * NT + t]);
+        const int cw = G >= 64 ? G / 64 : 1; /* chunks per scale step */
+        for (int c0 = 0; c0 < Kin / 64; c0 += cw) {
+            for (t = 0; t < RN; t++) ga[t] = _mm256_setzero_ps();
+            for (int c = c0; c < c0 + cw; c++) /* 32 bytes: 64 weights, 2 blocks of QB */
+                for (r = 0; r < R; r++) {
+                    const uint8_t *qr = q + r * rs;
+                    const __m256i w = _mm256_loadu_si256((const __m256i *)(qr + 32L * c));
+                    if ((c & 1) == 0) _mm_prefetch((const char *)qr + 32L * c + pf, PF_HINT);
+                    const __m256i lo = _mm256_and_si256(w, m4), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), m4);
+                    for (t = 0; t < NT; t++) {
+                        const __m256i ve = _mm256_loadu_si256((const __m256i *)(xe[t] + 32L * c));
+                        const __m256i vo = _mm256_loadu_si256((const __m256i *)(xo[t] + 32L * c));
+                        const __m256i a = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, ve),
+                                                                             _mm256_maddubs_epi16(hi, vo)), ones);
+                        ga[r * NT + t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_loadu_ps(d[t] + 8L * c), ga[r * NT + t]);
+                    }
                 }
+            for (r = 0; r < R; r++) {
+                const uint16_t *sr = s + r;
+                const float s0 = h2f(sr[(long)(c0 * 64 / G) * N]);
+                const __m256 sv = G >= 64 ? _mm256_set1_ps(s0)
+                                          : _mm256_set_m128(_mm_set1_ps(h2f(sr[(long)(2 * c0 + 1) * N])), _mm_set1_ps(s0));
+                for (t = 0; t < NT; t++) tot[r * NT + t] = _mm256_fmadd_ps(ga[r * NT + t], sv, tot[r * NT + t]);
             }
         }
         reduce_256(tot, corr, RN, out);
@@ -499,7 +516,7 @@ static inline __attribute__((always_inline)) void q8_tile(
                 int a = 0;
                 for (int j = b * (QB / 2); j < (b + 1) * (QB / 2); j++)
                     a += (qr[j] & 15) * xe[t][j] + (qr[j] >> 4) * xo[t][j];
-                tot += (float)a * d[t][b] * h2f(s[(long)(b * QB / G) * N + r]);
+                tot += (float)a * d[t][b * QD] * h2f(s[(long)(b * QB / G) * N + r]);
             }
             out[r * NT + t] = tot - corr[r * NT + t];
         }
@@ -525,7 +542,7 @@ static void q8_block(const uint8_t *q, long rs, const uint16_t *s, const uint8_t
     const float *d[4], *zx[4];
 #define Q8_TOKENS(t0, m) \
     for (int i = 0; i < (m); i++) { \
-        xe[i] = xe0 + ((t0) + i) * h; xo[i] = xo0 + ((t0) + i) * h; d[i] = d0 + ((t0) + i) * nb; zx[i] = zx0 + ((t0) + i) * ng; }
+        xe[i] = xe0 + ((t0) + i) * h; xo[i] = xo0 + ((t0) + i) * h; d[i] = d0 + ((t0) + i) * nb * QD; zx[i] = zx0 + ((t0) + i) * ng; }
 #define Q8_TILE(RR, M, r0, t0) \
     q8_tile(q + (r0) * rs, rs, s + (r0), z ? z + (r0) : NULL, N, Kin, G, RR, xe, xo, d, zx, M, acc + (r0) * ROWS_LD + (t0), \
             ROWS_LD)
@@ -1195,7 +1212,7 @@ static void gate_up_item(const void *arg, long item) {
             const int m = (int)(n - c < ROWS_LD ? n - c : ROWS_LD);
             if (L->xqe) {
                 const long o = (r0 + c) * (D / 2);
-                const float *xd = L->xd + (r0 + c) * (D / QB), *xz = L->xz + (r0 + c) * (D / L->G);
+                const float *xd = L->xd + (r0 + c) * (D / QB * QD), *xz = L->xz + (r0 + c) * (D / L->G);
                 q8_block(q + i * rs, rs, s + i, z ? z + i : NULL, 2L * I, D, L->G, R, L->xqe + o, L->xqo + o, xd, xz,
                          m, gate4);
                 q8_block(q + (I + i) * rs, rs, s + I + i, z ? z + I + i : NULL, 2L * I, D, L->G, R, L->xqe + o,
@@ -1234,7 +1251,7 @@ static void down_item(const void *arg, long item) {
             const int m = (int)(n - c < ROWS_LD ? n - c : ROWS_LD);
             if (int4 && L->hqe)
                 q8_block(q + (long)d * (I / 2), I / 2, s + d, z ? z + d : NULL, D, I, L->G, R,
-                         L->hqe + (r0 + c) * (I / 2), L->hqo + (r0 + c) * (I / 2), L->hd + (r0 + c) * (I / QB),
+                         L->hqe + (r0 + c) * (I / 2), L->hqo + (r0 + c) * (I / 2), L->hd + (r0 + c) * (I / QB * QD),
                          L->hz + (r0 + c) * (I / L->G), m, acc);
             else if (int4)
                 dot_block(q + (long)d * (I / 2), I / 2, s + d, z ? z + d : NULL, D, I, L->G, R,
@@ -1325,7 +1342,7 @@ int lynx_moe(int fmt, const float *x, const int64_t *ids, const float *w, const 
                          S * D * f4, S * I * f4, S * D * f4, defer ? S * I * f4 : 0, /* xe he y ue */
                          int4 ? (S * (D / G) + 1) * f4 : 0, int4 ? (S * (I / G) + 1) * f4 : 0, /* xsum hsum */
                          q8x ? S * D : 0, q8h ? S * I : 0,                             /* xq hq */
-                         q8x ? (S * (D / QB + D / G) + 1) * f4 : 0, q8h ? (S * (I / QB + I / G) + 1) * f4 : 0};
+                         q8x ? (S * (D / QB * QD + D / G) + 1) * f4 : 0, q8h ? (S * (I / QB * QD + I / G) + 1) * f4 : 0};
     void *b[15];
     uint8_t *mem = scratch(sz, 15, b);
     if (!mem) return -1;
@@ -1354,15 +1371,15 @@ int lynx_moe(int fmt, const float *x, const int64_t *ids, const float *w, const 
         }
         split_row(xt, perm ? perm + ids[order[r]] * D : NULL, D / 2, xe + r * (D / 2), xo + r * (D / 2));
     }
-    if (q8x) quant_q8(xe, xo, S, D, G, xq, xq + S * (D / 2), xd, xd + S * (D / QB));
+    if (q8x) quant_q8(xe, xo, S, D, G, xq, xq + S * (D / 2), xd, xd + S * (D / QB * QD));
     else if (int4) group_sums(xe, xo, S, D, G, xsum);
     layer_t L = {fmt, data, nbytes, offs, gu, dn, sym, G, D, I, T, K, ids, cnt, order, act, w, xe, xo, he, ho, y, ue,
                  xsum, hsum, gus, dns, gub, dnb, act_kind, limit, alpha,
                  xq, q8x ? xq + S * (D / 2) : NULL, hq, q8h ? hq + S * (I / 2) : NULL,
-                 xd, q8x ? xd + S * (D / QB) : NULL, hd, q8h ? hd + S * (I / QB) : NULL, bn, bk};
+                 xd, q8x ? xd + S * (D / QB * QD) : NULL, hd, q8h ? hd + S * (I / QB * QD) : NULL, bn, bk};
     parallel(gate_up_item, &L, A * ((I + ROW_BLOCK - 1) / ROW_BLOCK), nthreads);
     if (ue) lynx_silu_mul(he, ue, S * (long)I);
-    if (q8h) quant_q8(he, ho, S, I, G, hq, hq + S * (I / 2), hd, hd + S * (I / QB));
+    if (q8h) quant_q8(he, ho, S, I, G, hq, hq + S * (I / 2), hd, hd + S * (I / QB * QD));
     else if (int4) group_sums(he, ho, S, I, G, hsum);
     parallel(down_item, &L, A * ((D + ROW_BLOCK - 1) / ROW_BLOCK), nthreads);
     /* combine: out[t] = sum over k in slot order (k = 0 first) */
@@ -1563,7 +1580,7 @@ static void qlinear_item(const void *arg, long item) {
             const int m = P->T - c < ROWS_LD ? P->T - c : ROWS_LD;
             if (P->qe)
                 q8_block(P->q + (long)n * h, h, P->s + n, P->z ? P->z + n : NULL, P->N, Kin, P->G, R,
-                         P->qe + (long)c * h, P->qo + (long)c * h, P->d + (long)c * (Kin / QB), P->zx + (long)c * ng,
+                         P->qe + (long)c * h, P->qo + (long)c * h, P->d + (long)c * (Kin / QB * QD), P->zx + (long)c * ng,
                          m, acc);
             else
                 dot_block(P->q + (long)n * h, h, P->s + n, P->z ? P->z + n : NULL, P->N, Kin, P->G, R,
@@ -1585,7 +1602,7 @@ int lynx_linear_int4(const float *x, const uint8_t *q, const uint16_t *s, const 
                      const float *bias, int T, int Kin, int N, int G, float *out, int nthreads, int q8) {
     const long h = Kin / 2;
     q8 = q8 && Kin % 128 == 0;
-    const size_t sz[3] = {2L * T * h * sizeof(float), ((size_t)T * (Kin / G + Kin / QB) + 1) * sizeof(float),
+    const size_t sz[3] = {2L * T * h * sizeof(float), ((size_t)T * (Kin / G + Kin / QB * QD) + 1) * sizeof(float),
                           q8 ? 2L * T * h : 0};
     void *b[3];
     uint8_t *mem = scratch(sz, 3, b);
