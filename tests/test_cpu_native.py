@@ -645,8 +645,8 @@ def test_fp8_linear_matches_reference(T, N, Kin, block, bias):
                                       ("int8-q8", 256), ("int4", 256), ("int4-q8", 256)])
 def test_row_tiles_are_batch_and_row_invariant(kind, Kin):
     """The kernels run several adjacent rows and up to four tokens per tile. The 16-bit and int8
-    rows (dense_tile): one token over 4 rows (on AVX2, fp32 rows of ≤ 512 inputs read each row whole:
-    K = 100 and 256, 100 with a scalar tail); two over 8 (AVX-512; 4 on AVX2) or, for rows of 1024+
+    rows (dense_tile): one token over 4 rows (K = 100: a scalar tail; the experts' whole-row reads on
+    AVX2 are checked by test_dense_moe_tokens_alone_equal_their_batch); two over 8 (AVX-512; 4 on AVX2) or, for rows of 1024+
     inputs, 4; three or more over 4 rows (AVX-512; 2 on AVX2) or 2 for long rows, each tile's rows
     serving every group of four tokens in turn. INT4: up to four rows x four tokens. Each output
     must be bit-equal whether its row and token run alone or inside any tile: decode is
@@ -682,6 +682,25 @@ def test_row_tiles_are_batch_and_row_invariant(kind, Kin):
             for n in range(N):
                 assert torch.equal(run(x[t:t + 1], slice(n, n + 1)), full[t:t + 1, n:n + 1]), (kind, n_tok, t, n)
         assert torch.equal(run(x[:n_tok], slice(2, 6)), full[:, 2:6])  # a tile that starts mid-way
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_moe_tokens_alone_equal_their_batch(dtype):
+    """The dense experts' rows: a token alone (one slot per expert: the one-token tiles, which on
+    AVX2 read fp32 expert rows of <= 512 inputs whole) equals itself inside a batch where its experts
+    are shared with 1-3 other tokens (interleaved multi-token tiles), bit for bit. Gate/up rows of 256
+    inputs, down rows of 100 (a scalar tail after 96)."""
+    g = torch.Generator().manual_seed(6)
+    E, D, I, T, K = 5, 256, 100, 7, 2
+    gu = (torch.randn(E, 2 * I, D, generator=g) / D**0.5).to(dtype)
+    dn = (torch.randn(E, D, I, generator=g) / I**0.5).to(dtype)
+    x = torch.randn(T, D, generator=g)
+    ids = torch.tensor([[0, 1], [0, 1], [0, 2], [0, 2], [1, 2], [1, 3], [3, 4]])  # 4, 4, 3, 2, 1 slots
+    w = torch.softmax(torch.randn(T, K, generator=g), -1)
+    full = native.moe_dense(x, ids, w, gu, dn)
+    assert _rel(full, moe_ref_loop(x, ids, w, gu.float(), dn.float())) < TOL_MOE
+    for t in range(T):
+        assert torch.equal(native.moe_dense(x[t:t + 1], ids[t:t + 1], w[t:t + 1], gu, dn), full[t:t + 1]), t
 
 
 @pytest.mark.parametrize("act", ["f32", "q8"])

@@ -598,7 +598,10 @@ enum { FMT_INT4 = 0, FMT_F32 = 1, FMT_BF16 = 2, FMT_MXFP4 = 3, FMT_FP8 = 4, FMT_
  *   AMD EPYC Zen1 (L3 8 MiB; torch sum ~13): 128 8.8 -> 12.3, 256 8.7 -> 12.0, 512 10.2 -> 11.5;
  *     768 12.6 -> 12.0 and 1024 11.9 -> 11.2 lose, and so do bf16 rows at every width (0.81-0.96x:
  *     their widening shift, not the read, bounds them there).
- * Hence rows of <= 512 inputs only; the AVX-512 path is unmeasured and keeps the interleaved loop. */
+ * Hence rows of <= 512 inputs only, and only rows that come from DRAM at each use (dense_block's
+ * `stream`: the experts): rows that stay in cache run slower whole — the demo's fp32 head (4096 x 256,
+ * 4 MB) read 42 GB/s interleaved against 18-26 whole on the Zen3 (one latency-bound accumulator per
+ * row at a time). The AVX-512 path is unmeasured and keeps the interleaved loop. */
 #ifndef ROW_WHOLE_F32_AVX2
 #define ROW_WHOLE_F32_AVX2 512
 #endif
@@ -637,7 +640,7 @@ enum { FMT_INT4 = 0, FMT_F32 = 1, FMT_BF16 = 2, FMT_MXFP4 = 3, FMT_FP8 = 4, FMT_
 #endif
 static inline __attribute__((always_inline)) void dense_tile(const uint8_t *w, const long rs, const int FMT, int Kin,
                                                              const int R, const float *const *x, const int NT,
-                                                             float *acc, const long ald) {
+                                                             float *acc, const long ald, const int STREAM) {
     int t, r, j = 0;
     float out[DT_N];
 #define WF(r) ((const float *)(w + (r) * rs))
@@ -653,7 +656,7 @@ static inline __attribute__((always_inline)) void dense_tile(const uint8_t *w, c
     DT_VEC a[DT_N];
     for (t = 0; t < DT_N; t++) a[t] = DT_VZERO();
     const long pf = tile_ahead(R * rs, TILE_PREFETCH); /* each row prefetches its place in a later tile */
-    if (NT == 1 && FMT == FMT_F32 && Kin <= DT_WHOLE_F32) { /* fp32, one token, short rows: each row whole */
+    if (NT == 1 && FMT == FMT_F32 && STREAM && Kin <= DT_WHOLE_F32) { /* fp32, one token, short rows: each row whole */
 #pragma GCC unroll 16
         for (r = 0; r < R; r++) /* unrolled: a[r] a register; j ends where the interleaved loop would */
             for (j = 0; j + DT_VL <= Kin; j += DT_VL) {
@@ -713,11 +716,12 @@ static inline __attribute__((always_inline)) void dense_tile(const uint8_t *w, c
 
 /* one tile of RT rows from w x the m (1..4) tokens x[] into acc[r * ROWS_LD + t] */
 static inline __attribute__((always_inline)) void dense_tile_m(const uint8_t *w, long rs, const int FMT, int Kin,
-                                                               const int RT, const float *const *x, int m, float *acc) {
-    if (m == 4) dense_tile(w, rs, FMT, Kin, RT, x, 4, acc, ROWS_LD);
-    else if (m == 3) dense_tile(w, rs, FMT, Kin, RT, x, 3, acc, ROWS_LD);
-    else if (m == 2) dense_tile(w, rs, FMT, Kin, RT, x, 2, acc, ROWS_LD);
-    else dense_tile(w, rs, FMT, Kin, RT, x, 1, acc, ROWS_LD);
+                                                               const int RT, const float *const *x, int m, float *acc,
+                                                               const int STREAM) {
+    if (m == 4) dense_tile(w, rs, FMT, Kin, RT, x, 4, acc, ROWS_LD, STREAM);
+    else if (m == 3) dense_tile(w, rs, FMT, Kin, RT, x, 3, acc, ROWS_LD, STREAM);
+    else if (m == 2) dense_tile(w, rs, FMT, Kin, RT, x, 2, acc, ROWS_LD, STREAM);
+    else dense_tile(w, rs, FMT, Kin, RT, x, 1, acc, ROWS_LD, STREAM);
 }
 
 /* acc[r * ROWS_LD + t] for R (1..ROW_BLOCK) adjacent rows (stride rs bytes) and n tokens (rows x0 +
@@ -729,7 +733,8 @@ static inline __attribute__((always_inline)) void dense_tile_m(const uint8_t *w,
  * - one token: 4 rows (16 at once measured 0.91x end to end at B = 1).
  * A last partial tile runs row by row. */
 static inline __attribute__((always_inline)) void dense_tiles(const uint8_t *w, long rs, const int FMT, int Kin, int R,
-                                                              const float *x0, long ld, int n, float *acc) {
+                                                              const float *x0, long ld, int n, float *acc,
+                                                              const int STREAM) {
     const float *x[4];
     const int wide = Kin < 1024;
     for (int i = 0; i < n && i < 4; i++) x[i] = x0 + i * ld;
@@ -737,12 +742,12 @@ static inline __attribute__((always_inline)) void dense_tiles(const uint8_t *w, 
         const int RT = n == 1 ? 4 : n == 2 ? (wide ? DT_N / 2 : 4) : (wide ? DT_N / 4 : 2);
         for (int r = 0; r < R;) {
             const int one = R - r < RT;
-            if (one) dense_tile_m(w + r * rs, rs, FMT, Kin, 1, x, n, acc + r * ROWS_LD);
-            else if (n == 1) dense_tile(w + r * rs, rs, FMT, Kin, 4, x, 1, acc + r * ROWS_LD, ROWS_LD);
-            else if (n == 2 && wide) dense_tile(w + r * rs, rs, FMT, Kin, DT_N / 2, x, 2, acc + r * ROWS_LD, ROWS_LD);
-            else if (n == 2) dense_tile(w + r * rs, rs, FMT, Kin, 4, x, 2, acc + r * ROWS_LD, ROWS_LD);
-            else if (wide) dense_tile(w + r * rs, rs, FMT, Kin, DT_N / 4, x, 3, acc + r * ROWS_LD, ROWS_LD);
-            else dense_tile(w + r * rs, rs, FMT, Kin, 2, x, 3, acc + r * ROWS_LD, ROWS_LD);
+            if (one) dense_tile_m(w + r * rs, rs, FMT, Kin, 1, x, n, acc + r * ROWS_LD, STREAM);
+            else if (n == 1) dense_tile(w + r * rs, rs, FMT, Kin, 4, x, 1, acc + r * ROWS_LD, ROWS_LD, STREAM);
+            else if (n == 2 && wide) dense_tile(w + r * rs, rs, FMT, Kin, DT_N / 2, x, 2, acc + r * ROWS_LD, ROWS_LD, STREAM);
+            else if (n == 2) dense_tile(w + r * rs, rs, FMT, Kin, 4, x, 2, acc + r * ROWS_LD, ROWS_LD, STREAM);
+            else if (wide) dense_tile(w + r * rs, rs, FMT, Kin, DT_N / 4, x, 3, acc + r * ROWS_LD, ROWS_LD, STREAM);
+            else dense_tile(w + r * rs, rs, FMT, Kin, 2, x, 3, acc + r * ROWS_LD, ROWS_LD, STREAM);
             r += one ? 1 : RT;
         }
         return;
@@ -754,30 +759,38 @@ static inline __attribute__((always_inline)) void dense_tiles(const uint8_t *w, 
             const int m = n - t < 4 ? n - t : 4;
             for (int i = 0; i < m; i++) x[i] = x0 + (t + i) * ld;
             float *a = acc + r * ROWS_LD + t;
-            if (one) dense_tile_m(w + r * rs, rs, FMT, Kin, 1, x, m, a);
-            else if (wide) dense_tile_m(w + r * rs, rs, FMT, Kin, DT_N / 4, x, m, a);
-            else dense_tile_m(w + r * rs, rs, FMT, Kin, 2, x, m, a);
+            if (one) dense_tile_m(w + r * rs, rs, FMT, Kin, 1, x, m, a, STREAM);
+            else if (wide) dense_tile_m(w + r * rs, rs, FMT, Kin, DT_N / 4, x, m, a, STREAM);
+            else dense_tile_m(w + r * rs, rs, FMT, Kin, 2, x, m, a, STREAM);
         }
         r += one ? 1 : RT;
     }
 }
 static __attribute__((noinline)) void dense_f32(const uint8_t *w, long rs, int Kin, int R, const float *x0, long ld,
                                                 int n, float *acc) {
-    dense_tiles(w, rs, FMT_F32, Kin, R, x0, ld, n, acc);
+    dense_tiles(w, rs, FMT_F32, Kin, R, x0, ld, n, acc, 0);
+}
+static __attribute__((noinline)) void dense_f32_stream(const uint8_t *w, long rs, int Kin, int R, const float *x0,
+                                                       long ld, int n, float *acc) {
+    dense_tiles(w, rs, FMT_F32, Kin, R, x0, ld, n, acc, 1);
 }
 static __attribute__((noinline)) void dense_bf16(const uint8_t *w, long rs, int Kin, int R, const float *x0, long ld,
                                                  int n, float *acc) {
-    dense_tiles(w, rs, FMT_BF16, Kin, R, x0, ld, n, acc);
+    dense_tiles(w, rs, FMT_BF16, Kin, R, x0, ld, n, acc, 0);
 }
 static __attribute__((noinline)) void dense_i8(const uint8_t *w, long rs, int Kin, int R, const float *x0, long ld,
                                                int n, float *acc) {
-    dense_tiles(w, rs, FMT_I8, Kin, R, x0, ld, n, acc);
+    dense_tiles(w, rs, FMT_I8, Kin, R, x0, ld, n, acc, 0);
 }
 
-/* acc[r * ROWS_LD + t] for R (1..ROW_BLOCK) adjacent rows (stride rs bytes) and n tokens (rows x0 + t*ld) */
+/* acc[r * ROWS_LD + t] for R (1..ROW_BLOCK) adjacent rows (stride rs bytes) and n tokens (rows x0 + t*ld).
+ * stream: rows that come from DRAM at each use (the experts: a step reads a few of many) rather than
+ * from cache (projections, the head, the KV cache of a small model): only such fp32 rows take the
+ * whole-row loop (ROW_WHOLE_F32_AVX2), which streams DRAM faster but runs cache-resident rows slower. */
 static void dense_block(const uint8_t *w, long rs, int fmt, int Kin, int R, const float *x0, long ld, int n,
-                        float *acc) {
-    if (fmt == FMT_F32) dense_f32(w, rs, Kin, R, x0, ld, n, acc);
+                        float *acc, int stream) {
+    if (fmt == FMT_F32 && stream) dense_f32_stream(w, rs, Kin, R, x0, ld, n, acc);
+    else if (fmt == FMT_F32) dense_f32(w, rs, Kin, R, x0, ld, n, acc);
     else if (fmt == FMT_I8) dense_i8(w, rs, Kin, R, x0, ld, n, acc);
     else dense_bf16(w, rs, Kin, R, x0, ld, n, acc);
 }
@@ -1191,8 +1204,8 @@ static void gate_up_item(const void *arg, long item) {
             for (int64_t c = 0; c < n; c += ROWS_LD) { /* slots of this expert, 64 at a time */
                 const int m = (int)(n - c < ROWS_LD ? n - c : ROWS_LD);
                 const float *x = L->xe + (r0 + c) * D;
-                dense_block(gu + (long)i * D * es, (long)D * es, L->fmt, D, R, x, D, m, gate4);
-                dense_block(gu + (long)(I + i) * D * es, (long)D * es, L->fmt, D, R, x, D, m, up4);
+                dense_block(gu + (long)i * D * es, (long)D * es, L->fmt, D, R, x, D, m, gate4, 1);
+                dense_block(gu + (long)(I + i) * D * es, (long)D * es, L->fmt, D, R, x, D, m, up4, 1);
                 for (int t = 0; t < m; t++) /* token by token (see linear_item) */
                     for (int r = 0; r < R; r++)
                         put_h(L, e, i + r, L->he + (r0 + c + t) * I + i + r, gate4[r * ROWS_LD + t], up4[r * ROWS_LD + t]);
@@ -1259,7 +1272,7 @@ static void down_item(const void *arg, long item) {
                           L->hsum + (r0 + c) * (I / L->G), m, acc);
             else if (L->fmt == FMT_F32 || L->fmt == FMT_BF16)
                 dense_block(L->dn + (e * (long)D * I + (long)d * I) * es, (long)I * es, L->fmt, I, R,
-                            L->he + (r0 + c) * I, I, m, acc);
+                            L->he + (r0 + c) * I, I, m, acc, 1);
             else
                 for (int r = 0; r < R; r++) {
                     if (L->fmt == FMT_MXFP4)
@@ -1509,7 +1522,7 @@ static void linear_item(const void *arg, long item) {
             else
 #endif
                 dense_block(P->w + (long)n * P->Kin * P->es, (long)P->Kin * P->es, P->fmt, P->Kin, R,
-                            P->x + (long)c * P->Kin, P->Kin, m, acc);
+                            P->x + (long)c * P->Kin, P->Kin, m, acc, 0);
             /* token by token: a token's R outputs are adjacent, while its neighbours' are N apart (a
              * multiple of 4 KiB for most heads and projections, so row by row their stores all fell
              * in one L1 set: the demo's head at 16 tokens ran 1.4x slower than with 4000 rows) */
@@ -1973,7 +1986,7 @@ static void attn_item(const void *arg, long item) {
 #endif
     for (long s = 0; s < L; s += 4) { /* four keys at a time (adjacent rows of the cache) */
         const int R = L - s < 4 ? (int)(L - s) : 4;
-        dense_block(kc + (lo + s) * hd * es, hd * es, A->cfmt, hd, R, q, hd, G, acc);
+        dense_block(kc + (lo + s) * hd * es, hd * es, A->cfmt, hd, R, q, hd, G, acc, 0);
         for (int r = 0; r < R; r++)
             for (int i = 0; i < G; i++) sc[i * L + s + r] = acc[r * ROWS_LD + i];
     }
