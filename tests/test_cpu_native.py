@@ -645,9 +645,9 @@ def test_fp8_linear_matches_reference(T, N, Kin, block, bias):
                                       ("int8-q8", 256), ("int4", 256), ("int4-q8", 256)])
 def test_row_tiles_are_batch_and_row_invariant(kind, Kin):
     """The kernels run several adjacent rows and up to four tokens per tile. The 16-bit and int8
-    rows (dense_tile): one token over 4 rows (K = 100: a scalar tail; the experts' whole-row reads on
-    AVX2 are checked by test_dense_moe_tokens_alone_equal_their_batch); two over 8 (AVX-512; 4 on AVX2) or, for rows of 1024+
-    inputs, 4; three or more over 4 rows (AVX-512; 2 on AVX2) or 2 for long rows, each tile's rows
+    rows (dense_tile): one token over 4 rows (K = 100: a scalar tail; the experts' whole-row reads
+    on AVX2 are checked by test_dense_moe_tokens_alone_equal_their_batch); two over 8 (AVX-512; 4 on
+    AVX2) or, for rows of 1024+ inputs, 4; three or more over 4 rows (AVX-512; 2 on AVX2) or 2 for long rows, each tile's rows
     serving every group of four tokens in turn. INT4: up to four rows x four tokens. Each output
     must be bit-equal whether its row and token run alone or inside any tile: decode is
     batch-invariant, and a projection's rows do not depend on their neighbours. N = 19 is a 16-row

@@ -341,6 +341,7 @@ static void group_sums(const float *xe, const float *xo, long S, int Kin, int G,
 #else
 #define QD 1
 #endif
+#define Q8_DS(K) ((K) / QB * QD) /* floats of block scales per row of K inputs (d's row stride) */
 
 /* The int8 rule of every activation block (llama.cpp's Q8_0 / Q8_K): scale amax / 127, codes
  * round-to-nearest-even(x * 127 / amax) (an all-zero block: scale 0, codes 0) → the scale, its
@@ -358,7 +359,7 @@ static inline __m512i q8_codes16(const float *v, float id, int8_t *dst) {
 }
 #endif
 
-/* xq [S, Kin/2] even and odd columns (int8), d [S, Kin/QB * QD] (each block's scale QD times), zx [S, Kin/G]
+/* xq [S, Kin/2] even and odd columns (int8), d [S, Q8_DS(Kin)] (each block's scale QD times), zx [S, Kin/G]
  * of fp32 rows xe/xo */
 static void quant_q8(const float *xe, const float *xo, long S, int Kin, int G, int8_t *qe, int8_t *qo, float *d,
                      float *zx) {
@@ -537,12 +538,12 @@ static inline __attribute__((always_inline)) void q8_tile(
 #endif
 static void q8_block(const uint8_t *q, long rs, const uint16_t *s, const uint8_t *z, long N, int Kin, int G, int R,
                      const int8_t *xe0, const int8_t *xo0, const float *d0, const float *zx0, int n, float *acc) {
-    const long h = Kin / 2, nb = Kin / QB, ng = Kin / G;
+    const long h = Kin / 2, ng = Kin / G;
     const int8_t *xe[4], *xo[4];
     const float *d[4], *zx[4];
 #define Q8_TOKENS(t0, m) \
     for (int i = 0; i < (m); i++) { \
-        xe[i] = xe0 + ((t0) + i) * h; xo[i] = xo0 + ((t0) + i) * h; d[i] = d0 + ((t0) + i) * nb * QD; zx[i] = zx0 + ((t0) + i) * ng; }
+        xe[i] = xe0 + ((t0) + i) * h; xo[i] = xo0 + ((t0) + i) * h; d[i] = d0 + ((t0) + i) * Q8_DS(Kin); zx[i] = zx0 + ((t0) + i) * ng; }
 #define Q8_TILE(RR, M, r0, t0) \
     q8_tile(q + (r0) * rs, rs, s + (r0), z ? z + (r0) : NULL, N, Kin, G, RR, xe, xo, d, zx, M, acc + (r0) * ROWS_LD + (t0), \
             ROWS_LD)
@@ -593,8 +594,9 @@ enum { FMT_INT4 = 0, FMT_F32 = 1, FMT_BF16 = 2, FMT_MXFP4 = 3, FMT_FP8 = 4, FMT_
  * (benchmarks/results/row_whole_f32_avx2_s21.json, benchmarks/prefetch_sweep.py --defines
  * ROW_WHOLE_F32_AVX2=0,ROW_WHOLE_F32_AVX2=512 --k K --dtype float32):
  *   AMD EPYC Zen3 (L3 32 MiB; torch sum ~22.5): 128 inputs 11.5 -> 18.8, 256 13.2 -> 19.6,
- *     512 15.8 -> 19.8; 768 18.6 -> 20.3 and 1024 20.7 -> 20.3 (about even); demo fp32 end to end
- *     B=1 1.06x, B=4 1.24x (benchmarks/dense_tiles.py --base 4ce1487 --batch 1,4 -r 15);
+ *     512 15.8 -> 19.8; 768 18.6 -> 20.3 and 1024 20.7 -> 20.3 (about even); demo fp32 end to end,
+ *     whole rows for the experts only, B=1 1.25x, B=4 1.27x (benchmarks/dense_tiles.py --base 4ce1487
+ *     --model demo --dtype float32 --batch 1,4,16 --threads 1 -r 15);
  *   AMD EPYC Zen1 (L3 8 MiB; torch sum ~13): 128 8.8 -> 12.3, 256 8.7 -> 12.0, 512 10.2 -> 11.5;
  *     768 12.6 -> 12.0 and 1024 11.9 -> 11.2 lose, and so do bf16 rows at every width (0.81-0.96x:
  *     their widening shift, not the read, bounds them there).
@@ -1225,7 +1227,7 @@ static void gate_up_item(const void *arg, long item) {
             const int m = (int)(n - c < ROWS_LD ? n - c : ROWS_LD);
             if (L->xqe) {
                 const long o = (r0 + c) * (D / 2);
-                const float *xd = L->xd + (r0 + c) * (D / QB * QD), *xz = L->xz + (r0 + c) * (D / L->G);
+                const float *xd = L->xd + (r0 + c) * Q8_DS(D), *xz = L->xz + (r0 + c) * (D / L->G);
                 q8_block(q + i * rs, rs, s + i, z ? z + i : NULL, 2L * I, D, L->G, R, L->xqe + o, L->xqo + o, xd, xz,
                          m, gate4);
                 q8_block(q + (I + i) * rs, rs, s + I + i, z ? z + I + i : NULL, 2L * I, D, L->G, R, L->xqe + o,
@@ -1264,7 +1266,7 @@ static void down_item(const void *arg, long item) {
             const int m = (int)(n - c < ROWS_LD ? n - c : ROWS_LD);
             if (int4 && L->hqe)
                 q8_block(q + (long)d * (I / 2), I / 2, s + d, z ? z + d : NULL, D, I, L->G, R,
-                         L->hqe + (r0 + c) * (I / 2), L->hqo + (r0 + c) * (I / 2), L->hd + (r0 + c) * (I / QB * QD),
+                         L->hqe + (r0 + c) * (I / 2), L->hqo + (r0 + c) * (I / 2), L->hd + (r0 + c) * Q8_DS(I),
                          L->hz + (r0 + c) * (I / L->G), m, acc);
             else if (int4)
                 dot_block(q + (long)d * (I / 2), I / 2, s + d, z ? z + d : NULL, D, I, L->G, R,
@@ -1355,7 +1357,7 @@ int lynx_moe(int fmt, const float *x, const int64_t *ids, const float *w, const 
                          S * D * f4, S * I * f4, S * D * f4, defer ? S * I * f4 : 0, /* xe he y ue */
                          int4 ? (S * (D / G) + 1) * f4 : 0, int4 ? (S * (I / G) + 1) * f4 : 0, /* xsum hsum */
                          q8x ? S * D : 0, q8h ? S * I : 0,                             /* xq hq */
-                         q8x ? (S * (D / QB * QD + D / G) + 1) * f4 : 0, q8h ? (S * (I / QB * QD + I / G) + 1) * f4 : 0};
+                         q8x ? (S * (Q8_DS(D) + D / G) + 1) * f4 : 0, q8h ? (S * (Q8_DS(I) + I / G) + 1) * f4 : 0};
     void *b[15];
     uint8_t *mem = scratch(sz, 15, b);
     if (!mem) return -1;
@@ -1384,15 +1386,15 @@ int lynx_moe(int fmt, const float *x, const int64_t *ids, const float *w, const 
         }
         split_row(xt, perm ? perm + ids[order[r]] * D : NULL, D / 2, xe + r * (D / 2), xo + r * (D / 2));
     }
-    if (q8x) quant_q8(xe, xo, S, D, G, xq, xq + S * (D / 2), xd, xd + S * (D / QB * QD));
+    if (q8x) quant_q8(xe, xo, S, D, G, xq, xq + S * (D / 2), xd, xd + S * Q8_DS(D));
     else if (int4) group_sums(xe, xo, S, D, G, xsum);
     layer_t L = {fmt, data, nbytes, offs, gu, dn, sym, G, D, I, T, K, ids, cnt, order, act, w, xe, xo, he, ho, y, ue,
                  xsum, hsum, gus, dns, gub, dnb, act_kind, limit, alpha,
                  xq, q8x ? xq + S * (D / 2) : NULL, hq, q8h ? hq + S * (I / 2) : NULL,
-                 xd, q8x ? xd + S * (D / QB * QD) : NULL, hd, q8h ? hd + S * (I / QB * QD) : NULL, bn, bk};
+                 xd, q8x ? xd + S * Q8_DS(D) : NULL, hd, q8h ? hd + S * Q8_DS(I) : NULL, bn, bk};
     parallel(gate_up_item, &L, A * ((I + ROW_BLOCK - 1) / ROW_BLOCK), nthreads);
     if (ue) lynx_silu_mul(he, ue, S * (long)I);
-    if (q8h) quant_q8(he, ho, S, I, G, hq, hq + S * (I / 2), hd, hd + S * (I / QB * QD));
+    if (q8h) quant_q8(he, ho, S, I, G, hq, hq + S * (I / 2), hd, hd + S * Q8_DS(I));
     else if (int4) group_sums(he, ho, S, I, G, hsum);
     parallel(down_item, &L, A * ((D + ROW_BLOCK - 1) / ROW_BLOCK), nthreads);
     /* combine: out[t] = sum over k in slot order (k = 0 first) */
@@ -1593,7 +1595,7 @@ static void qlinear_item(const void *arg, long item) {
             const int m = P->T - c < ROWS_LD ? P->T - c : ROWS_LD;
             if (P->qe)
                 q8_block(P->q + (long)n * h, h, P->s + n, P->z ? P->z + n : NULL, P->N, Kin, P->G, R,
-                         P->qe + (long)c * h, P->qo + (long)c * h, P->d + (long)c * (Kin / QB * QD), P->zx + (long)c * ng,
+                         P->qe + (long)c * h, P->qo + (long)c * h, P->d + (long)c * Q8_DS(Kin), P->zx + (long)c * ng,
                          m, acc);
             else
                 dot_block(P->q + (long)n * h, h, P->s + n, P->z ? P->z + n : NULL, P->N, Kin, P->G, R,
@@ -1615,7 +1617,7 @@ int lynx_linear_int4(const float *x, const uint8_t *q, const uint16_t *s, const 
                      const float *bias, int T, int Kin, int N, int G, float *out, int nthreads, int q8) {
     const long h = Kin / 2;
     q8 = q8 && Kin % 128 == 0;
-    const size_t sz[3] = {2L * T * h * sizeof(float), ((size_t)T * (Kin / G + Kin / QB * QD) + 1) * sizeof(float),
+    const size_t sz[3] = {2L * T * h * sizeof(float), ((size_t)T * (Kin / G + Q8_DS(Kin)) + 1) * sizeof(float),
                           q8 ? 2L * T * h : 0};
     void *b[3];
     uint8_t *mem = scratch(sz, 3, b);
