@@ -37,6 +37,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--tokens", type=int, default=64, help="decode tokens per engine round")
     ap.add_argument("--out", default=None, help="JSON file for the rows (default: print only)")
+    ap.add_argument("--int4-act", default=None, choices=("f32", "q8"), help="a 4-bit checkpoint's activations")
     a = ap.parse_args()
     from lynx_edge import Engine, step
     from lynx_edge.bench import measure, synthetic_prompts
@@ -45,7 +46,7 @@ def main() -> None:
 
     set_threads(a.threads, explicit=True)
     sizes = [int(b) for b in a.batch.split(",")]
-    eng = Engine.from_pretrained(a.model, device="cpu", dtype=a.dtype, max_num_seqs=max(sizes))
+    eng = Engine.from_pretrained(a.model, device="cpu", dtype=a.dtype, max_num_seqs=max(sizes), int4_act=a.int4_act)
     spent = [0.0, 0]  # seconds in the native calls, decode steps they ran
     real, real_greedy = native.Stack.__call__, native.Stack.greedy
 

@@ -70,7 +70,7 @@ def linear_rows(builds, rounds: int) -> list:
 
 
 def demo_rows(builds, rounds: int, threads: int, model: str = "demo", dtype: str | None = None,
-              batches: tuple = (1, 4, 16), int4_act: str | None = None) -> list:
+              batches: tuple = (1, 4, 16), int4_act: str | None = None, int8_head: bool = False) -> list:
     from lynx_edge import Engine
     from lynx_edge.bench import measure, synthetic_prompts
     from lynx_edge.threads import set_threads
@@ -83,7 +83,7 @@ def demo_rows(builds, rounds: int, threads: int, model: str = "demo", dtype: str
 
         model = str(make_checkpoint(Path(tempfile.mkdtemp()) / "mixtral-8l-512"))
         set_threads(threads, explicit=True)  # importing the tests' conftest set torch's threads
-    eng = Engine.from_pretrained(model, device="cpu", dtype=dtype, max_num_seqs=16, int4_act=int4_act)
+    eng = Engine.from_pretrained(model, device="cpu", dtype=dtype, max_num_seqs=16, int4_act=int4_act, int8_head=int8_head)
     rows = []
     for B in batches:
         prompts = synthetic_prompts(eng, B, 128)
@@ -96,7 +96,7 @@ def demo_rows(builds, rounds: int, threads: int, model: str = "demo", dtype: str
                     eng.set_lynx(m)
                     tp[(tag, m)].append(measure(eng, prompts, 32)["tpot_ms"])
         row = {"model": Path(model).name, "dtype": str(eng.model.embed_tokens.dtype)[6:], "batch": B,
-               "threads": threads, "int4_act": int4_act}
+               "threads": threads, "int4_act": int4_act, "int8_head": int8_head}
         for m in modes:
             row[m] = {"base_tpot_ms": round(statistics.median(tp[("base", m)]), 4),
                       "tree_tpot_ms": round(statistics.median(tp[("tree", m)]), 4),
@@ -118,13 +118,15 @@ def main() -> None:
     ap.add_argument("--batch", default="1,4,16")
     ap.add_argument("--int4-act", default=None, choices=("f32", "q8"),
                     help="activations of a 4-bit checkpoint's rows (--model PATH): lynx-edge's --int4-act")
+    ap.add_argument("--int8-head", action="store_true", help="lynx-edge's --int8-head")
     a = ap.parse_args()
     builds = Builds(a.base, "dense_tiles")
     run = builds.header("native dense rows, this tree vs --base (same process, alternating rounds)", a.rounds)
     if not a.skip_linear:
         run["linear_1_thread"] = linear_rows(builds, a.rounds)
     run["demo_end_to_end"] = [row for dt in (a.dtype or "").split(",") for row in demo_rows(
-        builds, a.rounds, a.threads, a.model, dt or None, tuple(int(b) for b in a.batch.split(",")), a.int4_act)]
+        builds, a.rounds, a.threads, a.model, dt or None, tuple(int(b) for b in a.batch.split(",")), a.int4_act,
+        a.int8_head)]
     append_run(Path(a.out), run)
 
 

@@ -2,7 +2,7 @@
 experts too) and int8 rows (lynx_linear_int8: the `--int8-head` kernel) read from DRAM: this tree's
 build against another revision's, in one process, alternating rounds. Each shape holds 64 MiB of
 codes (INT4: group 128, symmetric), far past the caches, so one token is a stream of weights; T = 1
-(B=1 decode) and 4, fp32 activations (exact) and int8 ones (`--int4-act q8`); GB/s of codes and the
+(B=1 decode) and 4 (--tokens), fp32 activations (exact) and int8 ones (`--int4-act q8`); GB/s of codes and the
 paired speed-up.
 
     python benchmarks/int4_rows.py --base HEAD~1 [-r 11] [--threads 1,2] [--kinds int4,int8]   # → results/int4_prefetch.json
@@ -24,7 +24,7 @@ from native_ab import Builds, alternate, append_run, paired, parser  # noqa: E40
 SHAPES = [(768, 131072), (2048, 65536), (4096, 32768)]  # K (inputs; rows of K/2 bytes), N (rows)
 
 
-def rows(builds, rounds: int, threads: int, kind: str) -> list:
+def rows(builds, rounds: int, threads: int, kind: str, tokens: tuple = (1, 4)) -> list:
     from lynx_edge.kernels import native
 
     torch.set_num_threads(threads)
@@ -39,7 +39,7 @@ def rows(builds, rounds: int, threads: int, kind: str) -> list:
             codes = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=g)
             scales = torch.rand(N, generator=g) * 0.01
         for act in ("f32", "q8"):
-            for T in (1, 4):
+            for T in tokens:
                 x = torch.randn(T, K, generator=g)
 
                 def call():
@@ -66,10 +66,12 @@ def main() -> None:
     ap = parser("int4_prefetch.json", rounds=11)
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--kinds", default="int4,int8", help="int4 rows, int8 rows (the int8 head's kernel)")
+    ap.add_argument("--tokens", default="1,4", help="tokens per call (B=1 decode: 1; a batch: 4, 16)")
     a = ap.parse_args()
     builds = Builds(a.base, "int4_rows")
     run = builds.header("native INT4 rows from DRAM, this tree vs --base (same process, alternating rounds)", a.rounds)
-    run["rows"] = [row for k in a.kinds.split(",") for t in a.threads.split(",") for row in rows(builds, a.rounds, int(t), k)]
+    run["rows"] = [row for k in a.kinds.split(",") for t in a.threads.split(",") for row in rows(builds, a.rounds, int(t), k,
+                                                                                 tuple(int(n) for n in a.tokens.split(",")))]
     append_run(Path(a.out), run)
 
 

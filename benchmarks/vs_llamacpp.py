@@ -56,6 +56,12 @@ CACHE = Path(os.environ.get("LYNX_LLAMACPP_CACHE", Path.home() / ".cache/lynx-ed
 PACKAGE = "llama-cpp-python"
 TARGETS = ("llama-bench", "llama-batched-bench", "llama-quantize")
 RANDOM = dict(layers=8, experts=32, hidden=1024, inter=768)  # 1.29 GB bf16 (experts 1.21 GB)
+# Qwen3-30B-A3B's shapes (hidden 2048, 128 experts of 768, top-8, 32 query / 4 KV heads of 128, vocab
+# 151936), 4 of its 48 layers: 6.1 GB bf16, random weights. A real user's layer and head, at a size a
+# 2-core, 24 GB box converts and holds twice (ours + llama.cpp's); per token its head is ~2/3 of the
+# bytes (1/7 in the whole model), so read its B=1 rows as "head + 4 layers".
+A3B = dict(layers=4, experts=128, hidden=2048, inter=768, vocab=151936, top_k=8, heads=32, kv_heads=4, head_dim=128)
+RANDOMS = {"random": RANDOM, "a3b": A3B}
 # issue 16's targets: lynx-edge / llama.cpp at the same bits
 TARGET = {("B1", "16bit"): 0.9, ("B1", "4bit"): 0.8, ("Bn", "16bit"): 1.0, ("Bn", "4bit"): 1.0,
           ("B1", "8bit"): 0.9, ("Bn", "8bit"): 1.0}  # 8-bit: issue 16 names none; the 16-bit ones
@@ -208,16 +214,19 @@ def ours(engine, prompts: list[list[int]], n: int, lynx: str) -> float:
     return float(stats["decode_tok_s"])
 
 
-def write_random(path: Path) -> Path:
+def write_random(path: Path, spec: dict = RANDOM) -> Path:
     from load_memory import write_checkpoint
 
     from lynx_edge.hub import resolve_model
 
     if not (path / "config.json").is_file():
         print(f"writing the random qwen3_moe checkpoint {path} …", flush=True)
-        write_checkpoint(path, RANDOM["layers"], RANDOM["experts"], RANDOM["hidden"], RANDOM["inter"])
-        for f in ("tokenizer.json", "tokenizer_config.json"):  # the demo's (vocab 4096, as written)
-            shutil.copy(resolve_model("demo") / f, path / f)
+        tmp = path.with_name(path.name + ".part")
+        shutil.rmtree(tmp, ignore_errors=True)
+        write_checkpoint(tmp, **spec)
+        for f in ("tokenizer.json", "tokenizer_config.json"):  # the demo's (4096 tokens; a larger vocab pads)
+            shutil.copy(resolve_model("demo") / f, tmp / f)
+        tmp.rename(path)
     return path
 
 
@@ -297,16 +306,24 @@ def run(args) -> dict:
            "loadavg_start": os.getloadavg(), "models": {}, "rows": []}
     t_start = time.time()
     for model in args.models.split(","):
-        path = resolve_model("demo") if model == "demo" else write_random(work / "random-qwen3moe")
-        tag = "demo" if model == "demo" else "random"
-        f32 = to_gguf(src, path, work / f"{tag}-f32.gguf", "f32")
-        ggufs = {"f32": f32, "bf16": to_gguf(src, path, work / f"{tag}-bf16.gguf", "bf16"),
-                 "int4": quantize(bins, f32, work / f"{tag}-q4_0.gguf", max(threads))}
+        if model not in ("demo", *RANDOMS):
+            raise SystemExit(f"unknown model {model!r}: demo, {', '.join(RANDOMS)}")
+        path = resolve_model("demo") if model == "demo" else \
+            write_random(work / ("random-qwen3moe" if model == "random" else f"{model}-qwen3moe"), RANDOMS[model])
+        tag = model
+        # the F32 file only where asked for (the a3b slice's is 12 GB); Q4_0 from it when it is there
+        # (as recorded so far), else from the BF16 one (the same values: bf16 widens exactly)
+        f32 = work / f"{tag}-f32.gguf"
+        if "f32" in kinds:
+            to_gguf(src, path, f32, "f32")
+        ggufs = {"bf16": to_gguf(src, path, work / f"{tag}-bf16.gguf", "bf16")}
+        qsrc = f32 if f32.is_file() else ggufs["bf16"]
+        ggufs |= {"f32": f32, "int4": quantize(bins, qsrc, work / f"{tag}-q4_0.gguf", max(threads))}
         ggufs["int4attn"] = ggufs["int4attn-q8"] = ggufs["int4attn-q8-int8head"] = ggufs["int4all"] = ggufs["int4all-q8"] = ggufs["int4"]
         if "fp8" in kinds:
-            ggufs["fp8"] = quantize(bins, f32, work / f"{tag}-q8_0.gguf", max(threads), "Q8_0")
+            ggufs["fp8"] = quantize(bins, qsrc, work / f"{tag}-q8_0.gguf", max(threads), "Q8_0")
         res["models"][model] = {"path": str(path), "checkpoint_bytes_bf16": ckpt_bytes(path),
-                                "gguf_bytes": {k: ggufs[k].stat().st_size for k in kinds}}
+                                "gguf_bytes": {k: ggufs[k].stat().st_size for k in kinds if ggufs[k].is_file()}}
         for kind in kinds:
             ll_name, opts = PAIRS[kind]
             src_k = lynx_4bit(path, work / f"{tag}-lynx-rtn-attn-g128") if kind.startswith("int4attn") else \
@@ -441,7 +458,9 @@ def to_markdown(res: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--models", default="demo,random", help="demo and/or random (≥ 1 GB bf16 qwen3_moe)")
+    ap.add_argument("--models", default="demo,random",
+                    help="demo, random (≥ 1 GB bf16 qwen3_moe) and/or a3b (Qwen3-30B-A3B's shapes, 4 layers, "
+                         "6.1 GB bf16: run it with --bits bf16,int4attn-q8 on a 24 GB box)")
     ap.add_argument("--bits", default="f32,bf16,int4,int4attn,int4attn-q8",
                     help="pairs: f32 (F32 vs fp32), bf16, int4 (Q4_0 vs --int4), int4attn (Q4_0 vs a lynx-edge "
                          "4-bit checkpoint with 4-bit attention), int4attn-q8 (the same with --int4-act q8), "

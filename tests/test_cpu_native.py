@@ -664,7 +664,7 @@ def test_row_tiles_are_batch_and_row_invariant(kind, Kin):
         from lynx_edge.quant.int8 import quantize_rows
 
         if kind == "int8-q8" and not native.i8_q8():
-            pytest.skip("int8 activations for int8 rows need AVX512-VNNI")
+            pytest.skip("int8 activations for int8 rows need AVX512-VNNI or AVX2")
         q, s = quantize_rows(torch.randn(N, Kin, generator=g))
 
         def run(xs, rows):

@@ -64,10 +64,10 @@ def test_int8_linear_matches_reference(T, N, Kin, bias):
 @pytest.mark.parametrize("T,N,Kin", [(1, 40, 64), (3, 33, 256), (6, 130, 128), (70, 24, 192), (5, 50, 576), (2, 17, 2048)])
 def test_int8_q8_linear_matches_emulation(T, N, Kin):
     """act="q8": int8 activations in blocks of 256 (natural order; llama.cpp's Q8_K, a shorter last
-    block where Kin % 256 != 0) against the int8 rows, integer dot products (AVX512-VNNI): equal to
+    block where Kin % 256 != 0) against the int8 rows, integer dot products (AVX512-VNNI; AVX2): equal to
     fp64 math on the emulated quantisation, and really quantised."""
     if not native.i8_q8():
-        pytest.skip("int8 activations for int8 rows need AVX512-VNNI")
+        pytest.skip("int8 activations for int8 rows need AVX512-VNNI or AVX2")
     g = torch.Generator().manual_seed(T + Kin)
     q, s = quantize_rows(torch.randn(N, Kin, generator=g))
     x = torch.randn(T, Kin, generator=g)

@@ -1419,15 +1419,51 @@ int lynx_moe(int fmt, const float *x, const int64_t *ids, const float *w, const 
  * w (s8) flipped to w + 128 (u8, one xor per row chunk, shared by the tokens), so each int32 lane sums
  * 4 products (w + 128) * xq over the block's (up to) four chunks, then is scaled by the block's d
  * once, and the row sum takes off the token's ct = 128 * sum_b d_b * sum_{j in b} xq_j at the end.
- * Approximate as the INT4 q8 path is (~2^-8 of the block's largest input per input); without VNNI
- * (u8 * s8 products of 8-bit weights would saturate maddubs) the fp32-activation rows run. Needs
- * Kin % 64 == 0. */
+ * Approximate as the INT4 q8 path is (~2^-8 of the block's largest input per input). On AVX2
+ * without AVX-512 (llama.cpp's Q8_0 x Q8_0 trick there): maddubs takes |w| (u8, <= 128) and xq with
+ * w's sign (s8, |.| <= 127), so a pair of products stays within int16 (<= 32512, no saturation) and
+ * no offset is needed (ct = 0); madd widens to int32 per 32-byte chunk. Needs Kin % 64 == 0. */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define I8_Q8 1
+#define I8_AVX512 1
+#elif !(defined(__AVX512F__) && defined(__AVX512BW__)) && defined(__AVX2__) && defined(__FMA__)
+#define I8_Q8 1
+#define I8_AVX512 0
+#else
+#define I8_Q8 0
+#endif
+#if I8_Q8
 #define QH 256
 /* xq [T, Kin] s8, dl [T, ceil(Kin/QH)] fp32 and ct [T] of x [T, Kin] fp32 (quant_q8's rounding) */
 static void quant_i8(const float *x, long T, int Kin, int8_t *xq, float *dl, float *ct) {
     const int nb = (Kin + QH - 1) / QH;
+#if !I8_AVX512
+    /* AVX2: the same rule 32 inputs at a time (x * id rounded to nearest-even by cvtps, as nearbyintf);
+     * the codes stay signed (see above), so each token's offset ct is 0 */
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7); /* packs' lane order back to input order */
+    for (long t = 0; t < T; t++) {
+        for (int b = 0; b < nb; b++) {
+            const float *v = x + t * Kin + b * QH;
+            const int len = Kin - b * QH < QH ? Kin - b * QH : QH; /* a multiple of 64 */
+            __m256 m = _mm256_setzero_ps();
+            for (int j = 0; j < len; j += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(v + j)));
+            const __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+            const __m128 m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            float id;
+            const float db = q8_scale(_mm_cvtss_f32(_mm_max_ss(m2, _mm_shuffle_ps(m2, m2, 1))), &id);
+            const __m256 vid = _mm256_set1_ps(id);
+            for (int j = 0; j < len; j += 32) {
+                __m256i c[4];
+                for (int i = 0; i < 4; i++) c[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + j + 8 * i), vid));
+                const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
+                _mm256_storeu_si256((__m256i *)(xq + t * Kin + b * QH + j), _mm256_permutevar8x32_epi32(p, order));
+            }
+            dl[t * nb + b] = db;
+        }
+        ct[t] = 0.0f;
+    }
+#else
     for (long t = 0; t < T; t++) {
         float c = 0.0f;
         for (int b = 0; b < nb; b++) {
@@ -1444,6 +1480,7 @@ static void quant_i8(const float *x, long T, int Kin, int8_t *xq, float *dl, flo
         }
         ct[t] = c;
     }
+#endif
 }
 
 /* acc[r * ald + t] = sum over the row of w * (dequantised xq) for R adjacent int8 rows (stride rs)
@@ -1452,6 +1489,7 @@ static inline __attribute__((always_inline)) void i8q8_tile(const int8_t *w, con
                                                            const int8_t *const *xq, const float *const *dl,
                                                            const float *const *ct, const int NT, float *acc,
                                                            const long ald) {
+#if I8_AVX512
     const int RN = R * NT, nc = Kin / 64;
     const long pf = NT > 1 ? PREFETCH : tile_ahead(R * rs, PREFETCH); /* as q8_tile's */
     float corr[8], out[8];
@@ -1476,6 +1514,37 @@ static inline __attribute__((always_inline)) void i8q8_tile(const int8_t *w, con
             tot[k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ai[k]), _mm512_set1_ps(dl[k % NT][b]), tot[k]);
     }
     reduce_512(tot, corr, RN, out);
+#else
+    /* AVX2, R * NT <= 4 (16 registers): per 32-byte chunk of a row, |w| once, then per token xq with
+     * w's sign, maddubs (pairs exact in int16) and madd into the block's int32 lanes */
+    const int RN = R * NT, nc = Kin / 32;
+    const long pf = NT > 1 ? PREFETCH : tile_ahead(R * rs, PREFETCH); /* as q8_tile's */
+    float corr[8], out[8];
+    __m256 tot[8];
+    __m256i ai[8];
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int k = 0; k < RN; k++) {
+        tot[k] = _mm256_setzero_ps();
+        corr[k] = *ct[k % NT];
+    }
+    for (int b = 0; b * (QH / 32) < nc; b++) {
+        const int c1 = (b + 1) * (QH / 32) < nc ? (b + 1) * (QH / 32) : nc;
+        for (int k = 0; k < RN; k++) ai[k] = _mm256_setzero_si256();
+        for (int c = b * (QH / 32); c < c1; c++)
+            for (int r = 0; r < R; r++) {
+                const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + r * rs + 32L * c));
+                if ((c & 1) == 0) _mm_prefetch((const char *)(w + r * rs + 32L * c) + pf, PF_HINT);
+                const __m256i aw = _mm256_abs_epi8(wv);
+                for (int t = 0; t < NT; t++) {
+                    const __m256i xs = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xq[t] + 32L * c)), wv);
+                    ai[r * NT + t] = _mm256_add_epi32(ai[r * NT + t], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xs), ones));
+                }
+            }
+        for (int k = 0; k < RN; k++)
+            tot[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ai[k]), _mm256_set1_ps(dl[k % NT][b]), tot[k]);
+    }
+    reduce_256(tot, corr, RN, out);
+#endif
     for (int r = 0; r < R; r++)
         for (int t = 0; t < NT; t++) acc[r * ald + t] = out[r * NT + t];
 }
@@ -1490,12 +1559,10 @@ static void i8q8_block(const int8_t *w, long rs, int Kin, int R, const int8_t *x
     for (int i = 0; i < (m); i++) { \
         xq[i] = xq0 + (long)((t0) + i) * Kin; dl[i] = dl0 + (long)((t0) + i) * nb; ct[i] = ct0 + (t0) + i; }
 #define I8_TILE(RR, M, r0, t0) i8q8_tile(w + (r0) * rs, rs, Kin, RR, xq, dl, ct, M, acc + (r0) * ROWS_LD + (t0), ROWS_LD)
-    WALK_TILES(I8_TILE, I8_TOKENS, R, n, 1);
+    WALK_TILES(I8_TILE, I8_TOKENS, R, n, I8_AVX512); /* AVX2: tiles of <= 4 sums (its 16 registers) */
 #undef I8_TILE
 #undef I8_TOKENS
 }
-#else
-#define I8_Q8 0
 #endif
 
 typedef struct {
@@ -1572,7 +1639,7 @@ int lynx_linear_int8(const float *x, const int8_t *q, const float *scale, const 
     return 0;
 }
 
-/* 1 when lynx_linear_int8 can run int8 activations (AVX512-VNNI), else 0 */
+/* 1 when lynx_linear_int8 can run int8 activations (AVX512-VNNI or AVX2), else 0 */
 int lynx_i8_q8(void) { return I8_Q8; }
 
 typedef struct {

@@ -284,7 +284,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def i8_q8() -> bool:
-    """Whether linear_int8 runs act="q8" as int8 activations here (AVX512-VNNI builds); elsewhere
+    """Whether linear_int8 runs act="q8" as int8 activations here (AVX512-VNNI or AVX2 builds); elsewhere
     it runs the fp32 activations."""
     return bool(lib().lynx_i8_q8())
 
