@@ -62,6 +62,11 @@ RANDOM = dict(layers=8, experts=32, hidden=1024, inter=768)  # 1.29 GB bf16 (exp
 # bytes (1/7 in the whole model), so read its B=1 rows as "head + 4 layers".
 A3B = dict(layers=4, experts=128, hidden=2048, inter=768, vocab=151936, top_k=8, heads=32, kv_heads=4, head_dim=128)
 RANDOMS = {"random": RANDOM, "a3b": A3B}
+MODEL_NOTES = {"a3b": (
+    "a3b: Qwen3-30B-A3B's shapes with 4 of its 48 layers and random weights. Per decode token at B=1 it reads "
+    "~75 MB of 4-bit experts (8 of 128 per layer) and the output head: 622 MB bf16 (what a GPTQ checkpoint "
+    "ships), 311 MB with `--int8-head`, 255 MB as llama.cpp's Q6_K — so its 4-bit B=1 rows mostly compare "
+    "heads. In the whole model the experts are ~0.9 GB and the head 1/3 to 1/7 of a token's bytes.")}
 # issue 16's targets: lynx-edge / llama.cpp at the same bits
 TARGET = {("B1", "16bit"): 0.9, ("B1", "4bit"): 0.8, ("Bn", "16bit"): 1.0, ("Bn", "4bit"): 1.0,
           ("B1", "8bit"): 0.9, ("Bn", "8bit"): 1.0}  # 8-bit: issue 16 names none; the 16-bit ones
@@ -428,6 +433,8 @@ def to_markdown(res: dict) -> str:
                       + ((f" {r['previous_ratio']:.3f} |" if r.get("previous_ratio") is not None else " – |")
                          if res.get("previous") else ""))
         md.append("")
+        if model in MODEL_NOTES:
+            md += [MODEL_NOTES[model], ""]
     md += ["## What differs between the two sides", "",
            "- Q4_0 quantises every 2-D weight in blocks of 32 (attention and embeddings too; llama-quantize keeps "
            "the output matrix at Q6_K, and the tied embedding of the demo); lynx-edge `--int4` quantises only the experts (RTN, group 128) and "
