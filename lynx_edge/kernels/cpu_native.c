@@ -1489,17 +1489,16 @@ static inline __attribute__((always_inline)) void i8q8_tile(const int8_t *w, con
                                                            const int8_t *const *xq, const float *const *dl,
                                                            const float *const *ct, const int NT, float *acc,
                                                            const long ald) {
-#if I8_AVX512
-    const int RN = R * NT, nc = Kin / 64;
+    const int RN = R * NT;
     const long pf = NT > 1 ? PREFETCH : tile_ahead(R * rs, PREFETCH); /* as q8_tile's */
     float corr[8], out[8];
+    for (int k = 0; k < RN; k++) corr[k] = *ct[k % NT];
+#if I8_AVX512
+    const int nc = Kin / 64;
     __m512 tot[8];
     __m512i ai[8];
     const __m512i flip = _mm512_set1_epi8((char)0x80);
-    for (int k = 0; k < RN; k++) {
-        tot[k] = _mm512_setzero_ps();
-        corr[k] = *ct[k % NT];
-    }
+    for (int k = 0; k < RN; k++) tot[k] = _mm512_setzero_ps();
     for (int b = 0; b * (QH / 64) < nc; b++) {
         const int c1 = (b + 1) * (QH / 64) < nc ? (b + 1) * (QH / 64) : nc;
         for (int k = 0; k < RN; k++) ai[k] = _mm512_setzero_si512();
@@ -1517,16 +1516,11 @@ static inline __attribute__((always_inline)) void i8q8_tile(const int8_t *w, con
 #else
     /* AVX2, R * NT <= 4 (16 registers): per 32-byte chunk of a row, |w| once, then per token xq with
      * w's sign, maddubs (pairs exact in int16) and madd into the block's int32 lanes */
-    const int RN = R * NT, nc = Kin / 32;
-    const long pf = NT > 1 ? PREFETCH : tile_ahead(R * rs, PREFETCH); /* as q8_tile's */
-    float corr[8], out[8];
+    const int nc = Kin / 32;
     __m256 tot[8];
     __m256i ai[8];
     const __m256i ones = _mm256_set1_epi16(1);
-    for (int k = 0; k < RN; k++) {
-        tot[k] = _mm256_setzero_ps();
-        corr[k] = *ct[k % NT];
-    }
+    for (int k = 0; k < RN; k++) tot[k] = _mm256_setzero_ps();
     for (int b = 0; b * (QH / 32) < nc; b++) {
         const int c1 = (b + 1) * (QH / 32) < nc ? (b + 1) * (QH / 32) : nc;
         for (int k = 0; k < RN; k++) ai[k] = _mm256_setzero_si256();
