@@ -7,7 +7,8 @@ Opt-in (never part of the tests): the first run downloads the llama-cpp-python s
 
 Checkpoints, both qwen3_moe: the embedded demo (lynx_edge/demo, 14M parameters: overhead-bound)
 and a random one of ≥ 1 GB in bf16 (benchmarks/load_memory.write_checkpoint, memory-bound) with
-the demo's tokenizer. llama.cpp's own converter (convert_hf_to_gguf.py, run with this
+the demo's tokenizer; `--models a3b` adds Qwen3-30B-A3B's shapes (4 of its 48 layers, 6.1 GB bf16:
+the layer and output head a real user's model has). llama.cpp's own converter (convert_hf_to_gguf.py, run with this
 interpreter and the vendored gguf-py: nothing installed) writes them as GGUF F32 and BF16, and
 llama-quantize makes Q4_0. Pairs compared (same weights, same thread count):
 
@@ -31,6 +32,7 @@ background load hits them alike), medians over rounds:
 
     python benchmarks/vs_llamacpp.py                          # all: demo + random, 1 and 2 threads
     python benchmarks/vs_llamacpp.py --models demo --threads 2 -r 2
+    python benchmarks/vs_llamacpp.py --models a3b --bits bf16,int4attn-q8,int4attn-q8-int8head -r 3
 Writes benchmarks/results/vs_llamacpp.{json,md}.
 """
 from __future__ import annotations
