@@ -84,6 +84,27 @@ def test_int8_q8_linear_matches_emulation(T, N, Kin):
     assert _rel(native.linear_int8(x2, q, s, b, act="q8"), F.linear(q8_emulate(x2, 256).double(), w, b.double())) < TOL
 
 
+def test_int8_q8_big_head_token_alone_equals_its_batch():
+    """A head of >= 8 MiB of int8 rows (a real model's, which streams from DRAM each step): on AVX2 a
+    lone token reads each row whole instead of four rows interleaved. It must equal the emulation and,
+    bit for bit, the same token inside a batch (multi-token tiles). N = 4100: a partial work item."""
+    if not native.i8_q8():
+        pytest.skip("int8 activations for int8 rows need AVX512-VNNI or AVX2")
+    N, Kin = 4100, 2048  # 8.4 MB of codes
+    g = torch.Generator().manual_seed(3)
+    q = torch.randint(-127, 128, (N, Kin), dtype=torch.int8, generator=g)
+    s = torch.rand(N, generator=g) * 0.01 + 1e-3
+    x = torch.randn(3, Kin, generator=g)
+    x[1, 300] = 25.0  # an outlier in one block of the middle token
+    batch = native.linear_int8(x, q, s, act="q8")
+    ref = F.linear(q8_emulate(x, 256).double(), dequant(q, s).double())
+    assert _rel(batch, ref) < TOL
+    for t in range(3):
+        alone = native.linear_int8(x[t:t + 1], q, s, act="q8")
+        assert _rel(alone, ref[t:t + 1]) < TOL
+        assert torch.equal(alone, batch[t:t + 1]), t
+
+
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory) -> tuple[Path, Path]:
     """(an untied 16-bit checkpoint, its reference with lm_head replaced by the int8 dequantisation)."""

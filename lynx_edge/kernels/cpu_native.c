@@ -645,6 +645,7 @@ static inline __attribute__((always_inline)) void dense_tile(const uint8_t *w, c
                                                              float *acc, const long ald, const int STREAM) {
     int t, r, j = 0;
     float out[DT_N];
+    (void)STREAM; /* only the AVX2 fp32 rows read it */
 #define WF(r) ((const float *)(w + (r) * rs))
 #define WB(r) ((const uint16_t *)(w + (r) * rs))
 #define WI(r) ((const int8_t *)(w + (r) * rs))
@@ -1434,6 +1435,14 @@ int lynx_moe(int fmt, const float *x, const int64_t *ids, const float *w, const 
 #endif
 #if I8_Q8
 #define QH 256
+/* On AVX2 a one-token tile of int8 rows reads each row whole, row after row, when the matrix is at
+ * least this big, instead of R rows interleaved 32 bytes at a time: a head that streams from DRAM
+ * each step (Qwen3-30B-A3B's 151936 x 2048 int8 rows, one thread on a Zen3: 14 -> 17.6 GB/s), as the
+ * experts' fp32 rows do (ROW_WHOLE_F32_AVX2); a head that stays in cache (the demo's 1 MB) runs
+ * slower whole (0.78x), so it keeps the interleaved tiles. Same sums, same order either way. */
+#ifndef I8_WHOLE_BYTES
+#define I8_WHOLE_BYTES (8L << 20)
+#endif
 /* xq [T, Kin] s8, dl [T, ceil(Kin/QH)] fp32 and ct [T] of x [T, Kin] fp32 (quant_q8's rounding) */
 static void quant_i8(const float *x, long T, int Kin, int8_t *xq, float *dl, float *ct) {
     const int nb = (Kin + QH - 1) / QH;
@@ -1488,12 +1497,13 @@ static void quant_i8(const float *x, long T, int Kin, int8_t *xq, float *dl, flo
 static inline __attribute__((always_inline)) void i8q8_tile(const int8_t *w, const long rs, int Kin, const int R,
                                                            const int8_t *const *xq, const float *const *dl,
                                                            const float *const *ct, const int NT, float *acc,
-                                                           const long ald) {
+                                                           const long ald, const int whole) {
     const int RN = R * NT;
     const long pf = NT > 1 ? PREFETCH : tile_ahead(R * rs, PREFETCH); /* as q8_tile's */
     float corr[8], out[8];
     for (int k = 0; k < RN; k++) corr[k] = *ct[k % NT];
 #if I8_AVX512
+    (void)whole; /* AVX-512: the tiles below whatever the size (whole rows measured on AVX2 only) */
     const int nc = Kin / 64;
     __m512 tot[8];
     __m512i ai[8];
@@ -1521,6 +1531,23 @@ static inline __attribute__((always_inline)) void i8q8_tile(const int8_t *w, con
     __m256i ai[8];
     const __m256i ones = _mm256_set1_epi16(1);
     for (int k = 0; k < RN; k++) tot[k] = _mm256_setzero_ps();
+    if (whole && NT == 1) { /* one token from DRAM: each row whole, row after row (the same sums, same order) */
+        for (int r = 0; r < R; r++)
+            for (int b = 0; b * (QH / 32) < nc; b++) {
+                const int c1 = (b + 1) * (QH / 32) < nc ? (b + 1) * (QH / 32) : nc;
+                __m256i a = _mm256_setzero_si256();
+                for (int c = b * (QH / 32); c < c1; c++) {
+                    const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + r * rs + 32L * c));
+                    if ((c & 1) == 0) _mm_prefetch((const char *)(w + r * rs + 32L * c) + pf, PF_HINT);
+                    const __m256i xs = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xq[0] + 32L * c)), wv);
+                    a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(wv), xs), ones));
+                }
+                tot[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_set1_ps(dl[0][b]), tot[r]);
+            }
+        reduce_256(tot, corr, RN, out);
+        for (int r = 0; r < R; r++) acc[r * ald] = out[r];
+        return;
+    }
     for (int b = 0; b * (QH / 32) < nc; b++) {
         const int c1 = (b + 1) * (QH / 32) < nc ? (b + 1) * (QH / 32) : nc;
         for (int k = 0; k < RN; k++) ai[k] = _mm256_setzero_si256();
@@ -1545,14 +1572,15 @@ static inline __attribute__((always_inline)) void i8q8_tile(const int8_t *w, con
 
 /* acc[r * ROWS_LD + t] for R (1..4) adjacent rows and n tokens: q8_block's tiles */
 static void i8q8_block(const int8_t *w, long rs, int Kin, int R, const int8_t *xq0, const float *dl0,
-                       const float *ct0, int n, float *acc) {
+                       const float *ct0, int n, float *acc, int whole) {
     const int8_t *xq[4];
     const float *dl[4], *ct[4];
     const int nb = (Kin + QH - 1) / QH;
 #define I8_TOKENS(t0, m) \
     for (int i = 0; i < (m); i++) { \
         xq[i] = xq0 + (long)((t0) + i) * Kin; dl[i] = dl0 + (long)((t0) + i) * nb; ct[i] = ct0 + (t0) + i; }
-#define I8_TILE(RR, M, r0, t0) i8q8_tile(w + (r0) * rs, rs, Kin, RR, xq, dl, ct, M, acc + (r0) * ROWS_LD + (t0), ROWS_LD)
+#define I8_TILE(RR, M, r0, t0) \
+    i8q8_tile(w + (r0) * rs, rs, Kin, RR, xq, dl, ct, M, acc + (r0) * ROWS_LD + (t0), ROWS_LD, whole)
     WALK_TILES(I8_TILE, I8_TOKENS, R, n, I8_AVX512); /* AVX2: tiles of <= 4 sums (its 16 registers) */
 #undef I8_TILE
 #undef I8_TOKENS
@@ -1568,6 +1596,7 @@ typedef struct {
     const float *scale; /* FMT_I8: fp32 [N], one per row; else NULL */
     const int8_t *xq; /* FMT_I8 with int8 activations (i8q8_block): xq [T, Kin], dl [T, Kin/QH], ct [T]; else NULL */
     const float *dl, *ct;
+    int whole; /* i8q8_block: one-token rows read whole (a matrix that streams from DRAM; see lynx_linear_int8) */
 } linear_t;
 
 static void linear_item(const void *arg, long item) {
@@ -1581,7 +1610,7 @@ static void linear_item(const void *arg, long item) {
 #if I8_Q8
             if (P->xq)
                 i8q8_block((const int8_t *)P->w + (long)n * P->Kin, P->Kin, P->Kin, R, P->xq + (long)c * P->Kin,
-                           P->dl + (long)c * ((P->Kin + QH - 1) / QH), P->ct + c, m, acc);
+                           P->dl + (long)c * ((P->Kin + QH - 1) / QH), P->ct + c, m, acc, P->whole);
             else
 #endif
                 dense_block(P->w + (long)n * P->Kin * P->es, (long)P->Kin * P->es, P->fmt, P->Kin, R,
@@ -1601,7 +1630,7 @@ static void linear_item(const void *arg, long item) {
 /* out [T, N] = x [T, Kin] fp32 @ w [N, Kin]^T (+ bias [N] fp32 or NULL); fmt FMT_F32 / FMT_BF16. */
 void lynx_linear(int fmt, const float *x, const uint8_t *w, const float *bias, int T, int Kin, int N, float *out,
                  int nthreads) {
-    linear_t P = {fmt, T, Kin, N, x, bias, w, fmt == FMT_F32 ? 4 : 2, out, NULL, NULL, NULL, NULL};
+    linear_t P = {fmt, T, Kin, N, x, bias, w, fmt == FMT_F32 ? 4 : 2, out, NULL, NULL, NULL, NULL, 0};
     parallel(linear_item, &P, (N + ROW_BLOCK - 1) / ROW_BLOCK, nthreads);
 }
 
@@ -1611,7 +1640,7 @@ void lynx_linear(int fmt, const float *x, const uint8_t *w, const float *bias, i
  * when out of memory. */
 int lynx_linear_int8(const float *x, const int8_t *q, const float *scale, const float *bias, int T, int Kin, int N,
                      float *out, int nthreads, int q8) {
-    linear_t P = {FMT_I8, T, Kin, N, x, bias, (const uint8_t *)q, 1, out, scale, NULL, NULL, NULL};
+    linear_t P = {FMT_I8, T, Kin, N, x, bias, (const uint8_t *)q, 1, out, scale, NULL, NULL, NULL, 0};
     uint8_t *mem = NULL;
 #if I8_Q8
     if (q8 && Kin % 64 == 0) {
@@ -1624,6 +1653,7 @@ int lynx_linear_int8(const float *x, const int8_t *q, const float *scale, const 
         P.xq = xq;
         P.dl = dl;
         P.ct = dl + (size_t)T * nb;
+        P.whole = !I8_AVX512 && (long)N * Kin >= I8_WHOLE_BYTES;
     }
 #else
     (void)q8;
