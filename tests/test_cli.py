@@ -138,8 +138,10 @@ def test_int4_bytes_note_counts_what_every_decode_token_reads():
     line = int4_bytes_note(int4)
     # 4 layers x top-4 x 3 x 256 x 128 weights at half a byte = 0.786 MB; 7.48 MB fp32 besides: 90%
     assert "experts 4-bit: 0.786 MB" in line and "7.48 MB (90%" in line and "--int4-attn --int8-head" in line
-    head = Engine.from_pretrained("demo", device="cpu", dtype="float32", int4=True, int8_head=True)
+    assert "--int4-act q8" in line  # fp32 activations (the default): the integer-dot option is named too
+    head = Engine.from_pretrained("demo", device="cpu", dtype="float32", int4=True, int8_head=True, int4_act="q8")
     assert "attention still float32" in int4_bytes_note(head) and "--int8-head" not in int4_bytes_note(head)
+    assert "--int4-act" not in int4_bytes_note(head)
     packed = Engine.from_pretrained("demo", device="cpu", int4=True, int4_attn=True, int8_head=True)
     assert int4_bytes_note(packed) is None and int4_bytes_note(Engine.from_pretrained("demo", device="cpu")) is None
 
