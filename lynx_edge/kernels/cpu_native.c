@@ -342,6 +342,7 @@ static void group_sums(const float *xe, const float *xo, long S, int Kin, int G,
 #define QD 1
 #endif
 #define Q8_DS(K) ((K) / QB * QD) /* floats of block scales per row of K inputs (d's row stride) */
+#define Q8_MAX_GROUPS 512 /* groups per row the q8 tiles take (K <= 16384 at G = 32, 65536 at G = 128) */
 
 /* The int8 rule of every activation block (llama.cpp's Q8_0 / Q8_K): scale amax / 127, codes
  * round-to-nearest-even(x * 127 / amax) (an all-zero block: scale 0, codes 0) → the scale, its
@@ -423,13 +424,17 @@ static inline __attribute__((always_inline)) void q8_tile(
      * (a run-time one took a register there: 0.73-0.81x at four tokens) */
     const long pf = NT > 1 ? PREFETCH : tile_ahead(R * rs, PREFETCH);
     float corr[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f}, out[8];
+    float sgf[Q8_MAX_GROUPS * 4]; /* the tile's group scales as fp32, [g * R + r]: the AVX2 loop broadcasts
+                                   * them from here (one load) instead of converting at every scale step */
     int t, r;
     (void)pf;
     for (int g = 0; g < ng; g++)
         for (r = 0; r < R; r++) {
             const float sg = h2f(s[g * N + r]), zg = (float)(z ? z[g * N + r] : 8);
+            sgf[g * R + r] = sg;
             for (t = 0; t < NT; t++) corr[r * NT + t] += sg * zg * zx[t][g];
         }
+    (void)sgf; /* read by the AVX2 path only */
 #if defined(__AVX512F__) && defined(__AVX512BW__)
     {
         __m512 tot[8];
@@ -481,7 +486,7 @@ static inline __attribute__((always_inline)) void q8_tile(
         for (t = 0; t < RN; t++) tot[t] = _mm256_setzero_ps();
         const __m256i m4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
         const int cw = G >= 64 ? G / 64 : 1; /* chunks per scale step */
-        for (int c0 = 0; c0 < Kin / 64; c0 += cw) {
+        for (int c0 = 0, k = 0; c0 < Kin / 64; c0 += cw, k++) { /* k: the step (G = 32: groups 2k and 2k + 1) */
             for (t = 0; t < RN; t++) ga[t] = _mm256_setzero_ps();
             for (int c = c0; c < c0 + cw; c++) /* 32 bytes: 64 weights, 2 blocks of QB */
                 for (r = 0; r < R; r++) {
@@ -498,10 +503,9 @@ static inline __attribute__((always_inline)) void q8_tile(
                     }
                 }
             for (r = 0; r < R; r++) {
-                const uint16_t *sr = s + r;
-                const float s0 = h2f(sr[(long)(c0 * 64 / G) * N]);
-                const __m256 sv = G >= 64 ? _mm256_set1_ps(s0)
-                                          : _mm256_set_m128(_mm_set1_ps(h2f(sr[(long)(2 * c0 + 1) * N])), _mm_set1_ps(s0));
+                const __m256 sv = G >= 64 ? _mm256_broadcast_ss(sgf + k * R + r)
+                                          : _mm256_set_m128(_mm_broadcast_ss(sgf + (2 * k + 1) * R + r),
+                                                            _mm_broadcast_ss(sgf + 2 * k * R + r));
                 for (t = 0; t < NT; t++) tot[r * NT + t] = _mm256_fmadd_ps(ga[r * NT + t], sv, tot[r * NT + t]);
             }
         }
@@ -1349,7 +1353,8 @@ int lynx_moe(int fmt, const float *x, const int64_t *ids, const float *w, const 
              const float *dnb, int act_kind, float limit, float alpha, int q8, int bn, int bk) {
     const long S = (long)T * K;
     const int dense = fmt == FMT_F32 || fmt == FMT_BF16 || fmt == FMT_FP8, int4 = fmt == FMT_INT4;
-    const int q8x = int4 && q8 && D % 128 == 0, q8h = int4 && q8 && I % 128 == 0;
+    const int q8x = int4 && q8 && D % 128 == 0 && D / G <= Q8_MAX_GROUPS,
+              q8h = int4 && q8 && I % 128 == 0 && I / G <= Q8_MAX_GROUPS;
     for (long i = 0; i < S; i++)
         if (ids[i] < 0 || ids[i] >= E) return -3; /* nothing written: the caller names the bad id */
     const int defer = act_kind == 0 && !gub; /* plain SwiGLU: one pass (lynx_silu_mul) */
@@ -1707,7 +1712,7 @@ static void qlinear_item(const void *arg, long item) {
 int lynx_linear_int4(const float *x, const uint8_t *q, const uint16_t *s, const uint8_t *z, const int32_t *perm,
                      const float *bias, int T, int Kin, int N, int G, float *out, int nthreads, int q8) {
     const long h = Kin / 2;
-    q8 = q8 && Kin % 128 == 0;
+    q8 = q8 && Kin % 128 == 0 && Kin / G <= Q8_MAX_GROUPS;
     const size_t sz[3] = {2L * T * h * sizeof(float), ((size_t)T * (Kin / G + Q8_DS(Kin)) + 1) * sizeof(float),
                           q8 ? 2L * T * h : 0};
     void *b[3];
