@@ -293,7 +293,7 @@ def linear_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: tor
                 act: str | None = None) -> torch.Tensor:
     """x [..., K] @ (q * scale[:, None])ᵀ (+ bias) for int8 rows q [N, K] with fp32 row scales [N]
     (quant/int8.py), fp32 products and sums → [..., N] fp32. act "q8": int8 activations in blocks of
-    32 with integer dot products (approximate; where i8_q8() and K % 64 == 0)."""
+    256 with integer dot products (approximate; where i8_q8() and K % 64 == 0)."""
     N, Kin = q.shape
     x2 = _as(x.reshape(-1, Kin), torch.float32)
     b = None if bias is None else _as(bias, torch.float32)
