@@ -44,7 +44,7 @@ class LoadOptions:
     offload: bool = False
     int4: bool = False
     int4_group: int = 128
-    int4_act: str | None = None  # CPU INT4 activations: "f32" (exact) | "q8" (int8, approximate); None: $LYNX_EDGE_INT4_ACT or f32
+    int4_act: str | None = None  # CPU INT4 activations: "f32" (exact) | "q16" (int16, ~2^-16) | "q8" (int8, approximate); None: $LYNX_EDGE_INT4_ACT or f32
     int4_attn: bool = False  # CPU: a 16-bit checkpoint's attention / dense projections INT4 too (RTN at load)
     int8_head: bool = False  # CPU: the output head int8 with row scales (quant/int8.py; approximate)
     huge_pages: bool = False  # CPU: weights on 2 MiB transparent huge pages (hugepages.py; slower load)
@@ -105,7 +105,7 @@ class Placement:
     quant_method: str | None = None  # gptq | awq for a 4-bit checkpoint, fp8 for a block-scaled FP8 one
     dense_layers: tuple[int, ...] = ()  # mixed layers kept 16-bit (a 4-bit checkpoint with 16-bit experts)
     packed_linears: int = 0  # 4-bit / FP8 non-expert linears read packed (CPU: Int4Linear, Fp8Linear)
-    int4_act: str | None = None  # CPU INT4 kernels' activations: f32 | q8 (None: not an INT4 CPU model)
+    int4_act: str | None = None  # CPU INT4 kernels' activations: f32 | q16 | q8 (None: not an INT4 CPU model)
     int8_head: bool = False  # the output head read as int8 rows (quant/int8.py)
 
 

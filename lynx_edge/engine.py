@@ -50,7 +50,7 @@ class EngineConfig:
     # INT4 experts: RTN-quantised at load (GPTQ checkpoints are always loaded as INT4)
     int4: bool = False
     int4_group: int = 128
-    int4_act: str | None = None  # CPU INT4 kernels: "f32" (exact) | "q8" (int8 activations, approximate)
+    int4_act: str | None = None  # CPU INT4 kernels: "f32" (exact) | "q16" (int16 activations, ~2^-16) | "q8" (int8, approximate)
     int4_attn: bool = False  # CPU: attention / dense projections INT4 too, RTN at load (approximate)
     int8_head: bool = False  # CPU: the output head int8 with row scales, at load (approximate; quant/int8.py)
     # CPU: weights on 2 MiB transparent huge pages (hugepages.py): faster decode, slower load

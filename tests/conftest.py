@@ -88,17 +88,24 @@ def tiny_with_reference(root: Path, transform) -> tuple[Path, Path]:
     return src, ref
 
 
-def q8_emulate(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+def q8_emulate(x: torch.Tensor, block: int = 32, levels: float = 127.0) -> torch.Tensor:
     """The native kernels' int8 activation quantisation, emulated: blocks of `block` inputs (in the
     order given; the last may be shorter), d = max|x| / 127, xq = round-half-even(x · 127/max|x|) in
-    fp32 → the dequantised xq · d. 32: the INT4 kernels (Q8_0); 256: the int8 head (Q8_K)."""
+    fp32 → the dequantised xq · d. 32: the INT4 kernels (Q8_0); 256: the int8 head (Q8_K). levels
+    32767: the INT4 kernels' int16 activations (q16_emulate)."""
     x = x.float()
     K = x.shape[-1]
     pad = -K % block
     b = torch.nn.functional.pad(x, (0, pad)).unflatten(-1, (-1, block))
     amax = b.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
-    return (torch.round(b * inv) * (amax / 127.0)).flatten(-2)[..., :K]
+    inv = torch.where(amax > 0, torch.tensor(levels) / amax, torch.zeros_like(amax))
+    return (torch.round(b * inv) * (amax / levels)).flatten(-2)[..., :K]
+
+
+def q16_emulate(x: torch.Tensor, group: int) -> torch.Tensor:
+    """The INT4 kernels' int16 activations (act "q16"), emulated: blocks of min(group, 128) inputs,
+    d = max|x| / 32767, xq = round-half-even(x · 32767/max|x|) → xq · d."""
+    return q8_emulate(x, min(group, 128), 32767.0)
 
 
 def decode_logits(path, prompt: list[int], steps: int = 3, **options) -> tuple[torch.Tensor, object]:

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import q8_emulate as _q8
+from conftest import q16_emulate as _q16
 from lynx_edge.kernels import native
 from lynx_edge.kernels.moe_gemm import moe_ref_loop
 
@@ -533,6 +534,72 @@ def test_int4_q8_moe_matches_emulation():
     assert 1e-4 < _rel(y, exact) < 2e-2
 
 
+# --- INT4 against int16 activations (act="q16": a scale per weight group, integer dot products) -
+
+TOL_Q16 = 1e-6  # vs the torch emulation of the same quantisation: observed max |Δ| / output scale 3.5e-7
+
+
+@pytest.mark.parametrize("T,N,Kin,G,sym,act_order", [(1, 48, 128, 32, False, False), (1, 512, 2048, 128, True, False),
+                                                     (3, 40, 256, 64, False, True), (6, 24, 384, 128, False, True),
+                                                     (5, 20, 512, 128, True, False)])
+def test_int4_q16_linear_matches_emulation(T, N, Kin, G, sym, act_order):
+    ql, x, b, exact = _q4_problem(T, N, Kin, G, sym, act_order, True)
+    p = None if ql.perm is None else ql.perm.to(torch.int32)
+    xc = x if p is None else x[:, p.long()]  # code order, as the kernel quantises it
+    w_code = _dequant_code_order(ql)
+    ref = F.linear(_q16(xc, G).double(), w_code.double(), b.double()).float()
+    y = native.linear_int4(x, ql.packed, ql.scales, None if sym else ql.zeros, p, b, act="q16")
+    assert _rel(y, ref) < TOL_Q16, _rel(y, ref)
+    # really quantised, and only by ~2^-16 of a block's largest input: 256x closer than q8's
+    assert 1e-7 < _rel(y, exact) < 1e-4, _rel(y, exact)
+    x2 = x.clone()
+    x2[0, 5] += 0.3  # one input moved: a wrong block scale / layout would miss or smear it
+    ref2 = F.linear(_q16(x2 if p is None else x2[:, p.long()], G).double(), w_code.double(), b.double()).float()
+    y2 = native.linear_int4(x2, ql.packed, ql.scales, None if sym else ql.zeros, p, b, act="q16")
+    assert _rel(y2, ref2) < TOL_Q16
+
+
+def test_int4_q16_bugs_are_caught():
+    """The emulation's bound is far below what a kernel with other activation blocks, or one group's
+    scale off by 0.2%, would give."""
+    ql, x, b, _ = _q4_problem(2, 64, 512, 128, False, False, True)
+    w_code = _dequant_code_order(ql)
+    ref = F.linear(_q16(x, 128).double(), w_code.double(), b.double()).float()
+    assert _rel(native.linear_int4(x, ql.packed, ql.scales, ql.zeros, None, b, act="q16"), ref) < TOL_Q16
+    wrong = F.linear(_q16(x, 32).double(), w_code.double(), b.double()).float()  # blocks of 32, not the group
+    assert _rel(wrong, ref) > 10 * TOL_Q16  # (2.4e-5)
+    bad_s = ql.scales.clone()
+    bad_s[1, 7] *= 1.002  # one group's scale of one row, 0.2% off (a few fp16 steps)
+    assert _rel(native.linear_int4(x, ql.packed, bad_s, ql.zeros, None, b, act="q16"), ref) > 10 * TOL_Q16
+
+
+def test_int4_q16_moe_matches_emulation():
+    from lynx_edge.quant.int4 import quantize_experts
+
+    g = torch.Generator().manual_seed(2)
+    E, D, I, T, K, G = 6, 256, 128, 5, 2, 64
+    packed = quantize_experts(torch.randn(E, 2 * I, D, generator=g) / D**0.5,
+                              torch.randn(E, D, I, generator=g) / I**0.5, G, False)
+    x = torch.randn(T, D, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    w = torch.softmax(torch.randn(T, K, generator=g), -1)
+    ref = torch.zeros(T, D, dtype=torch.float64)
+    for t in range(T):
+        for k in range(K):
+            e = int(ids[t, k])
+            gue, dne = packed.dequant_expert(e)
+            hgu = gue.double() @ _q16(x[t], G).double()
+            h = (F.silu(hgu[:I]) * hgu[I:]).float()
+            ref[t] += float(w[t, k]) * (dne.double() @ _q16(h, G).double())
+    args = (x, ids, w, packed.data, packed.layout.part_offsets, False, G, D, I)
+    y = native.moe_int4(*args, act="q16")
+    # h's int16 codes come from the kernel's fp32 h, the reference's from fp64: a code ~2^-16 of its
+    # block's largest input apart flips now and then (~1 in 250 inputs), hence 30x (observed 1.3e-5)
+    assert _rel(y, ref.float()) < 30 * TOL_Q16, _rel(y, ref.float())
+    exact = native.moe_int4(*args, act="f32")
+    assert 1e-7 < _rel(y, exact) < 1e-4, _rel(y, exact)
+
+
 def test_attention_tokens_of_one_row_in_one_call_see_each_other():
     """A mixed step packs a prompt chunk as one token per attention row, several in the same cache
     row: every key is written before any token attends, so the later ones see the earlier ones
@@ -642,7 +709,8 @@ def test_fp8_linear_matches_reference(T, N, Kin, block, bias):
 # --- row tiles: every row x token sums the same way alone or in any tile ------------------------
 
 @pytest.mark.parametrize("kind,Kin", [("f32", 100), ("f32", 256), ("f32", 1024), ("bf16", 256), ("bf16", 1024), ("int8", 256),
-                                      ("int8-q8", 256), ("int4", 256), ("int4-q8", 256)])
+                                      ("int8-q8", 256), ("int4", 256), ("int4-q8", 256),
+                                      ("int4-q16", 256), ("int4-q16", 512)])  # 512: groups of 128
 def test_row_tiles_are_batch_and_row_invariant(kind, Kin):
     """The kernels run several adjacent rows and up to four tokens per tile. The 16-bit and int8
     rows (dense_tile): one token over 4 rows (K = 100: a scalar tail; the experts' whole-row reads
@@ -670,12 +738,12 @@ def test_row_tiles_are_batch_and_row_invariant(kind, Kin):
         def run(xs, rows):
             return native.linear_int8(xs, q[rows].contiguous(), s[rows].contiguous(), act=kind[5:] or None)
     else:
-        ql, _, _, _ = _q4_problem(1, N, Kin, 64, False, False, False)
+        ql, _, _, _ = _q4_problem(1, N, Kin, 64 if Kin <= 256 else 128, False, False, False)
 
         def run(xs, rows):
             z = ql.zeros[:, rows].contiguous()
             return native.linear_int4(xs, ql.packed[rows].contiguous(), ql.scales[:, rows].contiguous(), z,
-                                      act="q8" if kind == "int4-q8" else "f32")
+                                      act=kind[5:] or "f32")
     for n_tok in (1, 2, 3, T):
         full = run(x[:n_tok], slice(0, N))
         for t in range(n_tok):
@@ -703,7 +771,7 @@ def test_dense_moe_tokens_alone_equal_their_batch(dtype):
         assert torch.equal(native.moe_dense(x[t:t + 1], ids[t:t + 1], w[t:t + 1], gu, dn), full[t:t + 1]), t
 
 
-@pytest.mark.parametrize("act", ["f32", "q8"])
+@pytest.mark.parametrize("act", ["f32", "q8", "q16"])
 def test_int4_moe_tokens_alone_equal_their_batch(act):
     """A token's MoE output alone equals it inside a batch where its experts are shared with 0-3
     other tokens (the one-, two- and four-token tiles), bit for bit."""

@@ -152,7 +152,7 @@ def test_decode_stack_head_equals_module_path(monkeypatch, act):
         outs.append(decode_step(eng.model, kv, [0, 1], torch.tensor([7, 9])))
     assert torch.equal(outs[0], outs[1])
     lin = eng.model.__dict__["_native_head"][1][2]
-    assert lin.kind == native.FMT_I8 and lin.q8 == (act == "q8")  # the stack's head was int8
+    assert lin.kind == native.FMT_I8 and lin.act == (act == "q8")  # the stack's head was int8
 
 
 def test_int8_head_without_native_kernels_warns_and_keeps_16bit(pair, monkeypatch):

@@ -56,11 +56,12 @@ def test_bf16_bit_equal_to_module_path(q3, B, monkeypatch):
     assert torch.equal(got, ref)
 
 
-@pytest.mark.parametrize("kw", [dict(int4=True, int4_group=32), dict(int4=True, int4_group=32, int4_act="q8")],
-                         ids=["int4", "int4-q8"])
+@pytest.mark.parametrize("kw", [dict(int4=True, int4_group=32), dict(int4=True, int4_group=32, int4_act="q8"),
+                                dict(int4=True, int4_group=32, int4_act="f32"), dict(int4=True, int4_group=32, int4_act="q16")],
+                         ids=["int4", "int4-q8", "int4-f32", "int4-q16"])
 def test_int4_experts_bit_equal(q3, kw, monkeypatch):
     got, ref, eng = _both(q3, 2, monkeypatch, dtype="bfloat16", **kw)
-    assert eng.model.layers[0]._native.moe_plan.q8 == (kw.get("int4_act") == "q8")
+    assert eng.model.layers[0]._native.moe_plan.act == native.act_code(kw.get("int4_act"))
     assert torch.equal(got, ref)
 
 

@@ -556,6 +556,186 @@ static void q8_block(const uint8_t *q, long rs, const uint16_t *s, const uint8_t
 #undef Q8_TOKENS
 }
 
+/* --- INT4 rows against int16 activations (Q16: the default, near-exact) ----------------------------
+ *
+ * The fp32 rows above are bound by their vector ops, not by memory (an AMD EPYC Zen3, one thread,
+ * rows from DRAM: ~5-7 GB/s of codes against ~20 GB/s the memory gives): each 16 weights cost a
+ * widening load, two nibble splits and two conversions before the two multiply-adds per token. With
+ * the activations as int16 — each block of Q16_L(G) code-order inputs scaled by its largest
+ * magnitude, xq = round(x * 32767 / amax), one block per weight group — 16 weights are one widening
+ * load and two nibble splits, and each token multiplies them with two vpmaddwd (16 products each,
+ * summed in pairs into int32) and two integer adds, exact; a group's integer sum meets its two scales
+ * once: y = sum_g s_g * d_g * (acc_g - z_g * sum_{j in g} xq_j).
+ * The only rounding is the activations': |x - d * xq| <= d / 2 = amax / 65534 per input, 2^-16 of the
+ * group's largest input — 128 times finer than the bf16 rounding a 16-bit model applies to every
+ * activation (2^-9 of the value itself), and 256 times finer than q8's. int32 is exact: a lane sums
+ * G / 8 <= 16 products of |15 * 32767|. Takes the checkpoints' groups of 32, 64 and 128 (quant/int4.py
+ * GROUP_SIZES); other shapes run the fp32 rows. */
+#define Q16_L(G) (G)               /* inputs per activation block: the weight group */
+#define Q16_DS(K, G) ((K) / Q16_L(G)) /* block scales per row of K inputs */
+static inline int q16_ok(int Kin, int G) { return (G == 32 || G == 64 || G == 128) && Kin % G == 0; }
+
+/* xq [S, Kin/2] even and odd columns (int16), d [S, Q16_DS(Kin, G)], zx [S, Kin/G] of fp32 rows xe/xo
+ * (row stride Kin/2): quant_q8's rule at 32767 */
+static void quant_q16(const float *xe, const float *xo, long S, int Kin, int G, int16_t *qe, int16_t *qo, float *d,
+                      float *zx) {
+    const int h = Kin / 2, L = Q16_L(G), nb = Kin / L;
+    for (long r = 0; r < S; r++) {
+        const float *e = xe + r * h, *o = xo + r * h;
+        int16_t *ge = qe + r * h, *go = qo + r * h;
+        for (int b = 0; b < nb; b++) {
+            const int j0 = b * (L / 2), j1 = j0 + L / 2;
+            float amax = 0.0f;
+            for (int j = j0; j < j1; j++) {
+                const float a = fabsf(e[j]), c = fabsf(o[j]);
+                amax = a > amax ? a : amax;
+                amax = c > amax ? c : amax;
+            }
+            const float id = amax > 0.0f ? 32767.0f / amax : 0.0f, db = amax / 32767.0f;
+            int isum = 0;
+            for (int j = j0; j < j1; j++) {
+                const int a = (int)nearbyintf(e[j] * id), c = (int)nearbyintf(o[j] * id);
+                ge[j] = (int16_t)a;
+                go[j] = (int16_t)c;
+                isum += a + c;
+            }
+            d[r * nb + b] = db;
+            zx[r * nb + b] = db * (float)isum;
+        }
+    }
+}
+
+/* acc[r * ald + t] for R adjacent packed rows and NT tokens (R * NT <= 4, as dot_tile_h), HB the
+ * 16-byte halves of a group (G / 32), a compile-time constant */
+static inline __attribute__((always_inline)) void q16_tile(
+    const uint8_t *q, const long rs, const uint16_t *s, const uint8_t *z, long N, int Kin, int G, const int HB,
+    const int R, const int16_t *const *xe, const int16_t *const *xo, const float *const *d, const float *const *zx,
+    const int NT, float *acc, const long ald) {
+    const int ng = Kin / G, RN = R * NT;
+    const long pf = NT > 1 ? PREFETCH : tile_ahead(R * rs, PREFETCH); /* as q8_tile's */
+    float corr[4] = {0.0f, 0.0f, 0.0f, 0.0f}, out[4];
+    int t, r;
+    (void)pf;
+    for (int g = 0; g < ng; g++)
+        for (r = 0; r < R; r++) {
+            const float sg = h2f(s[g * N + r]), zg = (float)(z ? z[g * N + r] : 8);
+            for (t = 0; t < NT; t++) corr[r * NT + t] += sg * zg * zx[t][g];
+        }
+#if defined(__AVX2__) && defined(__FMA__)
+    {
+        __m256 tot[4];
+        for (t = 0; t < RN; t++) tot[t] = _mm256_setzero_ps();
+        const __m256i m4 = _mm256_set1_epi16(15);
+        for (int b = 0; b < ng; b++) { /* group b: bytes 16 HB b .. of each row */
+            __m256i ai[4];
+            for (t = 0; t < RN; t++) ai[t] = _mm256_setzero_si256();
+            for (int hh = 0; hh < HB; hh++) {
+                const long o = 16L * (b * HB + hh);
+                for (r = 0; r < R; r++) {
+                    const uint8_t *qr = q + r * rs;
+                    if ((o & 63) == 0) _mm_prefetch((const char *)qr + o + pf, PF_HINT);
+                    const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(qr + o)));
+                    const __m256i lo = _mm256_and_si256(w, m4), hi = _mm256_srli_epi16(w, 4);
+                    for (t = 0; t < NT; t++) {
+                        const __m256i pe = _mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)(xe[t] + o)));
+                        const __m256i po = _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(xo[t] + o)));
+                        ai[r * NT + t] = _mm256_add_epi32(ai[r * NT + t], _mm256_add_epi32(pe, po));
+                    }
+                }
+            }
+            for (r = 0; r < R; r++) {
+                const __m256 sv = _mm256_set1_ps(h2f(s[(long)b * N + r]));
+                for (t = 0; t < NT; t++)
+                    tot[r * NT + t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ai[r * NT + t]),
+                                                      _mm256_mul_ps(_mm256_broadcast_ss(d[t] + b), sv), tot[r * NT + t]);
+            }
+        }
+        reduce_256(tot, corr, RN, out);
+    }
+#else
+    (void)RN;
+    for (r = 0; r < R; r++)
+        for (t = 0; t < NT; t++) {
+            const uint8_t *qr = q + r * rs;
+            float tot = 0.0f;
+            for (int b = 0; b < ng; b++) {
+                int a = 0;
+                for (int j = 16 * HB * b; j < 16 * HB * (b + 1); j++)
+                    a += (qr[j] & 15) * xe[t][j] + (qr[j] >> 4) * xo[t][j];
+                tot += (float)a * (d[t][b] * h2f(s[(long)b * N + r]));
+            }
+            out[r * NT + t] = tot - corr[r * NT + t];
+        }
+#endif
+    for (r = 0; r < R; r++)
+        for (t = 0; t < NT; t++) acc[r * ald + t] = out[r * NT + t];
+}
+
+/* acc[r * ROWS_LD + t] for R (1..4) adjacent rows and n tokens (rows of stride h / Q16_DS / ng from
+ * xe0, xo0, d0, zx0): dot_block's tiles. Each row x token sums the same way in any tile. */
+static void q16_block(const uint8_t *q, long rs, const uint16_t *s, const uint8_t *z, long N, int Kin, int G, int R,
+                      const int16_t *xe0, const int16_t *xo0, const float *d0, const float *zx0, int n, float *acc) {
+    const long h = Kin / 2, ng = Kin / G, nd = Q16_DS(Kin, G);
+    const int16_t *xe[4], *xo[4];
+    const float *d[4], *zx[4];
+#define Q16_TOKENS(t0, m) \
+    for (int i = 0; i < (m); i++) { \
+        xe[i] = xe0 + ((t0) + i) * h; xo[i] = xo0 + ((t0) + i) * h; d[i] = d0 + ((t0) + i) * nd; zx[i] = zx0 + ((t0) + i) * ng; }
+#define Q16_TILE_HB(HB, RR, M, r0, t0) \
+    q16_tile(q + (r0) * rs, rs, s + (r0), z ? z + (r0) : NULL, N, Kin, G, HB, RR, xe, xo, d, zx, M, \
+             acc + (r0) * ROWS_LD + (t0), ROWS_LD)
+#define Q16_TILE(RR, M, r0, t0) \
+    do { \
+        if (G == 128) Q16_TILE_HB(4, RR, M, r0, t0); else if (G == 64) Q16_TILE_HB(2, RR, M, r0, t0); \
+        else Q16_TILE_HB(1, RR, M, r0, t0); \
+    } while (0)
+    WALK_TILES(Q16_TILE, Q16_TOKENS, R, n, 0);
+#undef Q16_TILE
+#undef Q16_TILE_HB
+#undef Q16_TOKENS
+}
+
+/* The integer-activation modes of the INT4 rows (the kernels' `act` argument): 0 fp32 (dot_block),
+ * 1 int8 (q8_block), 2 int16 (q16_block) */
+enum { ACT_F32 = 0, ACT_Q8 = 1, ACT_Q16 = 2 };
+#define ACT_DS(q16, K, G) ((q16) ? Q16_DS(K, G) : Q8_DS(K)) /* block scales per row */
+
+/* the mode rows of Kin inputs in groups of G run: act, or ACT_F32 where its kernel does not take the shape */
+static inline int act_for(int act, int Kin, int G) {
+    if (act == ACT_Q8) return Kin % 128 == 0 && Kin / G <= Q8_MAX_GROUPS ? ACT_Q8 : ACT_F32;
+    if (act == ACT_Q16) return q16_ok(Kin, G) ? ACT_Q16 : ACT_F32;
+    return ACT_F32;
+}
+
+/* bytes of integer activations and floats of scales (block scales, then the zero sums) for S rows of
+ * Kin inputs in mode a (0 for ACT_F32) */
+static inline size_t act_bytes(int a, long S, int Kin) { return a == ACT_F32 ? 0 : (size_t)S * Kin * (a == ACT_Q16 ? 2 : 1); }
+static inline size_t act_floats(int a, long S, int Kin, int G) {
+    return a == ACT_F32 ? 0 : (size_t)S * (ACT_DS(a == ACT_Q16, Kin, G) + Kin / G) + 1;
+}
+
+/* quantize S rows of even / odd inputs xe / xo (row stride Kin/2) in mode a: codes even | odd at xq
+ * ([S, Kin/2] each), block scales at d, zero sums after them → the odd codes' start */
+static void *quant_act(int a, const float *xe, const float *xo, long S, int Kin, int G, void *xq, float *d) {
+    const long h = Kin / 2;
+    if (a == ACT_Q16) {
+        int16_t *qe = xq;
+        quant_q16(xe, xo, S, Kin, G, qe, qe + S * h, d, d + S * Q16_DS(Kin, G));
+        return qe + S * h;
+    }
+    int8_t *qe = xq;
+    quant_q8(xe, xo, S, Kin, G, qe, qe + S * h, d, d + S * Q8_DS(Kin));
+    return qe + S * h;
+}
+
+/* q8_block or q16_block (q16) over the codes from element o of xe / xo */
+static inline void act_block(int q16, const uint8_t *q, long rs, const uint16_t *s, const uint8_t *z, long N, int Kin,
+                             int G, int R, const void *xe, const void *xo, long o, const float *d, const float *zx, int n,
+                             float *acc) {
+    if (q16) q16_block(q, rs, s, z, N, Kin, G, R, (const int16_t *)xe + o, (const int16_t *)xo + o, d, zx, n, acc);
+    else q8_block(q, rs, s, z, N, Kin, G, R, (const int8_t *)xe + o, (const int8_t *)xo + o, d, zx, n, acc);
+}
+
 /* --- 16/32-bit rows --------------------------------------------------------------------------- */
 
 enum { FMT_INT4 = 0, FMT_F32 = 1, FMT_BF16 = 2, FMT_MXFP4 = 3, FMT_FP8 = 4, FMT_I8 = 5 };
@@ -1013,13 +1193,14 @@ typedef struct {
     const float *gub, *dnb;
     int act_kind;
     float limit, alpha;
-    /* int4 with int8 activations (q8_rows): xq/hq even|odd [S, D/2] / [S, I/2], block scales xd/hd,
-     * group sums xz/hz; NULL where the fp32 rows run */
-    const int8_t *xqe, *xqo, *hqe, *hqo;
+    /* int4 with integer activations (int8 q8_rows, or int16 when q16): xq/hq even|odd [S, D/2] / [S, I/2],
+     * block scales xd/hd, zero sums xz/hz; NULL where the fp32 rows run */
+    const void *xqe, *xqo, *hqe, *hqo;
     const float *xd, *xz, *hd, *hz;
     /* fp8: gu [E, 2I, D] / dn [E, D, I] e4m3 codes, fp32 scales [E, 2I/bn, D/bk] / [E, D/bn, I/bk] in
      * gus / dns (read as float), one per block of bn rows × bk inputs */
     int bn, bk;
+    int xq16, hq16; /* the codes at xqe / hqe are int16 (q16_block), else int8 */
 } layer_t;
 
 /* e^x in fp32, Cephes' expf: x = n ln2 + r (|r| <= ln2/2), a degree-6 polynomial in r, times 2^n
@@ -1232,11 +1413,11 @@ static void gate_up_item(const void *arg, long item) {
             const int m = (int)(n - c < ROWS_LD ? n - c : ROWS_LD);
             if (L->xqe) {
                 const long o = (r0 + c) * (D / 2);
-                const float *xd = L->xd + (r0 + c) * Q8_DS(D), *xz = L->xz + (r0 + c) * (D / L->G);
-                q8_block(q + i * rs, rs, s + i, z ? z + i : NULL, 2L * I, D, L->G, R, L->xqe + o, L->xqo + o, xd, xz,
-                         m, gate4);
-                q8_block(q + (I + i) * rs, rs, s + I + i, z ? z + I + i : NULL, 2L * I, D, L->G, R, L->xqe + o,
-                         L->xqo + o, xd, xz, m, up4);
+                const float *xd = L->xd + (r0 + c) * ACT_DS(L->xq16, D, L->G), *xz = L->xz + (r0 + c) * (D / L->G);
+                act_block(L->xq16, q + i * rs, rs, s + i, z ? z + i : NULL, 2L * I, D, L->G, R, L->xqe, L->xqo, o, xd,
+                          xz, m, gate4);
+                act_block(L->xq16, q + (I + i) * rs, rs, s + I + i, z ? z + I + i : NULL, 2L * I, D, L->G, R, L->xqe,
+                          L->xqo, o, xd, xz, m, up4);
             } else {
                 const float *xe = L->xe + (r0 + c) * (D / 2), *xo = L->xo + (r0 + c) * (D / 2);
                 const float *xs = L->xsum + (r0 + c) * (D / L->G);
@@ -1270,9 +1451,9 @@ static void down_item(const void *arg, long item) {
         for (int64_t c = 0; c < n; c += ROWS_LD) {
             const int m = (int)(n - c < ROWS_LD ? n - c : ROWS_LD);
             if (int4 && L->hqe)
-                q8_block(q + (long)d * (I / 2), I / 2, s + d, z ? z + d : NULL, D, I, L->G, R,
-                         L->hqe + (r0 + c) * (I / 2), L->hqo + (r0 + c) * (I / 2), L->hd + (r0 + c) * Q8_DS(I),
-                         L->hz + (r0 + c) * (I / L->G), m, acc);
+                act_block(L->hq16, q + (long)d * (I / 2), I / 2, s + d, z ? z + d : NULL, D, I, L->G, R, L->hqe,
+                          L->hqo, (r0 + c) * (I / 2), L->hd + (r0 + c) * ACT_DS(L->hq16, I, L->G),
+                          L->hz + (r0 + c) * (I / L->G), m, acc);
             else if (int4)
                 dot_block(q + (long)d * (I / 2), I / 2, s + d, z ? z + d : NULL, D, I, L->G, R,
                           L->he + (r0 + c) * (I / 2), L->ho + (r0 + c) * (I / 2), I / 2,
@@ -1346,15 +1527,17 @@ static uint8_t *scratch(const size_t *sz, int n, void **out) {
  * fmt FMT_FP8: gu [E, 2I, D] and dn [E, D, I] e4m3fn codes, gus / dns fp32 scales [E, 2I/bn, D/bk] and
  * [E, D/bn, I/bk] (bn | I and D, bk | D and I, bk % 32 == 0: the caller checks).
  * gub [E, 2I] / dnb [E, D] fp32 biases or NULL; act_kind 1: gpt-oss's clamped SwiGLU.
+ * amode: the INT4 rows' activations, ACT_F32 / ACT_Q8 / ACT_Q16 (each side falls back to fp32 where
+ * its mode does not take the shape: act_for).
  * Returns 0; -1 when out of memory; -3 for an expert id outside [0, E). */
 int lynx_moe(int fmt, const float *x, const int64_t *ids, const float *w, const int32_t *perm, const uint8_t *data,
              long E, long nbytes, const long *offs, const uint8_t *gu, const uint8_t *dn, int sym, int G, int D, int I,
              int T, int K, float *out, int nthreads, const uint8_t *gus, const uint8_t *dns, const float *gub,
-             const float *dnb, int act_kind, float limit, float alpha, int q8, int bn, int bk) {
+             const float *dnb, int act_kind, float limit, float alpha, int amode, int bn, int bk) {
     const long S = (long)T * K;
     const int dense = fmt == FMT_F32 || fmt == FMT_BF16 || fmt == FMT_FP8, int4 = fmt == FMT_INT4;
-    const int q8x = int4 && q8 && D % 128 == 0 && D / G <= Q8_MAX_GROUPS,
-              q8h = int4 && q8 && I % 128 == 0 && I / G <= Q8_MAX_GROUPS;
+    /* the INT4 rows' activation mode on each side (ACT_*: fp32, int8, int16) */
+    const int ax = int4 ? act_for(amode, D, G) : ACT_F32, ah = int4 ? act_for(amode, I, G) : ACT_F32;
     for (long i = 0; i < S; i++)
         if (ids[i] < 0 || ids[i] >= E) return -3; /* nothing written: the caller names the bad id */
     const int defer = act_kind == 0 && !gub; /* plain SwiGLU: one pass (lynx_silu_mul) */
@@ -1362,14 +1545,14 @@ int lynx_moe(int fmt, const float *x, const int64_t *ids, const float *w, const 
     const size_t sz[] = {(E + 1) * i8, E * i8, S * i8, S * i8, E * i8,          /* cnt fill order pos act */
                          S * D * f4, S * I * f4, S * D * f4, defer ? S * I * f4 : 0, /* xe he y ue */
                          int4 ? (S * (D / G) + 1) * f4 : 0, int4 ? (S * (I / G) + 1) * f4 : 0, /* xsum hsum */
-                         q8x ? S * D : 0, q8h ? S * I : 0,                             /* xq hq */
-                         q8x ? (S * (Q8_DS(D) + D / G) + 1) * f4 : 0, q8h ? (S * (Q8_DS(I) + I / G) + 1) * f4 : 0};
+                         act_bytes(ax, S, D), act_bytes(ah, S, I),                      /* xq hq */
+                         act_floats(ax, S, D, G) * f4, act_floats(ah, S, I, G) * f4};   /* xd hd */
     void *b[15];
     uint8_t *mem = scratch(sz, 15, b);
     if (!mem) return -1;
     int64_t *cnt = b[0], *fill = b[1], *order = b[2], *pos = b[3], *act = b[4];
     float *xe = b[5], *he = b[6], *y = b[7], *ue = b[8], *xsum = b[9], *hsum = b[10];
-    int8_t *xq = b[11], *hq = b[12];
+    void *xq = b[11], *hq = b[12], *xqo = NULL, *hqo = NULL;
     float *xd = b[13], *hd = b[14];
     memset(cnt, 0, (E + 1) * i8);
     float *xo = xe + S * (D / 2), *ho = he + S * (I / 2); /* int4: the odd halves after the even ones */
@@ -1392,15 +1575,17 @@ int lynx_moe(int fmt, const float *x, const int64_t *ids, const float *w, const 
         }
         split_row(xt, perm ? perm + ids[order[r]] * D : NULL, D / 2, xe + r * (D / 2), xo + r * (D / 2));
     }
-    if (q8x) quant_q8(xe, xo, S, D, G, xq, xq + S * (D / 2), xd, xd + S * Q8_DS(D));
+    if (ax) xqo = quant_act(ax, xe, xo, S, D, G, xq, xd);
     else if (int4) group_sums(xe, xo, S, D, G, xsum);
+    if (ah) hqo = (char *)hq + act_bytes(ah, S, I) / 2; /* written after the gate/up pass */
     layer_t L = {fmt, data, nbytes, offs, gu, dn, sym, G, D, I, T, K, ids, cnt, order, act, w, xe, xo, he, ho, y, ue,
                  xsum, hsum, gus, dns, gub, dnb, act_kind, limit, alpha,
-                 xq, q8x ? xq + S * (D / 2) : NULL, hq, q8h ? hq + S * (I / 2) : NULL,
-                 xd, q8x ? xd + S * Q8_DS(D) : NULL, hd, q8h ? hd + S * Q8_DS(I) : NULL, bn, bk};
+                 xqo ? xq : NULL, xqo, hqo ? hq : NULL, hqo,
+                 xd, ax ? xd + S * ACT_DS(ax == ACT_Q16, D, G) : NULL, hd, ah ? hd + S * ACT_DS(ah == ACT_Q16, I, G) : NULL,
+                 bn, bk, ax == ACT_Q16, ah == ACT_Q16};
     parallel(gate_up_item, &L, A * ((I + ROW_BLOCK - 1) / ROW_BLOCK), nthreads);
     if (ue) lynx_silu_mul(he, ue, S * (long)I);
-    if (q8h) quant_q8(he, ho, S, I, G, hq, hq + S * (I / 2), hd, hd + S * Q8_DS(I));
+    if (ah) quant_act(ah, he, ho, S, I, G, hq, hd);
     else if (int4) group_sums(he, ho, S, I, G, hsum);
     parallel(down_item, &L, A * ((D + ROW_BLOCK - 1) / ROW_BLOCK), nthreads);
     /* combine: out[t] = sum over k in slot order (k = 0 first) */
@@ -1680,8 +1865,9 @@ typedef struct {
     const uint16_t *s;
     const float *xe, *xo, *xs, *bias;
     float *out;
-    const int8_t *qe, *qo; /* int8 activations (q8_rows) or NULL */
+    const void *qe, *qo; /* integer activations (int8, or int16 when q16) or NULL */
     const float *d, *zx;
+    int q16;
 } qlinear_t;
 
 static void qlinear_item(const void *arg, long item) {
@@ -1693,9 +1879,8 @@ static void qlinear_item(const void *arg, long item) {
         for (int c = 0; c < P->T; c += ROWS_LD) {
             const int m = P->T - c < ROWS_LD ? P->T - c : ROWS_LD;
             if (P->qe)
-                q8_block(P->q + (long)n * h, h, P->s + n, P->z ? P->z + n : NULL, P->N, Kin, P->G, R,
-                         P->qe + (long)c * h, P->qo + (long)c * h, P->d + (long)c * Q8_DS(Kin), P->zx + (long)c * ng,
-                         m, acc);
+                act_block(P->q16, P->q + (long)n * h, h, P->s + n, P->z ? P->z + n : NULL, P->N, Kin, P->G, R, P->qe,
+                          P->qo, (long)c * h, P->d + (long)c * ACT_DS(P->q16, Kin, P->G), P->zx + (long)c * ng, m, acc);
             else
                 dot_block(P->q + (long)n * h, h, P->s + n, P->z ? P->z + n : NULL, P->N, Kin, P->G, R,
                           P->xe + (long)c * h, P->xo + (long)c * h, h, P->xs + (long)c * ng, m, acc);
@@ -1710,25 +1895,26 @@ static void qlinear_item(const void *arg, long item) {
  * packed (a GPTQ / AWQ attention or dense projection): codes q [N, Kin/2], fp16 scales s [Kin/G, N],
  * zeros z [Kin/G, N] or NULL (symmetric: 8), perm [Kin] int32 or NULL (act order: code column j
  * multiplies input perm[j]). The input is split into even/odd columns once, then every row block
- * is one work item (as the MoE kernel's rows). q8: int8 activations (q8_rows) where Kin % 128 == 0.
+ * is one work item (as the MoE kernel's rows). amode: ACT_F32, or integer activations, ACT_Q8 (int8,
+ * q8_rows) or ACT_Q16 (int16, q16_block), where they take the shape (act_for).
  * Returns 0, or -1 when out of memory. */
 int lynx_linear_int4(const float *x, const uint8_t *q, const uint16_t *s, const uint8_t *z, const int32_t *perm,
-                     const float *bias, int T, int Kin, int N, int G, float *out, int nthreads, int q8) {
+                     const float *bias, int T, int Kin, int N, int G, float *out, int nthreads, int amode) {
     const long h = Kin / 2;
-    q8 = q8 && Kin % 128 == 0 && Kin / G <= Q8_MAX_GROUPS;
-    const size_t sz[3] = {2L * T * h * sizeof(float), ((size_t)T * (Kin / G + Q8_DS(Kin)) + 1) * sizeof(float),
-                          q8 ? 2L * T * h : 0};
-    void *b[3];
-    uint8_t *mem = scratch(sz, 3, b);
+    const int a = act_for(amode, Kin, G);
+    const size_t sz[4] = {2L * T * h * sizeof(float), ((size_t)T * (Kin / G) + 1) * sizeof(float),
+                          act_bytes(a, T, Kin), act_floats(a, T, Kin, G) * sizeof(float)};
+    void *b[4];
+    uint8_t *mem = scratch(sz, 4, b);
     if (!mem) return -1;
-    float *xe = b[0], *xs = b[1];
-    int8_t *xq = b[2];
+    float *xe = b[0], *xs = b[1], *d = b[3];
     float *xo = xe + (long)T * h;
     for (long t = 0; t < T; t++) split_row(x + t * Kin, perm, h, xe + t * h, xo + t * h);
-    float *d = xs + (long)T * (Kin / G); /* q8: block scales after the group sums */
-    if (q8) quant_q8(xe, xo, T, Kin, G, xq, xq + (long)T * h, d, xs);
+    void *xqo = NULL;
+    if (a) xqo = quant_act(a, xe, xo, T, Kin, G, b[2], d); /* zero sums after the block scales */
     else group_sums(xe, xo, T, Kin, G, xs);
-    qlinear_t P = {T, Kin, N, G, q, z, s, xe, xo, xs, bias, out, xq, q8 ? xq + (long)T * h : NULL, d, xs};
+    qlinear_t P = {T, Kin, N, G, q, z, s, xe, xo, xs, bias, out, xqo ? b[2] : NULL, xqo, d,
+                   a ? d + (long)T * ACT_DS(a == ACT_Q16, Kin, G) : NULL, a == ACT_Q16};
     parallel(qlinear_item, &P, (N + ROW_BLOCK - 1) / ROW_BLOCK, nthreads);
     free(mem);
     return 0;
@@ -2229,7 +2415,7 @@ typedef struct {
     const uint8_t *z;
     const int32_t *perm;
     const float *bias; /* fp32 [N] or NULL */
-    int N, K, G, q8, bn;
+    int N, K, G, act, bn; /* act: INT4 rows' ACT_* mode; FMT_I8: 1 = int8 activations (i8q8_block) */
 } lin_t;
 
 static int lin_run(const lin_t *l, const float *x, int T, float *out, int nthreads) {
@@ -2238,10 +2424,10 @@ static int lin_run(const lin_t *l, const float *x, int T, float *out, int nthrea
         return 0;
     }
     if (l->kind == FMT_INT4)
-        return lynx_linear_int4(x, l->w, l->s, l->z, l->perm, l->bias, T, l->K, l->N, l->G, out, nthreads, l->q8);
+        return lynx_linear_int4(x, l->w, l->s, l->z, l->perm, l->bias, T, l->K, l->N, l->G, out, nthreads, l->act);
     if (l->kind == FMT_I8)
         return lynx_linear_int8(x, (const int8_t *)l->w, (const float *)l->s, l->bias, T, l->K, l->N, out, nthreads,
-                                l->q8);
+                                l->act);
     lynx_linear(l->kind, x, l->w, l->bias, T, l->K, l->N, out, nthreads);
     return 0;
 }
@@ -2316,7 +2502,7 @@ typedef struct {
     const long *offs;    /* int4: part offsets [6] */
     const int32_t *perm; /* int4 act order [E, D] or NULL */
     const uint8_t *gu, *dn; /* dense: [E, 2I, D], [E, D, I] */
-    int sym, G, D, I, q8;
+    int sym, G, D, I, act; /* act: the INT4 rows' ACT_* mode */
     const uint8_t *gus, *dns; /* fp8: the block scales (fp32) */
     int bn, bk;
 } moe_layer_t;
@@ -2332,7 +2518,7 @@ int lynx_layer_moe(const moe_layer_t *M, int fmt, const float *h2, const int64_t
     if (!mem) return -1;
     float *y = b[0], *r = b[1];
     int rc = lynx_moe(M->fmt, h2, ids, w, M->perm, M->data, M->E, M->nbytes, M->offs, M->gu, M->dn, M->sym, M->G, D, M->I,
-                  B, K, y, nthreads, M->gus, M->dns, NULL, NULL, 0, 0.0f, 0.0f, M->q8, M->bn, M->bk);
+                  B, K, y, nthreads, M->gus, M->dns, NULL, NULL, 0, 0.0f, 0.0f, M->act, M->bn, M->bk);
     if (rc == 0) residual_add(x1, fmt, y, B, D, r, out);
     free(mem);
     return rc;

@@ -163,12 +163,19 @@ def lib() -> ctypes.CDLL | None:
 
 
 FMT_INT4, FMT_F32, FMT_BF16, FMT_MXFP4, FMT_FP8, FMT_I8 = 0, 1, 2, 3, 4, 5
-# INT4 weights against "f32" activations (exact to fp32 rounding of the dequantised weight) or
-# "q8" (int8 activations in blocks of 32, integer dot products: llama.cpp's Q4_0 × Q8_0 scheme,
-# approximate; see q8_rows in the C file). LYNX_EDGE_INT4_ACT sets the default; Engine option
-# int4_act per engine.
-INT4_ACTS = ("f32", "q8")
+# INT4 weights against "f32" activations (exact to fp32 rounding of the dequantised weight), "q16"
+# (int16 activations in blocks of up to 128 inputs, integer dot products: each input within 2^-16
+# of its block's largest, 128× finer than bf16's own rounding; see q16_block in the C file) or "q8"
+# (int8 activations in blocks of 32: llama.cpp's Q4_0 × Q8_0 scheme, ~2^-8; see q8_rows).
+# LYNX_EDGE_INT4_ACT sets the default; Engine option int4_act per engine.
+INT4_ACTS = ("f32", "q16", "q8")
 INT4_ACT = os.environ.get("LYNX_EDGE_INT4_ACT", "f32")
+_ACT_CODE = {"f32": 0, "q8": 1, "q16": 2}  # the C file's ACT_F32 / ACT_Q8 / ACT_Q16
+
+
+def act_code(act: str | None) -> int:
+    """The native INT4 kernels' activation mode for act (None: INT4_ACT)."""
+    return _ACT_CODE[act or INT4_ACT]
 # token-expert slots per MoE call: bounds the kernel's fp32 scratch, S·(2D + I) floats (~60 MiB at
 # D=2048, I=768) however long the prompt being prefilled
 MAX_SLOTS = 4096
@@ -194,7 +201,7 @@ def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _call_moe(fmt, x, ids, w, perm, data, E, nbytes, offs, gu, dn, sym, G, D, I, oss=(None, None, None, None, 0, 0.0, 0.0),
-              q8: bool = False, blocks: tuple[int, int] = (0, 0)) -> torch.Tensor:
+              act: int = 0, blocks: tuple[int, int] = (0, 0)) -> torch.Tensor:
     so = lib()
     x32, ids64, w32 = _as(x, torch.float32), _as(ids, torch.int64), _as(w, torch.float32)
     T, K = ids64.shape
@@ -203,7 +210,7 @@ def _call_moe(fmt, x, ids, w, perm, data, E, nbytes, offs, gu, dn, sym, G, D, I,
     for t0 in range(0, T, step):
         n = min(step, T - t0)  # row slices of contiguous tensors: contiguous, pointers offset
         rc = so.lynx_moe(fmt, x32[t0].data_ptr(), ids64[t0].data_ptr(), w32[t0].data_ptr(), perm, data, E, nbytes,
-                         offs, gu, dn, sym, G, D, I, n, K, out[t0].data_ptr(), torch.get_num_threads(), *oss, int(q8), *blocks)
+                         offs, gu, dn, sym, G, D, I, n, K, out[t0].data_ptr(), torch.get_num_threads(), *oss, act, *blocks)
         _check_moe(rc, ids64, E)
     return out
 
@@ -221,11 +228,11 @@ def moe_int4(x, ids, weights, data: torch.Tensor, offs, sym: bool, G: int, D: in
              perm: torch.Tensor | None = None, act: str | None = None) -> torch.Tensor:
     """Σ_k weights[t, k] · expert_{ids[t, k]}(x[t]) over INT4 blocks data uint8 [E, nbytes] (byte
     offsets offs int64 [6] of gu_q, gu_s, gu_z, dn_q, dn_s, dn_z; perm [E, D] int32 act order) →
-    [T, D] fp32. act: "f32" or "q8" activations (None: INT4_ACT)."""
+    [T, D] fp32. act: "f32", "q16" or "q8" activations (None: INT4_ACT)."""
     p = None if perm is None else _as(perm, torch.int32)
     out = _call_moe(FMT_INT4, x, ids, weights, None if p is None else p.data_ptr(), data.data_ptr(),
                     data.shape[0], data.shape[1], offs.ctypes.data, None, None, int(sym), G, D, I,
-                    q8=(act or INT4_ACT) == "q8")
+                    act=act_code(act))
     return out
 
 
@@ -312,7 +319,7 @@ def linear_int4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zer
                 ) -> torch.Tensor:
     """x @ Wᵀ (+ bias) for an INT4 linear W [N, Kin] read packed — codes packed uint8 [N, Kin/2],
     fp16 scales [Kin/G, N], uint8 zeros [Kin/G, N] or None (symmetric), perm int32 [Kin] or None
-    (act order) — with fp32 products and sums (act "q8": int8 activations, see INT4_ACT) →
+    (act order) — with fp32 products and sums (act "q16" / "q8": integer activations, see INT4_ACT) →
     [..., N] in x's dtype."""
     N, h = packed.shape
     Kin, G = 2 * h, 2 * h // scales.shape[0]
@@ -324,7 +331,7 @@ def linear_int4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zer
         rc = lib().lynx_linear_int4(x2.data_ptr(), packed.data_ptr(), scales.data_ptr(),
                                     None if zeros is None else zeros.data_ptr(), None if perm is None else perm.data_ptr(),
                                     None if b is None else b.data_ptr(), x2.shape[0], Kin, N, G, out.data_ptr(),
-                                    torch.get_num_threads(), int((act or INT4_ACT) == "q8"))
+                                    torch.get_num_threads(), act_code(act))
         if rc != 0:
             raise MemoryError("the native INT4 linear could not allocate its scratch buffers")
     out = out.view(*x.shape[:-1], N)
@@ -424,7 +431,7 @@ class Lin(ctypes.Structure):
     block scales (G = bk, bn) (lin_t in the C file)."""
     _fields_ = [("kind", ctypes.c_int), ("w", ctypes.c_void_p), ("s", ctypes.c_void_p), ("z", ctypes.c_void_p),
                 ("perm", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("N", ctypes.c_int), ("K", ctypes.c_int),
-                ("G", ctypes.c_int), ("q8", ctypes.c_int), ("bn", ctypes.c_int)]
+                ("G", ctypes.c_int), ("act", ctypes.c_int), ("bn", ctypes.c_int)]
 
 
 class AttnLayer(ctypes.Structure):
@@ -442,7 +449,7 @@ class MoeLayer(ctypes.Structure):
     _fields_ = [("fmt", ctypes.c_int), ("data", ctypes.c_void_p), ("E", ctypes.c_long), ("nbytes", ctypes.c_long),
                 ("offs", ctypes.c_void_p), ("perm", ctypes.c_void_p), ("gu", ctypes.c_void_p),
                 ("dn", ctypes.c_void_p), ("sym", ctypes.c_int), ("G", ctypes.c_int), ("D", ctypes.c_int),
-                ("I", ctypes.c_int), ("q8", ctypes.c_int), ("gus", ctypes.c_void_p), ("dns", ctypes.c_void_p),
+                ("I", ctypes.c_int), ("act", ctypes.c_int), ("gus", ctypes.c_void_p), ("dns", ctypes.c_void_p),
                 ("bn", ctypes.c_int), ("bk", ctypes.c_int)]
 
 
@@ -467,7 +474,7 @@ def int4_lin(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | N
     N, h = packed.shape
     return Lin(FMT_INT4, packed.data_ptr(), scales.data_ptr(), None if zeros is None else zeros.data_ptr(),
                None if perm is None else perm.data_ptr(), None if bias32 is None else bias32.data_ptr(), N, 2 * h,
-               2 * h // scales.shape[0], int((act or INT4_ACT) == "q8"))
+               2 * h // scales.shape[0], act_code(act))
 
 
 def layer_attn(plan: AttnLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,

@@ -303,10 +303,10 @@ def _moe_plan(experts, keep: list, dt) -> tuple[native.MoeLayer | None, int]:
         perm = perm.to(torch.int32).contiguous()
         keep.append(perm)
     keep.append(offs)
-    q8 = int((getattr(experts, "act", None) or native.INT4_ACT) == "q8")
+    act = native.act_code(getattr(experts, "act", None))
     plan = native.MoeLayer(native.FMT_INT4, packed.data.data_ptr(), packed.data.shape[0], packed.data.shape[1],
                            offs.ctypes.data, None if perm is None else perm.data_ptr(), None, None, int(layout.sym),
-                           layout.group_size, layout.hidden, layout.inter, q8)
+                           layout.group_size, layout.hidden, layout.inter, act)
     return plan, 1 << 30
 
 
