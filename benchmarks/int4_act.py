@@ -1,9 +1,10 @@
-"""4-bit attention and int8 activations on a CPU: what they cost in quality and give in speed.
+"""4-bit attention and integer activations on a CPU: what they cost in quality and give in speed.
 
-Variants of the demo model (or --model), all loaded on the CPU in bf16 around the 4-bit weights:
+Variants of the demo model (or --model), all loaded on the CPU in bf16 (--dtype) around the 4-bit weights:
     16-bit                      the reference
     experts 4-bit               `lynx-edge quantize` (experts only, as before)
     experts + attention 4-bit   `lynx-edge quantize --attn` (attention read packed: quant/linear.py)
+    … --int4-act q16            the same with int16 activations (a scale per weight group, integer dots)
     … --int4-act q8             the same with int8 activations (Q8 blocks of 32, integer dots)
     --int4 [--int4-attn]        the 16-bit checkpoint quantised at load (RTN, no calibration):
                                 experts, and with --int4-attn attention too
@@ -87,6 +88,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("-r", "--reps", type=int, default=5)
     ap.add_argument("-n", type=int, default=32, help="decode steps per timed run")
+    ap.add_argument("--dtype", default="bfloat16", help="the dtype around the 4-bit weights (float32: the rows' "
+                    "own error, without bf16's rounding of every activation)")
+    ap.add_argument("--acts", default="q16,q8", help="integer activations to set beside f32")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/int4_act"))
     args = ap.parse_args()
     from lynx_edge import Engine
@@ -102,18 +106,19 @@ def main() -> None:
         ckpt[name] = quantize_model(args.model, Path(tmp.name) / name, method=args.method, group_size=args.group,
                                     attention=attn)
         print(f"quantized {name} in {time.time() - t:.0f} s", flush=True)
-    variants = {
-        "16-bit": (args.model, {}),
-        "experts 4-bit": (ckpt["experts"], {}),
-        "experts 4-bit, --int4-act q8": (ckpt["experts"], {"int4_act": "q8"}),
-        "experts + attention 4-bit": (ckpt["experts+attn"], {}),
-        "experts + attention 4-bit, --int4-act q8": (ckpt["experts+attn"], {"int4_act": "q8"}),
-        # the same from the 16-bit checkpoint at load: RTN, no calibration
-        "--int4 (RTN experts at load)": (args.model, {"int4": True}),
-        "--int4 --int4-attn (RTN experts + attention at load)": (args.model, {"int4": True, "int4_attn": True}),
-        "--int4 --int4-attn --int4-act q8": (args.model, {"int4": True, "int4_attn": True, "int4_act": "q8"}),
-    }
-    engines = {k: Engine.from_pretrained(src, device="cpu", dtype="bfloat16", max_num_seqs=16, **kw)
+    acts = [a for a in args.acts.split(",") if a]
+    f32 = {"int4_act": "f32"}  # the exact rows, whatever the default
+    variants = {"16-bit": (args.model, {})}
+    ref_of = {}
+    for name, src, kw in (("experts 4-bit", ckpt["experts"], {}), ("experts + attention 4-bit", ckpt["experts+attn"], {}),
+                          # the same from the 16-bit checkpoint at load: RTN, no calibration
+                          ("--int4 --int4-attn (RTN experts + attention at load)", args.model,
+                           {"int4": True, "int4_attn": True})):
+        variants[name] = (src, kw | f32)
+        for a in acts:
+            variants[f"{name}, --int4-act {a}"] = (src, kw | {"int4_act": a})
+            ref_of[f"{name}, --int4-act {a}"] = name
+    engines = {k: Engine.from_pretrained(src, device="cpu", dtype=args.dtype, max_num_seqs=16, **kw)
                for k, (src, kw) in variants.items()}
     base = engines["16-bit"]
     text = (base.model_dir / "heldout.txt").read_text(encoding="utf-8")
@@ -121,9 +126,6 @@ def main() -> None:
     W = args.window
     windows = [ids[i : i + W] for i in range(0, len(ids) - W + 1, W)][: args.max_windows]
     lg = {k: logits_of(e, windows) for k, e in engines.items()}
-    ref_of = {"experts 4-bit, --int4-act q8": "experts 4-bit",
-              "experts + attention 4-bit, --int4-act q8": "experts + attention 4-bit",
-              "--int4 --int4-attn --int4-act q8": "--int4 --int4-attn (RTN experts + attention at load)"}
     rows = []
     for k in engines:
         q = quality(lg[k], windows, lg.get(ref_of.get(k, k)))
@@ -138,13 +140,13 @@ def main() -> None:
             r[f"tok_s_b{b}_all"] = speed[r["variant"]][b]
     res = {"model": args.model, "method": args.method, "group": args.group, "window": W, "windows": len(windows),
            "threads": args.threads, "cpu_capability": cpu_isa(), "reps": args.reps, "n": args.n,
-           "loadavg": os.getloadavg(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rows": rows}
+           "loadavg": os.getloadavg(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "dtype": args.dtype, "rows": rows}
     Path(args.out + ".json").write_text(json.dumps(res, indent=1))
-    md = [f"# 4-bit attention and int8 activations on a CPU ({args.model}, {args.method.upper()} G={args.group}, bf16 "
+    md = [f"# 4-bit attention and integer activations on a CPU ({args.model}, {args.method.upper()} G={args.group}, {args.dtype} "
           "around the 4-bit weights)", "",
           f"Quality: teacher-forced over {len(windows)} windows of {W} tokens from the last three quarters of "
           "heldout.txt (every 4-bit call runs the decode-sized kernels at ≤ 32 rows). KL and top-1 compare each "
-          "q8 variant with the same checkpoint's f32-activation logits. Speed: decode tok/s, medians of "
+          "integer-activation variant with the same checkpoint's f32-activation logits. Speed: decode tok/s, medians of "
           f"{args.reps} interleaved rounds, {args.threads} thread(s), CPU capability {res['cpu_capability']}, "
           f"load average {res['loadavg'][0]:.2f}.", "",
           "| variant | perplexity | vs 16-bit | KL vs f32 act | top-1 agree | weights MB | B=1 tok/s | B=16 tok/s |",
