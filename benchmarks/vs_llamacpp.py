@@ -78,7 +78,10 @@ PAIRS = {"f32": ("F32", dict(dtype="float32")), "bf16": ("BF16", dict(dtype="bfl
          "int4": ("Q4_0", dict(int4=True, dtype="bfloat16")),
          # a GPTQ-format checkpoint with attention 4-bit too (`lynx-edge quantize --method rtn --attn`,
          # group 128), as published GPTQ checkpoints are: on a CPU its attention is read packed
+         # (the default activations: int16 since session 24, fp32 before; rows record which)
          "int4attn": ("Q4_0", dict(dtype="bfloat16")),
+         # the same on the exact fp32 activations (--int4-act f32)
+         "int4attn-f32": ("Q4_0", dict(dtype="bfloat16", int4_act="f32")),
          # the same with int8 activations (--int4-act q8): Q4_0 × Q8_0's own scheme, approximate
          "int4attn-q8": ("Q4_0", dict(dtype="bfloat16", int4_act="q8")),
          # and with the output head int8 (--int8-head): a GPTQ checkpoint keeps lm_head 16-bit, which
@@ -294,6 +297,7 @@ def run(args) -> dict:
     from lynx_edge.bench import cpu_isa, synthetic_prompts
     from lynx_edge.hub import resolve_model
     from lynx_edge.threads import set_threads
+    from lynx_edge.kernels import native
 
     src = llamacpp_source()
     bins = llamacpp_build(src, args.jobs)
@@ -326,7 +330,7 @@ def run(args) -> dict:
         ggufs = {"bf16": to_gguf(src, path, work / f"{tag}-bf16.gguf", "bf16")}
         qsrc = f32 if f32.is_file() else ggufs["bf16"]
         ggufs |= {"f32": f32, "int4": quantize(bins, qsrc, work / f"{tag}-q4_0.gguf", max(threads))}
-        ggufs["int4attn"] = ggufs["int4attn-q8"] = ggufs["int4attn-q8-int8head"] = ggufs["int4all"] = ggufs["int4all-q8"] = ggufs["int4"]
+        ggufs["int4attn"] = ggufs["int4attn-f32"] = ggufs["int4attn-q8"] = ggufs["int4attn-q8-int8head"] = ggufs["int4all"] = ggufs["int4all-q8"] = ggufs["int4"]
         if "fp8" in kinds:
             ggufs["fp8"] = quantize(bins, qsrc, work / f"{tag}-q8_0.gguf", max(threads), "Q8_0")
         res["models"][model] = {"path": str(path), "checkpoint_bytes_bf16": ckpt_bytes(path),
@@ -360,6 +364,8 @@ def run(args) -> dict:
                 medB = {k: statistics.median(v) for k, v in bB.items()}
                 base = dict(model=model, kind=kind, llama_type=ll_name, ours_dtype=dt, threads=th, bits=bits,
                             int8_head=bool(opts.get("int8_head")))
+                if bits == "4bit":  # the INT4 rows' activations (the default's has changed)
+                    base["int4_act"] = opts.get("int4_act") or native.INT4_ACT
                 res["rows"].append(base | dict(batch=1, lynx="off", ours_tok_s=med1["ours"], llama_tok_s=med1["llama"],
                                                ratio=med1["ours"] / med1["llama"], target=TARGET["B1", bits],
                                                ours_all=b1["ours"], llama_all=b1["llama"]))
@@ -383,7 +389,9 @@ def _cell(r: dict) -> str:
 
 
 def _ours_name(r: dict) -> str:
-    return {"int4": f"--int4 ({r['ours_dtype']})", "int4attn": f"4-bit ckpt + attn ({r['ours_dtype']})",
+    return {"int4": f"--int4 ({r['ours_dtype']})",
+            "int4attn": f"4-bit ckpt + attn, default {r.get('int4_act', 'f32')} activations ({r['ours_dtype']})",
+            "int4attn-f32": f"4-bit ckpt + attn, --int4-act f32 ({r['ours_dtype']})",
             "int4attn-q8": f"4-bit ckpt + attn, --int4-act q8 ({r['ours_dtype']})",
             "int4attn-q8-int8head": f"4-bit ckpt + attn, --int4-act q8 --int8-head ({r['ours_dtype']})",
             "fp8": f"FP8 ckpt, experts + attn 8-bit ({r['ours_dtype']})",

@@ -102,6 +102,17 @@ def q8_emulate(x: torch.Tensor, block: int = 32, levels: float = 127.0) -> torch
     return (torch.round(b * inv) * (amax / levels)).flatten(-2)[..., :K]
 
 
+@pytest.fixture
+def exact_int4(monkeypatch):
+    """The CPU INT4 kernels on fp32 activations (exact to fp32 rounding) unless a call names another:
+    for tests that check 4-bit formats or the f32 rows against fp32 references at fp32's tolerance
+    (the default int16 activations are ~2^-16 off by design: tested against their emulation in
+    test_cpu_native.py and against the float reference at their own bound in test_quant_checkpoints.py)."""
+    from lynx_edge.kernels import native
+
+    monkeypatch.setattr(native, "INT4_ACT", "f32")
+
+
 def q16_emulate(x: torch.Tensor, group: int) -> torch.Tensor:
     """The INT4 kernels' int16 activations (act "q16"), emulated: blocks of min(group, 128) inputs,
     d = max|x| / 32767, xq = round-half-even(x · 32767/max|x|) → xq · d."""

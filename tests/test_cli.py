@@ -138,7 +138,7 @@ def test_int4_bytes_note_counts_what_every_decode_token_reads():
     line = int4_bytes_note(int4)
     # 4 layers x top-4 x 3 x 256 x 128 weights at half a byte = 0.786 MB; 7.48 MB fp32 besides: 90%
     assert "experts 4-bit: 0.786 MB" in line and "7.48 MB (90%" in line and "--int4-attn --int8-head" in line
-    assert "--int4-act q8" in line  # fp32 activations (the default): the integer-dot option is named too
+    assert "--int4-act q8" in line  # int16 activations (the default): the int8 option is named too
     head = Engine.from_pretrained("demo", device="cpu", dtype="float32", int4=True, int8_head=True, int4_act="q8")
     assert "attention still float32" in int4_bytes_note(head) and "--int8-head" not in int4_bytes_note(head)
     assert "--int4-act" not in int4_bytes_note(head)

@@ -18,7 +18,8 @@ from lynx_edge.quant import cpu_kernels
 from lynx_edge.quant.experts import Int4MoEExperts
 from lynx_edge.quant.int4 import Int4Experts, int4_moe_ref, quantize_experts
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no compiled INT4 kernel (numba, C compiler)")
+pytestmark = [pytest.mark.skipif(not cpu_kernels.available(), reason="no compiled INT4 kernel (numba, C compiler)"),
+              pytest.mark.usefixtures("exact_int4")]  # fp32 references: the exact rows (conftest)
 
 
 _KERNEL = ["native"]  # the kernel the running test is pinned to (for its bound)

@@ -23,7 +23,8 @@ from conftest import q16_emulate as _q16
 from lynx_edge.kernels import native
 from lynx_edge.kernels.moe_gemm import moe_ref_loop
 
-pytestmark = pytest.mark.skipif(native.lib() is None, reason="native kernels not built (no C compiler)")
+pytestmark = [pytest.mark.skipif(native.lib() is None, reason="native kernels not built (no C compiler)"),
+              pytest.mark.usefixtures("exact_int4")]  # fp32 references: the exact rows (conftest)
 
 TOL_MOE, TOL_LIN = 2e-6, 1.2e-6
 

@@ -24,6 +24,8 @@ from lynx_edge.kernels import native
 from lynx_edge.quant import fp8
 from lynx_edge.quant.formats import read_quant_config
 
+pytestmark = pytest.mark.usefixtures("exact_int4")  # fp32 references: the exact rows (conftest)
+
 FIX = Path(__file__).parent / "fixtures"
 PROMPT = [5, 17, 42, 99, 3, 125, 7, 8, 120, 64, 33, 2]
 BLOCK = (64, 32)  # whole blocks over the tiny model's D = 128, I = 64 (the hub's are 128 × 128)

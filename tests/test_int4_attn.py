@@ -19,7 +19,8 @@ from conftest import decode_logits, tiny_with_reference
 from lynx_edge.kernels import native
 from lynx_edge.quant.int4 import dequant, pack, quantize_rtn
 
-pytestmark = pytest.mark.skipif(native.lib() is None, reason="native kernels not built (no C compiler)")
+pytestmark = [pytest.mark.skipif(native.lib() is None, reason="native kernels not built (no C compiler)"),
+              pytest.mark.usefixtures("exact_int4")]  # fp32 references: the exact rows (conftest)
 G = 32
 PROMPT = [5, 17, 42, 99, 3, 125, 7, 8, 120, 64, 33, 2]
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj")

@@ -98,8 +98,9 @@ def int4_bytes_note(engine) -> str | None:
     if share < 0.3:
         return None
     what = {2: "attention and output head", 1: "output head" if pl.packed_linears else "attention"}[len(flags)]
-    # the 4-bit rows' activations: fp32 (exact) unless asked; int8 ones are integer dot products (on
-    # Qwen3-30B-A3B's shapes, a Zen3, 1-2 threads: 1.14-1.24x at B=1, 1.25-1.50x at B=16; vs_llamacpp_a3b_s23.md)
+    # the 4-bit rows' activations: int16 by default (near-exact), fp32 when asked; int8 ones are the
+    # fastest at several tokens (on Qwen3-30B-A3B's shapes, a Zen3, 1-2 threads, over fp32: 1.14-1.24x at
+    # B=1, 1.25-1.50x at B=16; vs_llamacpp_a3b_s23.md; the demo's checkpoint over int16: 1.12x at B=16)
     q8 = "" if getattr(pl, "int4_act", None) == "q8" else \
         "; --int4-act q8 runs the 4-bit rows on int8 activations, integer dot products as Q4_0 x Q8_0"
     return (f"experts 4-bit: {experts / 1e6:.3g} MB per decode token; the other weights every token reads: "

@@ -169,7 +169,8 @@ FMT_INT4, FMT_F32, FMT_BF16, FMT_MXFP4, FMT_FP8, FMT_I8 = 0, 1, 2, 3, 4, 5
 # (int8 activations in blocks of 32: llama.cpp's Q4_0 × Q8_0 scheme, ~2^-8; see q8_rows).
 # LYNX_EDGE_INT4_ACT sets the default; Engine option int4_act per engine.
 INT4_ACTS = ("f32", "q16", "q8")
-INT4_ACT = os.environ.get("LYNX_EDGE_INT4_ACT", "f32")
+DEFAULT_INT4_ACT = "q16"  # chosen by measurement: benchmarks/results/int4_act_q16_s24.md, int4_act_q16_f32_s24.md
+INT4_ACT = os.environ.get("LYNX_EDGE_INT4_ACT", DEFAULT_INT4_ACT)
 _ACT_CODE = {"f32": 0, "q8": 1, "q16": 2}  # the C file's ACT_F32 / ACT_Q8 / ACT_Q16
 
 
