@@ -640,6 +640,9 @@ static inline __attribute__((always_inline)) void q16_tile(
                         const __m256i pe = _mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)(xe[t] + o)));
                         const __m256i po = _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(xo[t] + o)));
                         ai[r * NT + t] = _mm256_add_epi32(ai[r * NT + t], _mm256_add_epi32(pe, po));
+                        /* the sum in its register now: left free, gcc hoists a group's 32 products ahead of
+                         * the adds and spills them (multi-token tiles 0.5x) */
+                        __asm__("" : "+x"(ai[r * NT + t]));
                     }
                 }
             }
