@@ -365,7 +365,7 @@ def run(args) -> dict:
                 base = dict(model=model, kind=kind, llama_type=ll_name, ours_dtype=dt, threads=th, bits=bits,
                             int8_head=bool(opts.get("int8_head")))
                 if bits == "4bit":  # the INT4 rows' activations (the default's has changed)
-                    base["int4_act"] = opts.get("int4_act") or native.INT4_ACT
+                    base["int4_act"] = opts.get("int4_act") or native.default_int4_act()
                 res["rows"].append(base | dict(batch=1, lynx="off", ours_tok_s=med1["ours"], llama_tok_s=med1["llama"],
                                                ratio=med1["ours"] / med1["llama"], target=TARGET["B1", bits],
                                                ours_all=b1["ours"], llama_all=b1["llama"]))

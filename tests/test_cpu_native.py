@@ -560,6 +560,17 @@ def test_int4_q16_linear_matches_emulation(T, N, Kin, G, sym, act_order):
     assert _rel(y2, ref2) < TOL_Q16
 
 
+def test_int4_default_act_matches_the_build(monkeypatch):
+    """q16 is the default only where its vector form is built (run for the AVX2 and portable builds by
+    test_other_isa_paths): the portable build keeps the f32 rows."""
+    monkeypatch.setattr(native, "INT4_ACT", None)
+    vec = bool(native.lib().lynx_q16_vec())
+    arch = os.environ.get("LYNX_EDGE_NATIVE_ARCH")
+    if arch in ("x86-64", "haswell"):
+        assert vec == (arch == "haswell")
+    assert native.default_int4_act() == ("q16" if vec else "f32")
+
+
 def test_int4_q16_bugs_are_caught():
     """The emulation's bound is far below what a kernel with other activation blocks, or one group's
     scale off by 0.2%, would give."""

@@ -206,3 +206,20 @@ def test_kept_stack_call_follows_a_new_cache_and_router(q3, monkeypatch):
     for g, r in zip(got, ref):
         assert torch.equal(g, r)
     assert not torch.equal(got[2], got[3])  # the replaced weight was read
+
+
+def test_int4_activations_default_to_q16_where_vectorised(q3, monkeypatch):
+    """No int4_act named: $LYNX_EDGE_INT4_ACT, else q16 where its AVX2 form is built, else f32 (the
+    portable q16 loops are not measured against the f32 rows); the engine records what it runs."""
+    import platform
+
+    monkeypatch.setattr(native, "INT4_ACT", None)
+    vec = bool(native.lib().lynx_q16_vec())
+    assert native.default_int4_act() == ("q16" if vec else "f32")
+    if platform.machine() == "x86_64" and "avx2" in open("/proc/cpuinfo").read():
+        assert vec  # built for this host (-march=native): the vector form is there
+    eng = Engine.from_pretrained(q3, device="cpu", int4=True, int4_group=32)
+    assert eng.model.placement.int4_act == native.default_int4_act()
+    assert eng.model.layers[0]._native is None or eng.model.layers[0]._native.moe_plan.act == native.act_code(None)
+    monkeypatch.setattr(native, "INT4_ACT", "q8")
+    assert native.default_int4_act() == "q8"

@@ -331,7 +331,7 @@ static void group_sums(const float *xe, const float *xo, long S, int Kin, int G,
  * u4 in integer lanes: acc_b = sum_j q_j * xq_j exactly (vpdpbusd with AVX512-VNNI; maddubs + madd
  * otherwise), then y = sum_g s_g * (sum_{b in g} d_b * acc_b - z_g * zx_g) with zx_g = sum_{b in g}
  * d_b * sum_{j in b} xq_j. Approximate: the activation rounding adds a relative error of ~2^-8 per
- * input (far below the 4-bit weights' own), which is why it is an option (native.INT4_ACT).
+ * input (far below the 4-bit weights' own), which is why it is an option (native.INT4_ACTS).
  * Needs Kin % 128 == 0 (64-byte weight chunks); other widths use the fp32 rows above. */
 #define QB 32
 /* Floats per activation block in the block scales d: the AVX2 build stores each block's scale 4 times,
@@ -1861,6 +1861,16 @@ int lynx_linear_int8(const float *x, const int8_t *q, const float *scale, const 
 
 /* 1 when lynx_linear_int8 can run int8 activations (AVX512-VNNI or AVX2), else 0 */
 int lynx_i8_q8(void) { return I8_Q8; }
+
+/* whether q16_block has its vector form in this build (AVX2 + FMA; the portable loops otherwise,
+ * which are not measured against the fp32 rows: native.default_int4_act keeps f32 there) */
+int lynx_q16_vec(void) {
+#if defined(__AVX2__) && defined(__FMA__)
+    return 1;
+#else
+    return 0;
+#endif
+}
 
 typedef struct {
     int T, Kin, N, G;

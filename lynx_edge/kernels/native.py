@@ -130,6 +130,8 @@ def lib() -> ctypes.CDLL | None:
     so.lynx_linear_int8.restype = i
     so.lynx_i8_q8.argtypes = []
     so.lynx_i8_q8.restype = i
+    so.lynx_q16_vec.argtypes = []
+    so.lynx_q16_vec.restype = i
     so.lynx_linear_int4.argtypes = [p, p, p, p, p, p, i, i, i, i, p, i, i]
     so.lynx_linear_int4.restype = i
     so.lynx_linear_fp8.argtypes = [p, p, p, i, i, p, i, i, i, p, i]
@@ -167,16 +169,27 @@ FMT_INT4, FMT_F32, FMT_BF16, FMT_MXFP4, FMT_FP8, FMT_I8 = 0, 1, 2, 3, 4, 5
 # (int16 activations in blocks of up to 128 inputs, integer dot products: each input within 2^-16
 # of its block's largest, 128× finer than bf16's own rounding; see q16_block in the C file) or "q8"
 # (int8 activations in blocks of 32: llama.cpp's Q4_0 × Q8_0 scheme, ~2^-8; see q8_rows).
-# LYNX_EDGE_INT4_ACT sets the default; Engine option int4_act per engine.
+# Engine option int4_act per engine; LYNX_EDGE_INT4_ACT (INT4_ACT) sets the default, else
+# default_int4_act(): q16 where its vector form is built (AVX2: 1.2-1.4x the f32 rows end to end at
+# fp32's quality within KL 3e-6; benchmarks/results/int4_act_q16_s24.md, int4_act_q16_f32_s24.md),
+# f32 elsewhere (q16's portable loops are not measured against the f32 rows' there).
 INT4_ACTS = ("f32", "q16", "q8")
-DEFAULT_INT4_ACT = "q16"  # chosen by measurement: benchmarks/results/int4_act_q16_s24.md, int4_act_q16_f32_s24.md
-INT4_ACT = os.environ.get("LYNX_EDGE_INT4_ACT", DEFAULT_INT4_ACT)
+INT4_ACT = os.environ.get("LYNX_EDGE_INT4_ACT") or None
 _ACT_CODE = {"f32": 0, "q8": 1, "q16": 2}  # the C file's ACT_F32 / ACT_Q8 / ACT_Q16
 
 
+def default_int4_act() -> str:
+    """The INT4 activations when none is named: INT4_ACT, else q16 where this build has its vector
+    form, else f32."""
+    if INT4_ACT:
+        return INT4_ACT
+    so = lib()
+    return "q16" if so is not None and so.lynx_q16_vec() else "f32"
+
+
 def act_code(act: str | None) -> int:
-    """The native INT4 kernels' activation mode for act (None: INT4_ACT)."""
-    return _ACT_CODE[act or INT4_ACT]
+    """The native INT4 kernels' activation mode for act (None: default_int4_act())."""
+    return _ACT_CODE[act or default_int4_act()]
 # token-expert slots per MoE call: bounds the kernel's fp32 scratch, S·(2D + I) floats (~60 MiB at
 # D=2048, I=768) however long the prompt being prefilled
 MAX_SLOTS = 4096
@@ -229,7 +242,7 @@ def moe_int4(x, ids, weights, data: torch.Tensor, offs, sym: bool, G: int, D: in
              perm: torch.Tensor | None = None, act: str | None = None) -> torch.Tensor:
     """Σ_k weights[t, k] · expert_{ids[t, k]}(x[t]) over INT4 blocks data uint8 [E, nbytes] (byte
     offsets offs int64 [6] of gu_q, gu_s, gu_z, dn_q, dn_s, dn_z; perm [E, D] int32 act order) →
-    [T, D] fp32. act: "f32", "q16" or "q8" activations (None: INT4_ACT)."""
+    [T, D] fp32. act: "f32", "q16" or "q8" activations (None: default_int4_act())."""
     p = None if perm is None else _as(perm, torch.int32)
     out = _call_moe(FMT_INT4, x, ids, weights, None if p is None else p.data_ptr(), data.data_ptr(),
                     data.shape[0], data.shape[1], offs.ctypes.data, None, None, int(sym), G, D, I,
@@ -320,7 +333,7 @@ def linear_int4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zer
                 ) -> torch.Tensor:
     """x @ Wᵀ (+ bias) for an INT4 linear W [N, Kin] read packed — codes packed uint8 [N, Kin/2],
     fp16 scales [Kin/G, N], uint8 zeros [Kin/G, N] or None (symmetric), perm int32 [Kin] or None
-    (act order) — with fp32 products and sums (act "q16" / "q8": integer activations, see INT4_ACT) →
+    (act order) — with fp32 products and sums (act "q16" / "q8": integer activations, see INT4_ACTS) →
     [..., N] in x's dtype."""
     N, h = packed.shape
     Kin, G = 2 * h, 2 * h // scales.shape[0]

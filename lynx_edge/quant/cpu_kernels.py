@@ -264,7 +264,7 @@ def moe_int4_blocks(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, d
     fp32 whatever x's dtype. x_perm [E, D] int32: expert e's gate/up read x[:, x_perm[e]]
     (act-order GPTQ). kernel: "native" (kernels/cpu_native.c, on torch's thread count), "numba" (the
     calling thread), None: native when it built, else numba. act: the native kernel's activations,
-    "f32", "q16" or "q8" (None: kernels.native.INT4_ACT; numba is always f32)."""
+    "f32", "q16" or "q8" (None: kernels.native.default_int4_act(); numba is always f32)."""
     use_native = kernel in (None, "native") and native.lib() is not None
     if kernel == "native" and not use_native:
         raise RuntimeError("the native CPU kernels are not available (no C compiler, or LYNX_EDGE_NATIVE=0)")

@@ -56,7 +56,7 @@ class Int4MoEExperts(nn.Module):
         # permutation runs over I, internal to the expert, and is absorbed into gate/up's rows.
         self.x_perm: torch.Tensor | None = None
         self._down_perm: dict[int, torch.Tensor] = {}
-        self.act: str | None = None  # CPU activations "f32" | "q16" | "q8" (kernels/native.INT4_ACT), set at build
+        self.act: str | None = None  # CPU activations "f32" | "q16" | "q8" (kernels/native.default_int4_act), set at build
 
     @classmethod
     def empty(cls, E: int, D: int, I: int, group: int, sym: bool, device, act: str | None = None) -> "Int4MoEExperts":

@@ -12,7 +12,7 @@ experts of a layer are ~1.8 B parameters in 4-bit, 0.9 GB). On a CPU with the na
 
 Decode-sized inputs (≤ NATIVE_MAX_ROWS rows) run the native kernel, fp32 products and sums
 (within fp32 rounding of F.linear on the dequantised weight), or integer activations with
-act="q16" (int16, ~2^-16) or "q8" (int8, approximate; kernels/native.INT4_ACT); prefill widens WIDEN_ROWS output
+act="q16" (int16, ~2^-16) or "q8" (int8, approximate; kernels/native.default_int4_act); prefill widens WIDEN_ROWS output
 rows at a time to fp32 and runs torch's GEMM (compute-bound there, where MKL wins). The choice of
 this class is made once, at build time (build.install_int4_linears), only where the kernels
 built; elsewhere the loader dequantises into a plain Linear as before. Glossary: N out, Kin in,
@@ -39,7 +39,7 @@ class Int4Linear(nn.Module):
 
     def __init__(self, out_f: int, in_f: int, bias: bool, dtype, device, act: str | None = None):
         super().__init__()
-        self.act = act  # "f32" | "q16" | "q8" activations for the kernel (kernels/native.INT4_ACT), set at build
+        self.act = act  # "f32" | "q16" | "q8" activations for the kernel (kernels/native.default_int4_act), set at build
         self.out_features, self.in_features = out_f, in_f
         self.register_buffer("packed", torch.empty(0, dtype=torch.uint8, device=device))
         self.register_buffer("scales", torch.empty(0, dtype=torch.float16, device=device))
