@@ -122,7 +122,7 @@ def load_model(model_dir: Path, cfg: ModelConfig, opts: LoadOptions, progress: P
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     dt = resolve_dtype(opts.dtype, dev, cfg, ckpt.total_bytes)
-    act = int4_act(opts.int4_act)
+    act = int4_act(opts.int4_act, cpu=dev.type == "cpu")
     D, I = cfg.hidden_size, cfg.moe_intermediate_size
     storage = expert_storage(ckpt, family)
     fp8 = qc is not None and qc.method == "fp8"  # 8-bit: kept 8-bit or dequantised, never INT4 unless asked
@@ -172,11 +172,15 @@ def load_model(model_dir: Path, cfg: ModelConfig, opts: LoadOptions, progress: P
     return model
 
 
-def int4_act(value: str | None) -> str:
+def int4_act(value: str | None, cpu: bool = True) -> str | None:
     """The CPU INT4 kernels' activations: value, else $LYNX_EDGE_INT4_ACT, else q16 where the native
-    kernels have its vector form (AVX2), else f32; checked."""
+    kernels have its vector form (AVX2), else f32; checked. Off the CPU (cpu False) an unnamed value
+    stays None: the kernels resolve it if a CPU expert ever runs (offload), without building them at
+    load for a GPU model."""
     from .kernels import native
 
+    if value is None and not cpu:
+        return None
     act = value or native.default_int4_act()
     if act not in native.INT4_ACTS:
         raise ConfigError(f"int4 activations {act!r} not supported; use one of {', '.join(native.INT4_ACTS)}")
