@@ -418,6 +418,19 @@ def test_cost_model_splits_misses_between_link_and_cpu():
     assert CostModel(prof, 1000, 1.0, cpu_mode="always").split([2, 4], [0] * 5) == ([], [2, 4])
 
 
+def test_cost_model_times_int4_cpu_experts_at_their_own_rate():
+    """An INT4 store's CPU experts cost their bytes at the INT4 kernel's measured rate (compute-bound:
+    fewer bytes/s than a 16-bit stream), not the 16-bit rate; without the figure, the 16-bit one."""
+    import dataclasses
+
+    prof = dataclasses.replace(load_profile("rtx4090-24gb"), cpu_int4_expert_gbps=5.0)
+    b, lat = 10_000_000, prof.cpu_latency_us * 1e-6
+    assert math.isclose(CostModel(prof, b, 1.0, fmt="int4").cpu_s(1), lat + b / 5e9)
+    assert math.isclose(CostModel(prof, b, 1.0).cpu_s(1), lat + b / (prof.cpu_expert_gbps * 1e9))
+    bare = dataclasses.replace(prof, cpu_int4_expert_gbps=None)
+    assert math.isclose(CostModel(bare, b, 1.0, fmt="int4").cpu_s(1), lat + b / (prof.cpu_expert_gbps * 1e9))
+
+
 # --------------------------------------------------------------------------- profiles
 
 
@@ -470,6 +483,10 @@ def test_calibrate_writes_a_loadable_profile(tmp_path):
     prof = calibrate("here", device="cpu", size_mb=8, save_to=tmp_path / "here.toml")
     again = load_profile(tmp_path / "here.toml")
     assert again.name == "here" and again.unified_memory and again.cpu_expert_gbps > 0
+    from lynx_edge.quant import cpu_kernels
+
+    assert (again.cpu_int4_expert_gbps or 0) > 0 if cpu_kernels.available() else again.cpu_int4_expert_gbps is None
+    assert again.cpu_int4_expert_gbps == prof.cpu_int4_expert_gbps
 
 
 # --------------------------------------------------------------------------- projection

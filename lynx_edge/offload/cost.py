@@ -3,6 +3,8 @@
 Figures come from the hardware profile. One expert of b bytes needed by n tokens costs
     fetch  latency_link + b / h2d_GBps            (then GPU: b / hbm_GBps + n·f / gpu_FLOPs)
     cpu    latency_cpu + max(b / cpu_expert_GBps, n·f / cpu_FLOPs)
+(an INT4 store's experts: b / cpu_int4_expert_GBps, their kernel's own measured rate, where the
+profile has one)
 with f = 6·D·I FLOPs per token. The link and the CPU work in parallel, so the misses are split
 greedily (most tokens first) onto whichever finishes sooner — Fiddler's rule, balanced over the
 step. LYNX's remap (onto resident or already-fetched experts) is decided before this, in the
@@ -23,6 +25,7 @@ class CostModel:
     flops_per_token: float  # 6·D·I: gate, up, down GEMVs
     pinned: bool = True
     cpu_mode: str = "auto"  # auto | never | always
+    fmt: str = "bf16"  # the store's expert format: "int4" takes the profile's INT4 CPU rate
 
     def fetch_s(self) -> float:
         p = self.profile
@@ -35,7 +38,8 @@ class CostModel:
 
     def cpu_s(self, n: int) -> float:
         p = self.profile
-        return p.cpu_latency_us * 1e-6 + max(self.expert_bytes / (p.cpu_expert_gbps * 1e9),
+        gbps = (p.cpu_int4_expert_gbps if self.fmt == "int4" else None) or p.cpu_expert_gbps
+        return p.cpu_latency_us * 1e-6 + max(self.expert_bytes / (gbps * 1e9),
                                              n * self.flops_per_token / (p.cpu_gflops * 1e9))
 
     def split(self, misses: list[int], counts: list[int]) -> tuple[list[int], list[int]]:

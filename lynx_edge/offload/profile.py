@@ -52,6 +52,10 @@ class Profile:
     policy: str = "lynx"  # default cache policy
     reserve_gib: float = 0.5  # GPU memory kept free for activations and allocator slack
     host_memory_gib: float | None = None  # the machine's RAM; None: unknown (plans use this host's)
+    # code bytes/s of an INT4 host-store expert at 1 token (the native kernel, its default activations):
+    # per byte slower than a 16-bit expert's stream (the rows are bound by their vector ops); None:
+    # cpu_expert_gbps stands in
+    cpu_int4_expert_gbps: float | None = None
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
@@ -69,7 +73,8 @@ _SCHEMA: dict[str, dict[str, tuple[str, str, bool]]] = {
              "h2d_pageable_gbps": ("h2d_pageable_gbps", "float", True),
              "latency_us": ("link_latency_us", "float0", False)},
     "cpu": {"mem_gbps": ("cpu_mem_gbps", "float", True), "expert_gbps": ("cpu_expert_gbps", "float", True),
-            "gflops": ("cpu_gflops", "float", True), "latency_us": ("cpu_latency_us", "float0", False)},
+            "gflops": ("cpu_gflops", "float", True), "latency_us": ("cpu_latency_us", "float0", False),
+            "int4_expert_gbps": ("cpu_int4_expert_gbps", "float", False)},
     "offload": {"policy": ("policy", "str", False), "reserve_gib": ("reserve_gib", "float0", False)},
     "host": {"memory_gib": ("host_memory_gib", "float", False)},
 }
@@ -200,8 +205,10 @@ def _best(fn, reps: int) -> float:
 def measure_cpu(size_mb: int = 256, hidden: int = 2048, inter: int = 1408, reps: int = 3) -> dict:
     """Host copy bandwidth, CPU expert weight-streaming rate (1 token) and matmul GFLOP/s (64
     tokens), measured on the path a Fiddler-style CPU expert takes: a bf16 host-store block
-    through DenseFormat.compute (the native kernel where it built, else torch)."""
-    from .store import DenseFormat
+    through DenseFormat.compute (the native kernel where it built, else torch); and where the INT4
+    kernel built, an INT4 block's rate at 1 token through Int4Format.compute (code bytes/s)."""
+    from ..quant import cpu_kernels
+    from .store import DenseFormat, Int4Format
 
     n = size_mb * 2**20 // 4
     a, b = torch.ones(n), torch.empty(n)
@@ -218,8 +225,16 @@ def measure_cpu(size_mb: int = 256, hidden: int = 2048, inter: int = 1408, reps:
     flops = 64 * 2 * 3 * hidden * inter / _best(lambda: fmt.compute(blocks[0], x64), reps * 3)
     small, x0 = torch.zeros(tiny.nbytes, dtype=torch.uint8), x1[:, :64].contiguous()
     latency = _best(lambda: tiny.compute(small, x0), reps * 10)  # fixed cost of one tiny expert call
-    return {"cpu_mem_gbps": mem / 1e9, "cpu_expert_gbps": expert / 1e9, "cpu_gflops": flops / 1e9,
-            "cpu_latency_us": latency * 1e6}
+    out = {"cpu_mem_gbps": mem / 1e9, "cpu_expert_gbps": expert / 1e9, "cpu_gflops": flops / 1e9,
+           "cpu_latency_us": latency * 1e6}
+    if cpu_kernels.available():
+        f4 = Int4Format(hidden, inter)
+        b4 = torch.zeros(max(2, 64 * 2**20 // f4.nbytes), f4.nbytes, dtype=torch.uint8)  # ≥ 64 MiB, as above
+        f4.pack_into(b4[:1], torch.randn(1, 2 * inter, hidden, generator=g) * 0.02,
+                     torch.randn(1, hidden, inter, generator=g) * 0.02)
+        b4[1:] = b4[0]
+        out["cpu_int4_expert_gbps"] = f4.nbytes / _best(lambda: f4.compute(b4[next(it) % len(b4)], x1), reps * 3) / 1e9
+    return out
 
 
 def measure_cuda(device: torch.device, size_mb: int = 256, reps: int = 3) -> dict:

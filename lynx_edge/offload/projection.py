@@ -123,7 +123,7 @@ def project(trace: list[dict], shape: ModelShape | str, profile: Profile | str, 
         cache_slots = round(frac * layers * E)
         scale = _unique(shape.num_experts, shape.top_k, batch) / _unique(E_t, K_t, batch) * shape.layers / layers
     cache = ExpertCache(cache_slots, policy)
-    cost = CostModel(prof, eb, 6.0 * shape.hidden * shape.inter, pinned=True, cpu_mode=cpu_compute)
+    cost = CostModel(prof, eb, 6.0 * shape.hidden * shape.inter, pinned=True, cpu_mode=cpu_compute, fmt=fmt)
     fetched, cpu_calls, unique, step_s, tokens = _replay(steps, t_layers, layers, E, cache, cost)
     n = len(steps)
     step_s = step_s * scale / n + 2 * shape.non_expert_params / (prof.gpu_hbm_gbps * 1e9)

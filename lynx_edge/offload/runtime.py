@@ -78,7 +78,8 @@ class OffloadRuntime:
         self.transfer = Transfer(store, self.pool, copy=not self.in_place)
         self.cpu = CpuExperts(store)
         self.cost = CostModel(profile, store.nbytes, 6.0 * cfg.hidden_size * cfg.moe_intermediate_size,
-                              pinned=not store.pin_failed and store.pin_limit is None, cpu_mode=opts.cpu_compute)
+                              pinned=not store.pin_failed and store.pin_limit is None, cpu_mode=opts.cpu_compute,
+                              fmt=store.fmt.name)
         # critical vote: weight ≥ (K/E)^(1/β)·top weight ⇔ LYNX bin 0 (gap < ln(E/K)/β, β = 4), a
         # decisive vote: always critical whatever B, so it predicts what residency-aware LYNX fetches
         E, K = cfg.num_experts, cfg.top_k
