@@ -37,7 +37,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--tokens", type=int, default=64, help="decode tokens per engine round")
     ap.add_argument("--out", default=None, help="JSON file for the rows (default: print only)")
-    ap.add_argument("--int4-act", default=None, choices=("f32", "q8"), help="a 4-bit checkpoint's activations")
+    ap.add_argument("--int4-act", default=None, choices=("f32", "q16", "q8"), help="a 4-bit checkpoint's activations")
     a = ap.parse_args()
     from lynx_edge import Engine, step
     from lynx_edge.bench import measure, synthetic_prompts

@@ -116,7 +116,7 @@ def main() -> None:
     ap.add_argument("--model", default="demo", help="the end-to-end model: demo, mixtral (vs_transformers.py's), or a path")
     ap.add_argument("--dtype", default=None, help="comma-separated dtypes for the end-to-end part (default: the CPU default)")
     ap.add_argument("--batch", default="1,4,16")
-    ap.add_argument("--int4-act", default=None, choices=("f32", "q8"),
+    ap.add_argument("--int4-act", default=None, choices=("f32", "q16", "q8"),
                     help="activations of a 4-bit checkpoint's rows (--model PATH): lynx-edge's --int4-act")
     ap.add_argument("--int8-head", action="store_true", help="lynx-edge's --int8-head")
     a = ap.parse_args()
