@@ -1862,10 +1862,13 @@ int lynx_linear_int8(const float *x, const int8_t *q, const float *scale, const 
 /* 1 when lynx_linear_int8 can run int8 activations (AVX512-VNNI or AVX2), else 0 */
 int lynx_i8_q8(void) { return I8_Q8; }
 
-/* whether q16_block has its vector form in this build (AVX2 + FMA; the portable loops otherwise,
- * which are not measured against the fp32 rows: native.default_int4_act keeps f32 there) */
-int lynx_q16_vec(void) {
-#if defined(__AVX2__) && defined(__FMA__)
+/* whether q16 is measured to beat the fp32 rows in this build, so native.default_int4_act picks it:
+ * AVX2 + FMA without AVX-512 (an AMD EPYC Zen3: 1.38-1.80x, benchmarks/results/int4_act_rows.json).
+ * An AVX-512 build runs q16 in 256-bit vectors against fp32 rows in 512-bit ones (a nibble by
+ * vpermps, 16 lanes): by op count q16 may lose there, unmeasured, so those builds keep f32 by
+ * default; the portable loops are unmeasured too. */
+int lynx_q16_pays(void) {
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
     return 1;
 #else
     return 0;

@@ -130,8 +130,8 @@ def lib() -> ctypes.CDLL | None:
     so.lynx_linear_int8.restype = i
     so.lynx_i8_q8.argtypes = []
     so.lynx_i8_q8.restype = i
-    so.lynx_q16_vec.argtypes = []
-    so.lynx_q16_vec.restype = i
+    so.lynx_q16_pays.argtypes = []
+    so.lynx_q16_pays.restype = i
     so.lynx_linear_int4.argtypes = [p, p, p, p, p, p, i, i, i, i, p, i, i]
     so.lynx_linear_int4.restype = i
     so.lynx_linear_fp8.argtypes = [p, p, p, i, i, p, i, i, i, p, i]
@@ -170,21 +170,22 @@ FMT_INT4, FMT_F32, FMT_BF16, FMT_MXFP4, FMT_FP8, FMT_I8 = 0, 1, 2, 3, 4, 5
 # of its block's largest, 128× finer than bf16's own rounding; see q16_block in the C file) or "q8"
 # (int8 activations in blocks of 32: llama.cpp's Q4_0 × Q8_0 scheme, ~2^-8; see q8_rows).
 # Engine option int4_act per engine; LYNX_EDGE_INT4_ACT (INT4_ACT) sets the default, else
-# default_int4_act(): q16 where its vector form is built (AVX2: 1.2-1.4x the f32 rows end to end at
-# fp32's quality within KL 3e-6; benchmarks/results/int4_act_q16_s24.md, int4_act_q16_f32_s24.md),
-# f32 elsewhere (q16's portable loops are not measured against the f32 rows' there).
+# default_int4_act(): q16 where it is measured to beat the f32 rows — AVX2 builds without AVX-512
+# (lynx_q16_pays: 1.2-1.4x end to end at fp32's quality within KL 3e-6; benchmarks/results/
+# int4_act_q16_s24.md, int4_act_q16_f32_s24.md, int4_act_rows.json) — f32 elsewhere (AVX-512's
+# 512-bit fp32 rows and the portable loops are unmeasured against q16).
 INT4_ACTS = ("f32", "q16", "q8")
 INT4_ACT = os.environ.get("LYNX_EDGE_INT4_ACT") or None
 _ACT_CODE = {"f32": 0, "q8": 1, "q16": 2}  # the C file's ACT_F32 / ACT_Q8 / ACT_Q16
 
 
 def default_int4_act() -> str:
-    """The INT4 activations when none is named: INT4_ACT, else q16 where this build has its vector
-    form, else f32."""
+    """The INT4 activations when none is named: INT4_ACT, else q16 where this build measured it faster
+    than the f32 rows (AVX2 without AVX-512), else f32."""
     if INT4_ACT:
         return INT4_ACT
     so = lib()
-    return "q16" if so is not None and so.lynx_q16_vec() else "f32"
+    return "q16" if so is not None and so.lynx_q16_pays() else "f32"
 
 
 def act_code(act: str | None) -> int:
