@@ -718,6 +718,22 @@ def test_fp8_linear_matches_reference(T, N, Kin, block, bias):
     assert _rel(lin.native(x), ref) > 100 * TOL_LIN
 
 
+@pytest.mark.parametrize("arch", ["icelake-server", "sapphirerapids"])
+def test_avx512_paths_compile(arch):
+    """The AVX-512 / VNNI / AMX-era paths, which an AVX2 machine can neither run nor build for its own
+    -march: compiled (not run) for such a target, so an error in them fails here and not on a user's box."""
+    import platform
+
+    cc = native._compiler()
+    if cc is None or platform.machine() != "x86_64":
+        pytest.skip("x86 target flags need an x86 compiler")
+    r = subprocess.run([cc, "-O1", f"-march={arch}", "-Wall", "-Werror=implicit-function-declaration", "-c", "-o",
+                        os.devnull, str(native.SRC)], capture_output=True, text=True)
+    if r.returncode and "bad value" in r.stderr:
+        pytest.skip(f"{cc} does not know -march={arch}")
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
 # --- row tiles: every row x token sums the same way alone or in any tile ------------------------
 
 @pytest.mark.parametrize("kind,Kin", [("f32", 100), ("f32", 256), ("f32", 1024), ("bf16", 256), ("bf16", 1024), ("int8", 256),
