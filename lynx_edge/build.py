@@ -148,7 +148,7 @@ def load_model(model_dir: Path, cfg: ModelConfig, opts: LoadOptions, progress: P
     _check_memory(cfg, opts, dev, dt, qc, ckpt.total_bytes)
     rt = None
     if opts.offload:
-        rt = _offload_runtime(cfg, opts, dt, dev, name, group, sym, mixed, store_block)
+        rt = _offload_runtime(cfg, opts, dt, dev, name, group, sym, mixed, store_block, act)
     experts = _backends(cfg, dt, dev, int4, group, sym, mixed, rt, act, fp8_block)
     model = MoEForCausalLM(cfg, dt, dev, experts=experts)
     if qc is not None:
@@ -313,7 +313,7 @@ def _backends(cfg: ModelConfig, dt, dev, int4: bool, group, sym, mixed, rt, act:
     return make
 
 
-def _offload_runtime(cfg, opts: LoadOptions, dt, dev, name, group, sym, mixed, fp8_block=None):
+def _offload_runtime(cfg, opts: LoadOptions, dt, dev, name, group, sym, mixed, fp8_block=None, act=None):
     from .offload import OffloadOptions
     from .offload.runtime import make_runtime
     from .offload.store import store_format
@@ -325,6 +325,8 @@ def _offload_runtime(cfg, opts: LoadOptions, dt, dev, name, group, sym, mixed, f
     oo = OffloadOptions(device=str(dev), ctx=opts.ctx, batch=opts.batch,
                         expert_format=name if name in ("int4", "fp8") else "auto", int4_group=group or 128, **extra)
     fmt = store_format(cfg, oo.expert_format, dt, group or 128, sym if sym is not None else True, fp8_block)
+    if hasattr(fmt, "int4_act"):  # INT4 (Int4Format): the CPU experts run the engine's int4_act
+        fmt.int4_act = act
     return make_runtime(cfg, oo, dt, dev, fmt=fmt)
 
 

@@ -58,6 +58,30 @@ def test_offload_int4_store_holds_the_same_blocks(q3):
     assert off.placement.experts == "int4" and off.placement.where == "host"
 
 
+def test_offload_cpu_experts_run_the_engines_int4_act(q3):
+    """Fiddler-style CPU experts of an INT4 store compute with the engine's int4_act (f32 here: the
+    exact rows), not the process default; q16 on the same block differs, within its bound."""
+    from lynx_edge.kernels import native
+    from lynx_edge.offload.store import expert_mlp
+
+    if native.lib() is None:
+        pytest.skip("native kernels not built")
+    off = _load(q3, int4=True, int4_act="f32", offload=True, offload_options=dict(profile="cpu-only", expert_slots=4))
+    fmt, i = off.offload.store.fmt, off.cfg.moe_layer_ids[0]
+    assert fmt.int4_act == "f32"
+    block = off.offload.store.layers[i][1]
+    x = torch.randn(3, off.cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    ref = expert_mlp(x.double(), *(w.double() for w in fmt.weights(block, torch.float32))).float()
+    y32 = fmt.compute(block, x)
+    fmt.int4_act = "q16"
+    y16 = fmt.compute(block, x)
+    scale = ref.abs().max().item()
+    assert (y32 - ref).abs().max().item() < 2e-6 * scale
+    assert 1e-8 * scale < (y16 - ref).abs().max().item() < 2e-4 * scale
+    default = _load(q3, int4=True, offload=True, offload_options=dict(profile="cpu-only")).offload.store.fmt.int4_act
+    assert default == native.default_int4_act()  # resolved at load on a CPU
+
+
 def test_cpu_offload_serves_from_the_store_without_a_second_copy(q3):
     ref = Engine.from_pretrained(q3, device="cpu", dtype="float32")
     eng = Engine.from_pretrained(q3, device="cpu", dtype="float32", offload=True, expert_slots=3, profile="cpu-only")

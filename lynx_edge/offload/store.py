@@ -92,6 +92,7 @@ class Int4Format:
         self.layout = Int4Layout(hidden, inter, group, sym)
         self.nbytes = self.layout.nbytes
         self._last = None  # (layer buffer, its Int4Experts view): see _view
+        self.int4_act: str | None = None  # CPU experts' activations (the engine's int4_act; None: the default)
 
     def _view(self, buf: torch.Tensor):
         """A layer buffer uint8 [E, nbytes] as Int4Experts; the last one is kept, since a load
@@ -132,7 +133,7 @@ class Int4Format:
         from ..quant import cpu_kernels  # the packed block read in place (Int4MoEExperts' CPU kernel)
 
         if x.device.type == "cpu" and cpu_kernels.available():
-            return cpu_kernels.experts_rows(x, [0], [x.shape[0]], block.view(1, -1), self.layout)
+            return cpu_kernels.experts_rows(x, [0], [x.shape[0]], block.view(1, -1), self.layout, self.int4_act)
         return expert_mlp(x, *self.weights(block, x.dtype))
 
 

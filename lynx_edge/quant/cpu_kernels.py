@@ -286,11 +286,13 @@ def moe_int4_cpu(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, pack
     return moe_int4_blocks(x, ids, weights, packed.data, packed.layout, x_perm, act=act)
 
 
-def experts_rows(x: torch.Tensor, experts: list[int], counts: list[int], data: torch.Tensor, layout) -> torch.Tensor:
+def experts_rows(x: torch.Tensor, experts: list[int], counts: list[int], data: torch.Tensor, layout,
+                 act: str | None = None) -> torch.Tensor:
     """Fiddler-style: rows of x [Σn, D] go through one expert each (the first counts[0] rows through
-    experts[0], …) → y [Σn, D] in x's dtype; one compiled call for all of them."""
+    experts[0], …) → y [Σn, D] in x's dtype; one compiled call for all of them. act: as
+    moe_int4_blocks'."""
     ids = torch.repeat_interleave(torch.tensor(experts, dtype=torch.int64), torch.tensor(counts))[:, None]
-    return moe_int4_blocks(x, ids, torch.ones(ids.shape), data, layout)
+    return moe_int4_blocks(x, ids, torch.ones(ids.shape), data, layout, act=act)
 
 
 __all__ = ["available", "experts_rows", "moe_int4_blocks", "moe_int4_cpu"]
