@@ -38,7 +38,7 @@ def rows(builds, rounds: int, threads: int, kind: str, tokens: tuple = (1, 4)) -
             N //= 2
             codes = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=g)
             scales = torch.rand(N, generator=g) * 0.01
-        for act in ("f32", "q8"):
+        for act in ("f32", "q16", "q8"):
             for T in tokens:
                 x = torch.randn(T, K, generator=g)
 

@@ -573,7 +573,10 @@ static void q8_block(const uint8_t *q, long rs, const uint16_t *s, const uint8_t
  * GROUP_SIZES); other shapes run the fp32 rows. */
 #define Q16_L(G) (G)               /* inputs per activation block: the weight group */
 #define Q16_DS(K, G) ((K) / Q16_L(G)) /* block scales per row of K inputs */
-static inline int q16_ok(int Kin, int G) { return (G == 32 || G == 64 || G == 128) && Kin % G == 0; }
+#define Q16_MAX_GROUPS 1024 /* groups per row the q16 tiles take (K <= 32768 at G = 32) */
+static inline int q16_ok(int Kin, int G) {
+    return (G == 32 || G == 64 || G == 128) && Kin % G == 0 && Kin / G <= Q16_MAX_GROUPS;
+}
 
 /* xq [S, Kin/2] even and odd columns (int16), d [S, Q16_DS(Kin, G)], zx [S, Kin/G] of fp32 rows xe/xo
  * (row stride Kin/2): quant_q8's rule at 32767 */
@@ -614,13 +617,16 @@ static inline __attribute__((always_inline)) void q16_tile(
     const int ng = Kin / G, RN = R * NT;
     const long pf = NT > 1 ? PREFETCH : tile_ahead(R * rs, PREFETCH); /* as q8_tile's */
     float corr[4] = {0.0f, 0.0f, 0.0f, 0.0f}, out[4];
+    float sgf[Q16_MAX_GROUPS * 4]; /* the tile's group scales as fp32, [g * R + r], converted once (as q8_tile's) */
     int t, r;
     (void)pf;
     for (int g = 0; g < ng; g++)
         for (r = 0; r < R; r++) {
             const float sg = h2f(s[g * N + r]), zg = (float)(z ? z[g * N + r] : 8);
+            sgf[g * R + r] = sg;
             for (t = 0; t < NT; t++) corr[r * NT + t] += sg * zg * zx[t][g];
         }
+    (void)sgf; /* read by the AVX2 path only */
 #if defined(__AVX2__) && defined(__FMA__)
     {
         __m256 tot[4];
@@ -647,7 +653,7 @@ static inline __attribute__((always_inline)) void q16_tile(
                 }
             }
             for (r = 0; r < R; r++) {
-                const __m256 sv = _mm256_set1_ps(h2f(s[(long)b * N + r]));
+                const __m256 sv = _mm256_broadcast_ss(sgf + b * R + r);
                 for (t = 0; t < NT; t++)
                     tot[r * NT + t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ai[r * NT + t]),
                                                       _mm256_mul_ps(_mm256_broadcast_ss(d[t] + b), sv), tot[r * NT + t]);
