@@ -174,9 +174,9 @@ def load_model(model_dir: Path, cfg: ModelConfig, opts: LoadOptions, progress: P
 
 def int4_act(value: str | None, cpu: bool = True) -> str | None:
     """The CPU INT4 kernels' activations: value, else $LYNX_EDGE_INT4_ACT, else q16 where the native
-    kernels measured it faster than the f32 rows (AVX2 without AVX-512), else f32; checked. Off the CPU (cpu False) an unnamed value
-    stays None: the kernels resolve it if a CPU expert ever runs (offload), without building them at
-    load for a GPU model."""
+    kernels measured it faster than the f32 rows (AVX2 without AVX-512), else f32; checked. Off the
+    CPU (cpu False) an unnamed value stays None: the kernels resolve it if a CPU expert ever runs
+    (offload), without building them at load for a GPU model."""
     from .kernels import native
 
     if value is None and not cpu:

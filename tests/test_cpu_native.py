@@ -505,32 +505,35 @@ def test_int4_q8_linear_matches_emulation(T, N, Kin, G, sym, act_order):
     assert _rel(native.linear_int4(x2, ql.packed, ql.scales, None if sym else ql.zeros, p, b, act="q8"), ref2) < TOL_Q8
 
 
-def test_int4_q8_moe_matches_emulation():
-    from lynx_edge.quant.int4 import Int4Experts
+def _int4_moe_emulated(quant):
+    """An INT4 MoE problem (6 experts, D 256, I 128, G 64, top-2 of 5 tokens) → (moe_int4's arguments,
+    the fp64 reference whose expert inputs, x and h, pass through quant(v, G) first: the activation
+    quantisation under test, emulated)."""
+    from lynx_edge.quant.int4 import quantize_experts
 
     g = torch.Generator().manual_seed(2)
     E, D, I, T, K, G = 6, 256, 128, 5, 2, 64
-    gu, dn = torch.randn(E, 2 * I, D, generator=g) / D**0.5, torch.randn(E, D, I, generator=g) / I**0.5
-    from lynx_edge.quant.int4 import quantize_experts
-
-    packed: Int4Experts = quantize_experts(gu, dn, G, False)
-    gq, dq = packed.dequant_expert(0)[0], None  # noqa: F841 (shape check below)
+    packed = quantize_experts(torch.randn(E, 2 * I, D, generator=g) / D**0.5,
+                              torch.randn(E, D, I, generator=g) / I**0.5, G, False)
     x = torch.randn(T, D, generator=g)
     ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
     w = torch.softmax(torch.randn(T, K, generator=g), -1)
     ref = torch.zeros(T, D, dtype=torch.float64)
     for t in range(T):
         for k in range(K):
-            e = int(ids[t, k])
-            gue, dne = packed.dequant_expert(e)
-            hgu = gue.double() @ _q8(x[t]).double()
+            gue, dne = packed.dequant_expert(int(ids[t, k]))
+            hgu = gue.double() @ quant(x[t], G).double()
             h = (F.silu(hgu[:I]) * hgu[I:]).float()
-            ref[t] += float(w[t, k]) * (dne.double() @ _q8(h).double())
-    args = (x, ids, w, packed.data, packed.layout.part_offsets, False, G, D, I)
+            ref[t] += float(w[t, k]) * (dne.double() @ quant(h, G).double())
+    return (x, ids, w, packed.data, packed.layout.part_offsets, False, G, D, I), ref.float()
+
+
+def test_int4_q8_moe_matches_emulation():
+    args, ref = _int4_moe_emulated(lambda v, G: _q8(v))
     y = native.moe_int4(*args, act="q8")
     # h is rounded to int8 after fp32 sums in another order: a rare tie can move one step of one
     # input, hence a bound above TOL_Q8 (observed 8.9e-7)
-    assert _rel(y, ref.float()) < 3 * TOL_Q8, _rel(y, ref.float())
+    assert _rel(y, ref) < 3 * TOL_Q8, _rel(y, ref)
     exact = native.moe_int4(*args, act="f32")
     assert 1e-4 < _rel(y, exact) < 2e-2
 
@@ -586,28 +589,11 @@ def test_int4_q16_bugs_are_caught():
 
 
 def test_int4_q16_moe_matches_emulation():
-    from lynx_edge.quant.int4 import quantize_experts
-
-    g = torch.Generator().manual_seed(2)
-    E, D, I, T, K, G = 6, 256, 128, 5, 2, 64
-    packed = quantize_experts(torch.randn(E, 2 * I, D, generator=g) / D**0.5,
-                              torch.randn(E, D, I, generator=g) / I**0.5, G, False)
-    x = torch.randn(T, D, generator=g)
-    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
-    w = torch.softmax(torch.randn(T, K, generator=g), -1)
-    ref = torch.zeros(T, D, dtype=torch.float64)
-    for t in range(T):
-        for k in range(K):
-            e = int(ids[t, k])
-            gue, dne = packed.dequant_expert(e)
-            hgu = gue.double() @ _q16(x[t], G).double()
-            h = (F.silu(hgu[:I]) * hgu[I:]).float()
-            ref[t] += float(w[t, k]) * (dne.double() @ _q16(h, G).double())
-    args = (x, ids, w, packed.data, packed.layout.part_offsets, False, G, D, I)
+    args, ref = _int4_moe_emulated(_q16)
     y = native.moe_int4(*args, act="q16")
     # h's int16 codes come from the kernel's fp32 h, the reference's from fp64: a code ~2^-16 of its
     # block's largest input apart flips now and then (~1 in 250 inputs), hence 30x (observed 1.3e-5)
-    assert _rel(y, ref.float()) < 30 * TOL_Q16, _rel(y, ref.float())
+    assert _rel(y, ref) < 30 * TOL_Q16, _rel(y, ref)
     exact = native.moe_int4(*args, act="f32")
     assert 1e-7 < _rel(y, exact) < 1e-4, _rel(y, exact)
 

@@ -412,6 +412,20 @@ static void quant_q8(const float *xe, const float *xo, long S, int Kin, int G, i
     }
 }
 
+/* The scale preamble of the integer-activation tiles (q8_tile, q16_tile): each row's group scales as
+ * fp32 into sgf[g * R + r] (converted once per tile; the AVX2 loops broadcast them from there), and
+ * the zero-point terms corr[r * NT + t] = sum_g s_g * z_g * zx_t,g (z NULL: symmetric, 8). */
+static inline __attribute__((always_inline)) void tile_scales(const uint16_t *s, const uint8_t *z, long N, int ng,
+                                                              const int R, const float *const *zx, const int NT,
+                                                              float *sgf, float *corr) {
+    for (int g = 0; g < ng; g++)
+        for (int r = 0; r < R; r++) {
+            const float sg = h2f(s[g * N + r]), zg = (float)(z ? z[g * N + r] : 8);
+            sgf[g * R + r] = sg;
+            for (int t = 0; t < NT; t++) corr[r * NT + t] += sg * zg * zx[t][g];
+        }
+}
+
 /* acc[r * ald + t] for R adjacent packed rows (as dot_tile_h) and NT tokens, R * NT <= 8 (q8_block); s / z at
  * row 0's group 0 entry (stride N between groups, row r one entry on) */
 static inline __attribute__((always_inline)) void q8_tile(
@@ -428,13 +442,7 @@ static inline __attribute__((always_inline)) void q8_tile(
                                    * them from here (one load) instead of converting at every scale step */
     int t, r;
     (void)pf;
-    for (int g = 0; g < ng; g++)
-        for (r = 0; r < R; r++) {
-            const float sg = h2f(s[g * N + r]), zg = (float)(z ? z[g * N + r] : 8);
-            sgf[g * R + r] = sg;
-            for (t = 0; t < NT; t++) corr[r * NT + t] += sg * zg * zx[t][g];
-        }
-    (void)sgf; /* read by the AVX2 path only */
+    tile_scales(s, z, N, ng, R, zx, NT, sgf, corr);
 #if defined(__AVX512F__) && defined(__AVX512BW__)
     {
         __m512 tot[8];
@@ -561,8 +569,8 @@ static void q8_block(const uint8_t *q, long rs, const uint16_t *s, const uint8_t
  * The fp32 rows above are bound by their vector ops, not by memory (an AMD EPYC Zen3, one thread,
  * rows from DRAM: ~5-7 GB/s of codes against ~20 GB/s the memory gives): each 16 weights cost a
  * widening load, two nibble splits and two conversions before the two multiply-adds per token. With
- * the activations as int16 — each block of Q16_L(G) code-order inputs scaled by its largest
- * magnitude, xq = round(x * 32767 / amax), one block per weight group — 16 weights are one widening
+ * the activations as int16 — each weight group's code-order inputs scaled by their largest
+ * magnitude, xq = round(x * 32767 / amax) — 16 weights are one widening
  * load and two nibble splits, and each token multiplies them with two vpmaddwd (16 products each,
  * summed in pairs into int32) and two integer adds, exact; a group's integer sum meets its two scales
  * once: y = sum_g s_g * d_g * (acc_g - z_g * sum_{j in g} xq_j).
@@ -571,8 +579,7 @@ static void q8_block(const uint8_t *q, long rs, const uint16_t *s, const uint8_t
  * activation (2^-9 of the value itself), and 256 times finer than q8's. int32 is exact: a lane sums
  * G / 8 <= 16 products of |15 * 32767|. Takes the checkpoints' groups of 32, 64 and 128 (quant/int4.py
  * GROUP_SIZES); other shapes run the fp32 rows. */
-#define Q16_L(G) (G)               /* inputs per activation block: the weight group */
-#define Q16_DS(K, G) ((K) / Q16_L(G)) /* block scales per row of K inputs */
+#define Q16_DS(K, G) ((K) / (G)) /* block scales per row of K inputs: one per weight group */
 #define Q16_MAX_GROUPS 1024 /* groups per row the q16 tiles take (K <= 32768 at G = 32) */
 static inline int q16_ok(int Kin, int G) {
     return (G == 32 || G == 64 || G == 128) && Kin % G == 0 && Kin / G <= Q16_MAX_GROUPS;
@@ -582,7 +589,7 @@ static inline int q16_ok(int Kin, int G) {
  * (row stride Kin/2): quant_q8's rule at 32767 */
 static void quant_q16(const float *xe, const float *xo, long S, int Kin, int G, int16_t *qe, int16_t *qo, float *d,
                       float *zx) {
-    const int h = Kin / 2, L = Q16_L(G), nb = Kin / L;
+    const int h = Kin / 2, L = G, nb = Kin / G;
     for (long r = 0; r < S; r++) {
         const float *e = xe + r * h, *o = xo + r * h;
         int16_t *ge = qe + r * h, *go = qo + r * h;
@@ -617,16 +624,10 @@ static inline __attribute__((always_inline)) void q16_tile(
     const int ng = Kin / G, RN = R * NT;
     const long pf = NT > 1 ? PREFETCH : tile_ahead(R * rs, PREFETCH); /* as q8_tile's */
     float corr[4] = {0.0f, 0.0f, 0.0f, 0.0f}, out[4];
-    float sgf[Q16_MAX_GROUPS * 4]; /* the tile's group scales as fp32, [g * R + r], converted once (as q8_tile's) */
+    float sgf[Q16_MAX_GROUPS * 4]; /* the tile's group scales as fp32 (tile_scales) */
     int t, r;
     (void)pf;
-    for (int g = 0; g < ng; g++)
-        for (r = 0; r < R; r++) {
-            const float sg = h2f(s[g * N + r]), zg = (float)(z ? z[g * N + r] : 8);
-            sgf[g * R + r] = sg;
-            for (t = 0; t < NT; t++) corr[r * NT + t] += sg * zg * zx[t][g];
-        }
-    (void)sgf; /* read by the AVX2 path only */
+    tile_scales(s, z, N, ng, R, zx, NT, sgf, corr);
 #if defined(__AVX2__) && defined(__FMA__)
     {
         __m256 tot[4];
@@ -723,18 +724,14 @@ static inline size_t act_floats(int a, long S, int Kin, int G) {
     return a == ACT_F32 ? 0 : (size_t)S * (ACT_DS(a == ACT_Q16, Kin, G) + Kin / G) + 1;
 }
 
+/* the odd codes of S rows of Kin inputs in mode a, after the even ones at xq */
+static inline void *act_odd(int a, void *xq, long S, int Kin) { return (char *)xq + act_bytes(a, S, Kin) / 2; }
+
 /* quantize S rows of even / odd inputs xe / xo (row stride Kin/2) in mode a: codes even | odd at xq
- * ([S, Kin/2] each), block scales at d, zero sums after them → the odd codes' start */
-static void *quant_act(int a, const float *xe, const float *xo, long S, int Kin, int G, void *xq, float *d) {
-    const long h = Kin / 2;
-    if (a == ACT_Q16) {
-        int16_t *qe = xq;
-        quant_q16(xe, xo, S, Kin, G, qe, qe + S * h, d, d + S * Q16_DS(Kin, G));
-        return qe + S * h;
-    }
-    int8_t *qe = xq;
-    quant_q8(xe, xo, S, Kin, G, qe, qe + S * h, d, d + S * Q8_DS(Kin));
-    return qe + S * h;
+ * ([S, Kin/2] each; act_odd), block scales at d, zero sums after them */
+static void quant_act(int a, const float *xe, const float *xo, long S, int Kin, int G, void *xq, float *d) {
+    if (a == ACT_Q16) quant_q16(xe, xo, S, Kin, G, xq, act_odd(a, xq, S, Kin), d, d + S * Q16_DS(Kin, G));
+    else quant_q8(xe, xo, S, Kin, G, xq, act_odd(a, xq, S, Kin), d, d + S * Q8_DS(Kin));
 }
 
 /* q8_block or q16_block (q16) over the codes from element o of xe / xo */
@@ -1561,7 +1558,7 @@ int lynx_moe(int fmt, const float *x, const int64_t *ids, const float *w, const 
     if (!mem) return -1;
     int64_t *cnt = b[0], *fill = b[1], *order = b[2], *pos = b[3], *act = b[4];
     float *xe = b[5], *he = b[6], *y = b[7], *ue = b[8], *xsum = b[9], *hsum = b[10];
-    void *xq = b[11], *hq = b[12], *xqo = NULL, *hqo = NULL;
+    void *xq = b[11], *hq = b[12];
     float *xd = b[13], *hd = b[14];
     memset(cnt, 0, (E + 1) * i8);
     float *xo = xe + S * (D / 2), *ho = he + S * (I / 2); /* int4: the odd halves after the even ones */
@@ -1584,12 +1581,12 @@ int lynx_moe(int fmt, const float *x, const int64_t *ids, const float *w, const 
         }
         split_row(xt, perm ? perm + ids[order[r]] * D : NULL, D / 2, xe + r * (D / 2), xo + r * (D / 2));
     }
-    if (ax) xqo = quant_act(ax, xe, xo, S, D, G, xq, xd);
+    if (ax) quant_act(ax, xe, xo, S, D, G, xq, xd);
     else if (int4) group_sums(xe, xo, S, D, G, xsum);
-    if (ah) hqo = (char *)hq + act_bytes(ah, S, I) / 2; /* written after the gate/up pass */
     layer_t L = {fmt, data, nbytes, offs, gu, dn, sym, G, D, I, T, K, ids, cnt, order, act, w, xe, xo, he, ho, y, ue,
                  xsum, hsum, gus, dns, gub, dnb, act_kind, limit, alpha,
-                 xqo ? xq : NULL, xqo, hqo ? hq : NULL, hqo,
+                 ax ? xq : NULL, ax ? act_odd(ax, xq, S, D) : NULL, /* hq: written after the gate/up pass */
+                 ah ? hq : NULL, ah ? act_odd(ah, hq, S, I) : NULL,
                  xd, ax ? xd + S * ACT_DS(ax == ACT_Q16, D, G) : NULL, hd, ah ? hd + S * ACT_DS(ah == ACT_Q16, I, G) : NULL,
                  bn, bk, ax == ACT_Q16, ah == ACT_Q16};
     parallel(gate_up_item, &L, A * ((I + ROW_BLOCK - 1) / ROW_BLOCK), nthreads);
@@ -1924,18 +1921,17 @@ int lynx_linear_int4(const float *x, const uint8_t *q, const uint16_t *s, const 
                      const float *bias, int T, int Kin, int N, int G, float *out, int nthreads, int amode) {
     const long h = Kin / 2;
     const int a = act_for(amode, Kin, G);
-    const size_t sz[4] = {2L * T * h * sizeof(float), ((size_t)T * (Kin / G) + 1) * sizeof(float),
-                          act_bytes(a, T, Kin), act_floats(a, T, Kin, G) * sizeof(float)};
+    const size_t sz[4] = {2L * T * h * sizeof(float), a ? 0 : ((size_t)T * (Kin / G) + 1) * sizeof(float), /* xe xo, xs */
+                          act_bytes(a, T, Kin), act_floats(a, T, Kin, G) * sizeof(float)};          /* xq, d zx */
     void *b[4];
     uint8_t *mem = scratch(sz, 4, b);
     if (!mem) return -1;
     float *xe = b[0], *xs = b[1], *d = b[3];
     float *xo = xe + (long)T * h;
     for (long t = 0; t < T; t++) split_row(x + t * Kin, perm, h, xe + t * h, xo + t * h);
-    void *xqo = NULL;
-    if (a) xqo = quant_act(a, xe, xo, T, Kin, G, b[2], d); /* zero sums after the block scales */
+    if (a) quant_act(a, xe, xo, T, Kin, G, b[2], d); /* zero sums after the block scales */
     else group_sums(xe, xo, T, Kin, G, xs);
-    qlinear_t P = {T, Kin, N, G, q, z, s, xe, xo, xs, bias, out, xqo ? b[2] : NULL, xqo, d,
+    qlinear_t P = {T, Kin, N, G, q, z, s, xe, xo, xs, bias, out, a ? b[2] : NULL, a ? act_odd(a, b[2], T, Kin) : NULL, d,
                    a ? d + (long)T * ACT_DS(a == ACT_Q16, Kin, G) : NULL, a == ACT_Q16};
     parallel(qlinear_item, &P, (N + ROW_BLOCK - 1) / ROW_BLOCK, nthreads);
     free(mem);

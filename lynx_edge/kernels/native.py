@@ -166,8 +166,8 @@ def lib() -> ctypes.CDLL | None:
 
 FMT_INT4, FMT_F32, FMT_BF16, FMT_MXFP4, FMT_FP8, FMT_I8 = 0, 1, 2, 3, 4, 5
 # INT4 weights against "f32" activations (exact to fp32 rounding of the dequantised weight), "q16"
-# (int16 activations in blocks of up to 128 inputs, integer dot products: each input within 2^-16
-# of its block's largest, 128× finer than bf16's own rounding; see q16_block in the C file) or "q8"
+# (int16 activations with a scale per weight group, integer dot products: each input within 2^-16
+# of its group's largest, 128× finer than bf16's own rounding; see q16_block in the C file) or "q8"
 # (int8 activations in blocks of 32: llama.cpp's Q4_0 × Q8_0 scheme, ~2^-8; see q8_rows).
 # Engine option int4_act per engine; LYNX_EDGE_INT4_ACT (INT4_ACT) sets the default, else
 # default_int4_act(): q16 where it is measured to beat the f32 rows — AVX2 builds without AVX-512
@@ -182,10 +182,13 @@ _ACT_CODE = {"f32": 0, "q8": 1, "q16": 2}  # the C file's ACT_F32 / ACT_Q8 / ACT
 def default_int4_act() -> str:
     """The INT4 activations when none is named: INT4_ACT, else q16 where this build measured it faster
     than the f32 rows (AVX2 without AVX-512), else f32."""
-    if INT4_ACT:
-        return INT4_ACT
-    so = lib()
-    return "q16" if so is not None and so.lynx_q16_pays() else "f32"
+    return INT4_ACT or ("q16" if _q16_pays() else "f32")
+
+
+@functools.lru_cache(maxsize=None)
+def _q16_pays() -> bool:
+    so = lib()  # asked once: act_code(None) sits on INT4 kernel calls
+    return so is not None and bool(so.lynx_q16_pays())
 
 
 def act_code(act: str | None) -> int:
