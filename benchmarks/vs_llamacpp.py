@@ -33,6 +33,7 @@ background load hits them alike), medians over rounds:
     python benchmarks/vs_llamacpp.py                          # all: demo + random, 1 and 2 threads
     python benchmarks/vs_llamacpp.py --models demo --threads 2 -r 2
     python benchmarks/vs_llamacpp.py --models a3b --bits bf16,int4attn-q8,int4attn-q8-int8head -r 3
+    python benchmarks/vs_llamacpp.py --models a3b48 --bits int4attn,int4attn-f32 --batch 1 -r 3
 Writes benchmarks/results/vs_llamacpp.{json,md}.
 """
 from __future__ import annotations
@@ -63,12 +64,23 @@ RANDOM = dict(layers=8, experts=32, hidden=1024, inter=768)  # 1.29 GB bf16 (exp
 # 2-core, 24 GB box converts and holds twice (ours + llama.cpp's); per token its head is ~2/3 of the
 # bytes (1/7 in the whole model), so read its B=1 rows as "head + 4 layers".
 A3B = dict(layers=4, experts=128, hidden=2048, inter=768, vocab=151936, top_k=8, heads=32, kv_heads=4, head_dim=128)
-RANDOMS = {"random": RANDOM, "a3b": A3B}
+# The same shapes at the model's whole depth, 48 layers, with 16 of its 128 experts in each (top-8 of 16):
+# a decode token at B=1 then reads what the real model's does (8 experts of 2048 × 768 in every layer,
+# attention, the head), at 10.3 GB bf16. Only its B=1 rows stand for the real model: at B=16 every
+# one of its 16 experts runs, where the real model's 16 tokens share ~82 of 128.
+A3B48 = A3B | dict(layers=48, experts=16)
+RANDOMS = {"random": RANDOM, "a3b": A3B, "a3b48": A3B48}
 MODEL_NOTES = {"a3b": (
     "a3b: Qwen3-30B-A3B's shapes with 4 of its 48 layers and random weights. Per decode token at B=1 it reads "
     "~75 MB of 4-bit experts (8 of 128 per layer) and the output head: 622 MB bf16 (what a GPTQ checkpoint "
     "ships), 311 MB with `--int8-head`, 255 MB as llama.cpp's Q6_K — so its 4-bit B=1 rows mostly compare "
-    "heads. In the whole model the experts are ~0.9 GB and the head 1/3 to 1/7 of a token's bytes.")}
+    "heads. In the whole model the experts are ~0.9 GB and the head 1/3 to 1/7 of a token's bytes."),
+    "a3b48": (
+    "a3b48: Qwen3-30B-A3B's shapes at its whole depth (48 layers) with 16 of its 128 experts per layer and "
+    "random weights (top-8 of 16). Per decode token at B=1 it reads what the real model reads: ~0.94 GB of "
+    "4-bit experts, ~0.47 GB of 4-bit attention and the head (622 MB bf16 in a GPTQ checkpoint; llama.cpp's "
+    "Q4_0 file: 1.02 GB, 0.51 GB and 255 MB of Q6_K). Its B=16 rows, where they were run, do not stand for the "
+    "real model (all 16 experts of a layer run).")}
 # issue 16's targets: lynx-edge / llama.cpp at the same bits
 TARGET = {("B1", "16bit"): 0.9, ("B1", "4bit"): 0.8, ("Bn", "16bit"): 1.0, ("Bn", "4bit"): 1.0,
           ("B1", "8bit"): 0.9, ("Bn", "8bit"): 1.0}  # 8-bit: issue 16 names none; the 16-bit ones
@@ -327,9 +339,13 @@ def run(args) -> dict:
         f32 = work / f"{tag}-f32.gguf"
         if "f32" in kinds:
             to_gguf(src, path, f32, "f32")
-        ggufs = {"bf16": to_gguf(src, path, work / f"{tag}-bf16.gguf", "bf16")}
-        qsrc = f32 if f32.is_file() else ggufs["bf16"]
-        ggufs |= {"f32": f32, "int4": quantize(bins, qsrc, work / f"{tag}-q4_0.gguf", max(threads))}
+        # the BF16 file where a BF16 row or a quantisation needs it (a3b48 keeps only its Q4_0: 3 GB, not 10)
+        bf16, q4 = work / f"{tag}-bf16.gguf", work / f"{tag}-q4_0.gguf"
+        if "bf16" in kinds or not f32.is_file() and (not q4.is_file() or "fp8" in kinds):
+            to_gguf(src, path, bf16, "bf16")
+        ggufs = {"bf16": bf16}
+        qsrc = f32 if f32.is_file() else bf16
+        ggufs |= {"f32": f32, "int4": quantize(bins, qsrc, q4, max(threads))}
         ggufs["int4attn"] = ggufs["int4attn-f32"] = ggufs["int4attn-q8"] = ggufs["int4attn-q8-int8head"] = ggufs["int4all"] = ggufs["int4all-q8"] = ggufs["int4"]
         if "fp8" in kinds:
             ggufs["fp8"] = quantize(bins, qsrc, work / f"{tag}-q8_0.gguf", max(threads), "Q8_0")
@@ -347,8 +363,9 @@ def run(args) -> dict:
             for th in threads:
                 set_threads(th, explicit=True)
                 ours(eng, p1, 4, "off")  # warm-up at this thread count
-                ours(eng, pB, 2, "off")
-                ours(eng, pB, 2, "on")  # LYNX's first call builds its state
+                if args.batch > 1:
+                    ours(eng, pB, 2, "off")
+                    ours(eng, pB, 2, "on")  # LYNX's first call builds its state
                 b1 = {"llama": [], "ours": []}
                 for _ in range(args.rounds):
                     r = llama_tg(bins, ggufs[kind], th, args.n)
@@ -356,12 +373,12 @@ def run(args) -> dict:
                     res.setdefault("llama_build", r["build"])
                     b1["ours"].append(ours(eng, p1, args.n, "off"))
                 bB = {"llama": [], "off": [], "on": []}
-                for _ in range(args.rounds):
+                for _ in range(args.rounds if args.batch > 1 else 0):
                     bB["llama"].append(llama_batched_retry(bins, ggufs[kind], th, args.batch, args.prompt, args.n16))
                     bB["off"].append(ours(eng, pB, args.n16, "off"))
                     bB["on"].append(ours(eng, pB, args.n16, "on"))
                 med1 = {k: statistics.median(v) for k, v in b1.items()}
-                medB = {k: statistics.median(v) for k, v in bB.items()}
+                medB = {k: statistics.median(v) for k, v in bB.items() if v}
                 base = dict(model=model, kind=kind, llama_type=ll_name, ours_dtype=dt, threads=th, bits=bits,
                             int8_head=bool(opts.get("int8_head")))
                 if bits == "4bit":  # the INT4 rows' activations (the default's has changed)
@@ -369,11 +386,11 @@ def run(args) -> dict:
                 res["rows"].append(base | dict(batch=1, lynx="off", ours_tok_s=med1["ours"], llama_tok_s=med1["llama"],
                                                ratio=med1["ours"] / med1["llama"], target=TARGET["B1", bits],
                                                ours_all=b1["ours"], llama_all=b1["llama"]))
-                for mode in ("off", "on"):
+                for mode in ("off", "on") if args.batch > 1 else ():
                     res["rows"].append(base | dict(batch=args.batch, lynx=mode, ours_tok_s=medB[mode],
                                                    llama_tok_s=medB["llama"], ratio=medB[mode] / medB["llama"],
                                                    target=TARGET["Bn", bits], ours_all=bB[mode], llama_all=bB["llama"]))
-                for r in res["rows"][-3:]:
+                for r in res["rows"][-3 if args.batch > 1 else -1:]:
                     print(f"{model} {kind} t={th} B={r['batch']} lynx={r['lynx']}: lynx-edge {r['ours_tok_s']:.1f} "
                           f"tok/s, llama.cpp {ll_name} {r['llama_tok_s']:.1f} → {r['ratio']:.3f}x "
                           f"(target {r['target']}x)", flush=True)
@@ -409,9 +426,10 @@ def to_markdown(res: dict) -> str:
           f"{res['loadavg_end'][0]:.2f} (shared machine: read the ratios, not the times). Wall {res['wall_s'] / 60:.1f} min.", "",
           f"Medians of {res['rounds']} rounds, tools alternating within each round, same thread count on both "
           f"sides. B=1: `llama-bench -p 0 -n {res['n_b1']}` vs lynx-edge 1000/TPOT over {res['n_b1']} decode "
-          f"steps after an 8-token prompt. B={res['batch']}: `llama-batched-bench -npp {res['prompt_b16']} -ntg "
+          f"steps after an 8-token prompt. " + (f"B={res['batch']}: `llama-batched-bench -npp {res['prompt_b16']} -ntg "
           f"{res['n_b16']} -npl {res['batch']}` S_TG vs lynx-edge's aggregate decode tok/s over {res['n_b16']} steps "
-          f"of {res['batch']} {res['prompt_b16']}-token prompts, LYNX `off` and `on`. ratio = lynx-edge / llama.cpp; "
+          f"of {res['batch']} {res['prompt_b16']}-token prompts, LYNX `off` and `on`. " if res['batch'] > 1 else
+          "B=1 rows only (`--batch 1`). ") + "ratio = lynx-edge / llama.cpp; "
           "target from issue 16 (B=1: 4-bit ≥ 0.8, 16-bit ≥ 0.9; B=16 ≥ 1.0 at the same bits).", ""]
     met = [r for r in res["rows"] if r["ratio"] >= r["target"]]
     md += [f"**Targets met: {len(met)} of {len(res['rows'])} rows**" + (": " + "; ".join(
@@ -476,8 +494,9 @@ def to_markdown(res: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="demo,random",
-                    help="demo, random (≥ 1 GB bf16 qwen3_moe) and/or a3b (Qwen3-30B-A3B's shapes, 4 layers, "
-                         "6.1 GB bf16: run it with --bits bf16,int4attn-q8 on a 24 GB box)")
+                    help="demo, random (≥ 1 GB bf16 qwen3_moe), a3b (Qwen3-30B-A3B's shapes, 4 layers, "
+                         "6.1 GB bf16: run it with --bits bf16,int4attn-q8 on a 24 GB box) and/or a3b48 (the "
+                         "same at 48 layers of 16 experts, 10.3 GB bf16: --bits int4attn --batch 1)")
     ap.add_argument("--bits", default="f32,bf16,int4,int4attn,int4attn-q8",
                     help="pairs: f32 (F32 vs fp32), bf16, int4 (Q4_0 vs --int4), int4attn (Q4_0 vs a lynx-edge "
                          "4-bit checkpoint with 4-bit attention), int4attn-q8 (the same with --int4-act q8), "
@@ -489,7 +508,7 @@ def main() -> None:
     ap.add_argument("-n", type=int, default=64, help="decode tokens at B=1 (llama-bench -n)")
     ap.add_argument("--n16", type=int, default=32, help="decode tokens per sequence at B=16 (-ntg)")
     ap.add_argument("--prompt", type=int, default=16, help="prompt tokens per sequence at B=16 (-npp)")
-    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--batch", type=int, default=16, help="the batched rows' batch size; 1: B=1 rows only")
     ap.add_argument("--jobs", type=int, default=2, help="parallel compile jobs for the one-time build")
     ap.add_argument("--build-only", action="store_true", help="fetch and build llama.cpp, then stop")
     ap.add_argument("--update", action="store_true",
