@@ -283,12 +283,13 @@ static inline __attribute__((always_inline)) void dot_tile(
             if (r_ < (R)) TILE(1, 2, r_, 0); \
             break; \
         } \
-        for (int r_ = 0; r_ < (R); r_ += 1 + (pairs)) \
-            for (int t_ = 0; t_ < (n); t_ += 4) { \
-                const int m_ = (n) - t_ < 4 ? (n) - t_ : 4; \
-                TOKENS(t_, m_) \
+        for (int t_ = 0; t_ < (n); t_ += 4) { /* tokens outer: four tokens' inputs stay in L1 across the \
+                                                 * rows (rows outer re-read every token's from L2 per row) */ \
+            const int m_ = (n) - t_ < 4 ? (n) - t_ : 4; \
+            TOKENS(t_, m_) \
+            for (int r_ = 0; r_ < (R); r_ += 1 + (pairs)) \
                 if ((pairs) && r_ + 1 < (R)) TILE_M(TILE, 2, m_, r_, t_); else TILE_M(TILE, 1, m_, r_, t_); \
-            } \
+        } \
     } while (0)
 
 /* acc[r * ROWS_LD + t] for R (1..4) adjacent rows (as dot_tile_h) and n tokens whose even/odd rows
