@@ -2,10 +2,10 @@
 checkpoint, side by side.
 
 build.default_dtype keeps a bf16 checkpoint bf16 on a CPU with native bf16 math (AVX512_BF16 or
-AMX: cpuflags.cpu_bf16); elsewhere it widens to fp32 while the checkpoint is ≤ 2 GiB (fp32 matmuls
-are fast on CPUs without native bf16, and a small model's doubling costs little memory), and a
-bigger 16-bit checkpoint stays 16-bit so it is not doubled in RAM. This records what that choice
-costs: median prefill tok/s and TPOT per dtype at each batch (prompts of --prompt tokens, bench's
+AMX: cpuflags.cpu_bf16) or lynx-edge's native kernels; without both it widens to fp32 while the
+checkpoint is ≤ 2 GiB (torch's fp32 matmuls are fast on CPUs without native bf16, and a small
+model's doubling costs little memory), and a bigger 16-bit checkpoint stays 16-bit so it is not
+doubled in RAM. This records what the choice is worth: median prefill tok/s and TPOT per dtype at each batch (prompts of --prompt tokens, bench's
 synthetic_prompts), runs interleaved (fp32, bf16, fp32, …) so background load hits both alike.
 
     python benchmarks/cpu_dtype.py [--model demo] [-b 1,16] [-n 32] [-r 5] [--threads 2] [--out F]

@@ -15,6 +15,7 @@ temporaries (RTN) — see benchmarks/load_memory.py. Glossary: E experts, D hidd
 """
 from __future__ import annotations
 
+import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,9 +32,9 @@ from .models.layers import StackedExperts
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
-# On a CPU without native bf16 math the model is widened to fp32 (torch's bf16 GEMMs are slow
-# there) only while that costs little memory; a bigger 16-bit checkpoint stays 16-bit so it is not
-# doubled in RAM. A CPU with native bf16 keeps a bf16 checkpoint bf16 (see default_dtype).
+# A bf16 checkpoint stays bf16 on a CPU with native bf16 math or lynx-edge's native kernels; without
+# both (torch's bf16 GEMMs are slow there) it is widened to fp32 only while that costs little memory:
+# a bigger 16-bit checkpoint stays 16-bit so it is not doubled in RAM (see default_dtype).
 CPU_FP32_MAX_BYTES = 2 << 30
 
 
@@ -75,17 +76,33 @@ def resolve_dtype(dtype, device: torch.device, cfg: ModelConfig, ckpt_bytes: int
     return default_dtype(device, cfg, ckpt_bytes)
 
 
+def _native_kernels() -> bool:
+    """lynx-edge's native CPU kernels are built and load here (kernels/native.py)."""
+    from .kernels import native
+
+    return native.lib() is not None
+
+
 def default_dtype(device: torch.device, cfg: ModelConfig, ckpt_bytes: int) -> torch.dtype:
     """bf16 on CUDA. On CPU: a bf16 checkpoint stays bf16 where the CPU has native bf16 math
     (cpu_bf16: on a Zen4 EPYC the demo then prefills 1.45× and decodes 1.7–2.0× faster than in fp32
-    at +0.03% perplexity, benchmarks/results/cpu_dtype_s15_t1.md); elsewhere fp32 while the
-    checkpoint is ≤ 2 GiB (widening is cheap; torch's fp32 GEMMs prefill up to 1.5× faster than
-    bf16 on CPUs without native bf16 math: benchmarks/results/cpu_native.md), else the checkpoint's
-    own 16-bit dtype (memory first)."""
+    at +0.03% perplexity, benchmarks/results/cpu_dtype_s15_t1.md) or lynx-edge's native kernels
+    run (they widen bf16 rows in registers and prefill bf16 themselves: on an AVX2 Zen3 without
+    native bf16 the demo decodes 1.56–1.85× and prefills 1.03–1.09× faster than in fp32, a random
+    1.28 GB qwen3_moe decodes 1.41–1.52× faster and prefills 1.21× (one prompt) / 0.85× (16 × 128
+    tokens), in half the memory: cpu_dtype_s25_t1.md, cpu_dtype_random_s25_t1.md); elsewhere fp32
+    while the checkpoint is ≤ 2 GiB (torch's fp32 GEMMs beat its bf16 ones up to 1.5× on CPUs
+    without native bf16 math: benchmarks/results/cpu_native.md), else the checkpoint's own 16-bit
+    dtype (memory first). $LYNX_EDGE_CPU_DTYPE (float32, bfloat16, …) makes the choice instead."""
     if device.type == "cuda":
         return torch.bfloat16
+    env = os.environ.get("LYNX_EDGE_CPU_DTYPE")  # the choice made by hand (--dtype still wins)
+    if env:
+        if env not in DTYPES:
+            raise ConfigError(f"LYNX_EDGE_CPU_DTYPE={env!r} is not a dtype; use one of {', '.join(DTYPES)}")
+        return DTYPES[env]
     ckpt = DTYPES.get(str(cfg.torch_dtype or "bfloat16"), torch.bfloat16)
-    if ckpt == torch.bfloat16 and cpu_bf16():
+    if ckpt == torch.bfloat16 and (cpu_bf16() or _native_kernels()):
         return torch.bfloat16
     if ckpt == torch.float32 or ckpt_bytes <= CPU_FP32_MAX_BYTES:
         return torch.float32

@@ -10,9 +10,11 @@ import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-# The CPU default dtype follows the CPU (cpuflags.cpu_bf16: bf16 where it has native bf16, else fp32
-# for a small checkpoint); the suite pins the fp32 choice so it runs the same on every machine —
-# tests of the choice itself set the variable.
+# The CPU default dtype follows the CPU (build.default_dtype: bf16 where it has native bf16 math or
+# the native kernels build, else fp32 for a small checkpoint); the suite pins fp32 and the torch
+# paths of a CPU without native bf16, so it runs the same on every machine — tests of the choice
+# itself unset the variables.
+os.environ.setdefault("LYNX_EDGE_CPU_DTYPE", "float32")
 os.environ.setdefault("LYNX_EDGE_CPU_BF16", "0")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 

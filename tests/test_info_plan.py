@@ -322,9 +322,14 @@ def test_profiles_carry_host_memory():
 def test_info_plans_in_the_dtype_the_engine_loads(memlock, monkeypatch):
     """No --dtype on a CPU: info plans in the dtype Engine.from_pretrained picks (build.default_dtype):
     the checkpoint's bf16 for a 30B model (only its config here: sized from its parameters), fp32
-    for the 29 MB demo on a CPU without native bf16, bf16 with it; --dtype still wins."""
+    for the 29 MB demo on a CPU without native bf16 or the native kernels, bf16 with either; --dtype
+    still wins."""
     from lynx_edge import Engine
+    from lynx_edge.kernels import native
 
+    monkeypatch.delenv("LYNX_EDGE_CPU_DTYPE", raising=False)
+    monkeypatch.setenv("LYNX_EDGE_NATIVE", "0")  # info runs in a subprocess: no native kernels there
+    monkeypatch.setattr(native, "lib", lambda: None)  # nor here
     monkeypatch.setenv("LYNX_EDGE_CPU_BF16", "1")
     assert json.loads(info("demo", "--device", "cpu", "-o", "json").stdout)["memory"]["dtype"] == "bf16"
     assert Engine.from_pretrained("demo", device="cpu").model.placement.dtype == "bfloat16"

@@ -19,7 +19,7 @@ import torch
 from conftest import make_tiny
 from lynx_edge import Engine
 from lynx_edge.build import LoadOptions, default_dtype, load_model
-from lynx_edge.config import ModelConfig
+from lynx_edge.config import ConfigError, ModelConfig
 from lynx_edge.loader import LoadError
 from lynx_edge.models.layers import StackedExperts
 from lynx_edge.offload import store as store_mod
@@ -131,9 +131,15 @@ def test_missing_expert_projection_is_named(q3, tmp_path):
 
 
 def test_default_cpu_dtype_widens_only_small_checkpoints_without_native_bf16(monkeypatch):
+    from lynx_edge.kernels import native
+
     cfg = ModelConfig.from_dict(json.loads((ROOT / "lynx_edge/demo/config.json").read_text()))
     cpu = torch.device("cpu")
+    monkeypatch.delenv("LYNX_EDGE_CPU_DTYPE", raising=False)
     monkeypatch.setenv("LYNX_EDGE_CPU_BF16", "0")
+    if native.lib() is not None:  # the native kernels read bf16 rows: a bf16 checkpoint stays bf16
+        assert default_dtype(cpu, cfg, 30 << 20) == torch.bfloat16
+    monkeypatch.setattr(native, "lib", lambda: None)  # no native kernels, no native bf16: torch's fp32 GEMMs
     assert default_dtype(cpu, cfg, 30 << 20) == torch.float32  # the demo: widening is cheap
     assert default_dtype(cpu, cfg, 20 << 30) == torch.bfloat16  # a 20 GB bf16 checkpoint stays bf16
     assert default_dtype(torch.device("cuda"), cfg, 1) == torch.bfloat16
@@ -143,6 +149,11 @@ def test_default_cpu_dtype_widens_only_small_checkpoints_without_native_bf16(mon
         c = ModelConfig.from_dict({**json.loads((ROOT / "lynx_edge/demo/config.json").read_text()), "dtype": ckpt,
                                    "torch_dtype": ckpt})
         assert default_dtype(cpu, c, 30 << 20) == torch.float32
+    monkeypatch.setenv("LYNX_EDGE_CPU_DTYPE", "bfloat16")  # the choice made by hand
+    assert default_dtype(cpu, cfg, 30 << 20) == torch.bfloat16
+    monkeypatch.setenv("LYNX_EDGE_CPU_DTYPE", "bf8")
+    with pytest.raises(ConfigError, match=r"LYNX_EDGE_CPU_DTYPE='bf8' is not a dtype; use one of float32"):
+        default_dtype(cpu, cfg, 30 << 20)
 
 
 def test_cpu_bf16_reads_the_cpu_flags(monkeypatch):
