@@ -88,9 +88,10 @@ def default_dtype(device: torch.device, cfg: ModelConfig, ckpt_bytes: int) -> to
     (cpu_bf16: on a Zen4 EPYC the demo then prefills 1.45× and decodes 1.7–2.0× faster than in fp32
     at +0.03% perplexity, benchmarks/results/cpu_dtype_s15_t1.md) or lynx-edge's native kernels
     run (they widen bf16 rows in registers and prefill bf16 themselves: on an AVX2 Zen3 without
-    native bf16 the demo decodes 1.56–1.85× and prefills 1.03–1.09× faster than in fp32, a random
-    1.28 GB qwen3_moe decodes 1.41–1.52× faster and prefills 1.21× (one prompt) / 0.85× (16 × 128
-    tokens), in half the memory: cpu_dtype_s25_t1.md, cpu_dtype_random_s25_t1.md); elsewhere fp32
+    native bf16 the demo decodes 1.45–1.85× faster than in fp32 and prefills at 0.98–1.09× over two
+    runs, perplexity +0.05%, 99.2% greedy agreement; a random 1.28 GB qwen3_moe decodes 1.41–1.52×
+    faster and prefills 1.21× (one prompt) / 0.85× (16 × 128 tokens), in half the memory:
+    cpu_dtype_s25_t1.md, cpu_dtype_random_s25_t1.md); elsewhere fp32
     while the checkpoint is ≤ 2 GiB (torch's fp32 GEMMs beat its bf16 ones up to 1.5× on CPUs
     without native bf16 math: benchmarks/results/cpu_native.md), else the checkpoint's own 16-bit
     dtype (memory first). $LYNX_EDGE_CPU_DTYPE (float32, bfloat16, …) makes the choice instead."""
