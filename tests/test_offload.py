@@ -429,6 +429,9 @@ def test_cost_model_times_int4_cpu_experts_at_their_own_rate():
     assert math.isclose(CostModel(prof, b, 1.0).cpu_s(1), lat + b / (prof.cpu_expert_gbps * 1e9))
     bare = dataclasses.replace(prof, cpu_int4_expert_gbps=None)
     assert math.isclose(CostModel(bare, b, 1.0, fmt="int4").cpu_s(1), lat + b / (prof.cpu_expert_gbps * 1e9))
+    for name in list_profiles():  # the shipped ones carry the INT4 rate, below their 16-bit one (compute-bound)
+        p = load_profile(name)
+        assert p.cpu_int4_expert_gbps and p.cpu_int4_expert_gbps < p.cpu_expert_gbps, name
 
 
 # --------------------------------------------------------------------------- profiles
