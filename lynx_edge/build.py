@@ -94,7 +94,8 @@ def default_dtype(device: torch.device, cfg: ModelConfig, ckpt_bytes: int) -> to
     cpu_dtype_s25_t1.md, cpu_dtype_random_s25_t1.md); elsewhere fp32
     while the checkpoint is ≤ 2 GiB (torch's fp32 GEMMs beat its bf16 ones up to 1.5× on CPUs
     without native bf16 math: benchmarks/results/cpu_native.md), else the checkpoint's own 16-bit
-    dtype (memory first). $LYNX_EDGE_CPU_DTYPE (float32, bfloat16, …) makes the choice instead."""
+    dtype (memory first) — bf16 for an fp16 one where the native kernels run (below).
+    $LYNX_EDGE_CPU_DTYPE (float32, bfloat16, …) makes the choice instead."""
     if device.type == "cuda":
         return torch.bfloat16
     env = os.environ.get("LYNX_EDGE_CPU_DTYPE")  # the choice made by hand (--dtype still wins)
@@ -107,6 +108,13 @@ def default_dtype(device: torch.device, cfg: ModelConfig, ckpt_bytes: int) -> to
         return torch.bfloat16
     if ckpt == torch.float32 or ckpt_bytes <= CPU_FP32_MAX_BYTES:
         return torch.float32
+    if ckpt == torch.float16 and _native_kernels():
+        # the native kernels have no fp16 rows: an fp16 model would decode on torch's ops (the demo's
+        # 4-bit checkpoint: 3.6 ms a token against 0.49 in bf16). bf16 halves fp32's bytes; it rounds
+        # what the checkpoint keeps unquantized (embeddings, head, norms, routers) to 8 significant
+        # bits — exactly the values an fp16 export of a bf16-trained model holds (GPTQ / AWQ
+        # checkpoints are mostly such exports); --dtype float32 keeps them exact
+        return torch.bfloat16
     return ckpt
 
 

@@ -134,12 +134,17 @@ def test_default_cpu_dtype_widens_only_small_checkpoints_without_native_bf16(mon
     from lynx_edge.kernels import native
 
     cfg = ModelConfig.from_dict(json.loads((ROOT / "lynx_edge/demo/config.json").read_text()))
+    fp16 = ModelConfig.from_dict({**json.loads((ROOT / "lynx_edge/demo/config.json").read_text()), "dtype": "float16",
+                                  "torch_dtype": "float16"})
     cpu = torch.device("cpu")
     monkeypatch.delenv("LYNX_EDGE_CPU_DTYPE", raising=False)
     monkeypatch.setenv("LYNX_EDGE_CPU_BF16", "0")
     if native.lib() is not None:  # the native kernels read bf16 rows: a bf16 checkpoint stays bf16
         assert default_dtype(cpu, cfg, 30 << 20) == torch.bfloat16
+        # a big fp16 one (a GPTQ / AWQ export) runs bf16 on them, not on torch's fp16 ops
+        assert default_dtype(cpu, fp16, 20 << 30) == torch.bfloat16
     monkeypatch.setattr(native, "lib", lambda: None)  # no native kernels, no native bf16: torch's fp32 GEMMs
+    assert default_dtype(cpu, fp16, 20 << 30) == torch.float16  # memory first
     assert default_dtype(cpu, cfg, 30 << 20) == torch.float32  # the demo: widening is cheap
     assert default_dtype(cpu, cfg, 20 << 30) == torch.bfloat16  # a 20 GB bf16 checkpoint stays bf16
     assert default_dtype(torch.device("cuda"), cfg, 1) == torch.bfloat16
