@@ -36,6 +36,21 @@ def has_module(name: str) -> bool:
         return False
 
 
+def test_library_warnings_print_as_one_line(tiny_models):
+    """A warning raised under a command (here: float16 asked for on a CPU, where the native kernels have
+    no fp16 rows) reaches the user as one `warning:` line, not Python's file:line and source echo."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "lynx_edge", "chat", str(tiny_models["mixtral"]), "-p", "hi", "--temp", "0",
+                        "-n", "2", "--dtype", "float16"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    lines = [x for x in r.stderr.splitlines() if "float16 on a CPU" in x]
+    assert lines == ["warning: float16 on a CPU decodes on torch's ops (the native kernels have no fp16 rows): "
+                     "bfloat16 or float32 are ~10x faster"], r.stderr
+    assert "RuntimeWarning" not in r.stderr and "warnings.warn" not in r.stderr
+
+
 # info / modelinfo ------------------------------------------------------------------------------
 def checkpoint_numel(model_dir: Path) -> int:
     from safetensors import safe_open

@@ -66,7 +66,16 @@ def root(
     """Fast Mixture-of-Experts inference on one edge GPU or CPU, with LYNX expert selection."""
 
 
+def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """A library warning at the CLI (int8_head off the CPU, float16 on a CPU, …): one yellow line on
+    stderr, not Python's file:line and source echo."""
+    ui.warning(str(message))
+
+
 def main() -> None:
+    import warnings
+
+    warnings.showwarning = _one_line_warning
     app(prog_name="lynx-edge")
 
 

@@ -40,6 +40,10 @@ def print_traceback() -> None:
     console(True).print(Text(traceback.format_exc().rstrip(), style="dim"))
 
 
+def warning(message: str) -> None:
+    console(True).print(Text.assemble(("warning: ", "bold yellow"), (message, "yellow")))
+
+
 def note(message: str, stderr: bool = True) -> None:
     console(stderr).print(Text(message, style="dim"))
 
