@@ -81,10 +81,10 @@ def resolve_dtype(dtype, device: torch.device, cfg: ModelConfig, ckpt_bytes: int
 
 
 def _native_kernels() -> bool:
-    """lynx-edge's native CPU kernels are built and load here (kernels/native.py)."""
+    """lynx-edge's native CPU kernels run here (kernels/native.py; asked without building them)."""
     from .kernels import native
 
-    return native.lib() is not None
+    return native.expected()
 
 
 def default_dtype(device: torch.device, cfg: ModelConfig, ckpt_bytes: int) -> torch.dtype:

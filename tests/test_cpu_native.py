@@ -101,6 +101,33 @@ def test_thread_count_does_not_change_results():
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
 
 
+def test_expected_answers_without_building(monkeypatch):
+    """native.expected() (the CPU default dtype asks it: `lynx-edge info` must not wait for the first
+    build) says whether the kernels will run without compiling them; once lib() has run, its answer."""
+    import functools
+    import platform
+
+    calls = []
+
+    @functools.lru_cache(maxsize=None)
+    def fresh_lib():
+        calls.append(1)
+        return None  # as if the build failed
+
+    monkeypatch.setattr(native, "lib", fresh_lib)
+    monkeypatch.setattr(native, "_compiler", lambda: "cc")
+    monkeypatch.delenv("LYNX_EDGE_NATIVE", raising=False)
+    assert native.expected() == (platform.system() != "Windows") and not calls  # answered, nothing built
+    monkeypatch.setenv("LYNX_EDGE_NATIVE", "0")
+    assert not native.expected()
+    monkeypatch.delenv("LYNX_EDGE_NATIVE")
+    monkeypatch.setattr(native, "_compiler", lambda: None)
+    assert not native.expected() and not calls
+    monkeypatch.setattr(native, "_compiler", lambda: "cc")
+    fresh_lib()  # it ran (and failed): its answer from now on
+    assert not native.expected()
+
+
 def test_model_paths_use_the_kernels(monkeypatch):
     """Decode-sized CPU calls take the native kernels; prefill-sized ones torch's."""
     from lynx_edge.models import layers

@@ -107,6 +107,17 @@ def build(cc: str | None = None) -> Path | None:
             os.unlink(tmp)
 
 
+def expected() -> bool:
+    """Whether lib() gives the kernels here, answered without compiling them (a dry run such as
+    `lynx-edge info` should not wait ~15 s for the first build): lib()'s own answer once it has run
+    (or where it was replaced: tests, benchmarks switching builds), else not disabled and a C
+    compiler present — a build that then fails falls back as lib() says."""
+    info = getattr(lib, "cache_info", None)
+    if info is None or info().currsize:
+        return lib() is not None
+    return os.environ.get("LYNX_EDGE_NATIVE", "1") != "0" and platform.system() != "Windows" and _compiler() is not None
+
+
 @functools.lru_cache(maxsize=None)
 def lib() -> ctypes.CDLL | None:
     """The loaded kernel library, or None (disabled, no compiler, failed build or load)."""
