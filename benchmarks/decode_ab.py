@@ -9,6 +9,7 @@ Appends to benchmarks/results/decode_ab.json (or --out).
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -57,8 +58,8 @@ def main() -> None:
             for tag in (("base", "tree") if r % 2 == 0 else ("tree", "base")):
                 builds.use(tag)
                 tpot[tag].append(measure(eng, prompts, a.tokens + 1)["tpot_ms"])
-        row = {"batch": B, "base_tpot_ms": sorted(tpot["base"])[a.rounds // 2],
-               "tree_tpot_ms": sorted(tpot["tree"])[a.rounds // 2],
+        row = {"batch": B, "base_tpot_ms": statistics.median(tpot["base"]),
+               "tree_tpot_ms": statistics.median(tpot["tree"]),
                "speedup": {k: round(v, 3) for k, v in paired(tpot["base"], tpot["tree"]).items()},
                "same_tokens": tok["base"] == tok["tree"]}
         run["rows"].append(row)

@@ -360,10 +360,11 @@ def run(args) -> dict:
             p1 = synthetic_prompts(eng, 1, 8)
             pB = synthetic_prompts(eng, args.batch, args.prompt)
             bits = "4bit" if kind.startswith("int4") else "8bit" if kind == "fp8" else "16bit"
+            batched = args.batch > 1  # --batch 1: the B=1 rows only
             for th in threads:
                 set_threads(th, explicit=True)
                 ours(eng, p1, 4, "off")  # warm-up at this thread count
-                if args.batch > 1:
+                if batched:
                     ours(eng, pB, 2, "off")
                     ours(eng, pB, 2, "on")  # LYNX's first call builds its state
                 b1 = {"llama": [], "ours": []}
@@ -373,7 +374,7 @@ def run(args) -> dict:
                     res.setdefault("llama_build", r["build"])
                     b1["ours"].append(ours(eng, p1, args.n, "off"))
                 bB = {"llama": [], "off": [], "on": []}
-                for _ in range(args.rounds if args.batch > 1 else 0):
+                for _ in range(args.rounds if batched else 0):
                     bB["llama"].append(llama_batched_retry(bins, ggufs[kind], th, args.batch, args.prompt, args.n16))
                     bB["off"].append(ours(eng, pB, args.n16, "off"))
                     bB["on"].append(ours(eng, pB, args.n16, "on"))
@@ -386,11 +387,11 @@ def run(args) -> dict:
                 res["rows"].append(base | dict(batch=1, lynx="off", ours_tok_s=med1["ours"], llama_tok_s=med1["llama"],
                                                ratio=med1["ours"] / med1["llama"], target=TARGET["B1", bits],
                                                ours_all=b1["ours"], llama_all=b1["llama"]))
-                for mode in ("off", "on") if args.batch > 1 else ():
+                for mode in ("off", "on") if batched else ():
                     res["rows"].append(base | dict(batch=args.batch, lynx=mode, ours_tok_s=medB[mode],
                                                    llama_tok_s=medB["llama"], ratio=medB[mode] / medB["llama"],
                                                    target=TARGET["Bn", bits], ours_all=bB[mode], llama_all=bB["llama"]))
-                for r in res["rows"][-3 if args.batch > 1 else -1:]:
+                for r in res["rows"][-3 if batched else -1:]:
                     print(f"{model} {kind} t={th} B={r['batch']} lynx={r['lynx']}: lynx-edge {r['ours_tok_s']:.1f} "
                           f"tok/s, llama.cpp {ll_name} {r['llama_tok_s']:.1f} → {r['ratio']:.3f}x "
                           f"(target {r['target']}x)", flush=True)
