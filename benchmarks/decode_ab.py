@@ -3,7 +3,7 @@ through the streaming call (bench.measure), the two builds alternating round by 
 process (native_ab.Builds swaps the library every native call goes to). What a kernel change does
 to a real step, beside the kernel-level A/Bs (int4_rows.py, dense_tiles.py, attn_decode.py).
 
-    python benchmarks/decode_ab.py --base HEAD~1 --model PATH [--batch 1,16] [--int4-act q16] [-r 7]
+    python benchmarks/decode_ab.py --base HEAD~1 --model PATH [--batch 1,16] [--int4-act q16] [--lynx lynx] [-r 7]
 Appends to benchmarks/results/decode_ab.json (or --out).
 """
 from __future__ import annotations
@@ -36,6 +36,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--tokens", type=int, default=32, help="decode tokens per round")
     ap.add_argument("--int4-act", default=None, choices=("f32", "q16", "q8"))
+    ap.add_argument("--lynx", default="off", help="routing, as lynx-edge's --lynx (off: exact)")
+    ap.add_argument("--prompt-len", type=int, default=8, help="tokens per prompt (the main job: 128)")
     a = ap.parse_args()
     builds = Builds(a.base, "decode_ab")  # before the engine: its plans must not pin a build
     from lynx_edge import Engine
@@ -44,12 +46,13 @@ def main() -> None:
 
     set_threads(a.threads, explicit=True)
     sizes = [int(b) for b in a.batch.split(",")]
-    eng = Engine.from_pretrained(a.model, device="cpu", dtype=a.dtype, max_num_seqs=max(sizes), int4_act=a.int4_act)
+    eng = Engine.from_pretrained(a.model, device="cpu", dtype=a.dtype, max_num_seqs=max(sizes), int4_act=a.int4_act,
+                               lynx=a.lynx)
     run = builds.header("end-to-end decode, this tree vs --base (one engine, builds alternating)", a.rounds)
     run |= {"model": str(a.model), "dtype": a.dtype, "threads": a.threads, "tokens": a.tokens,
-            "int4_act": a.int4_act, "rows": []}
+            "int4_act": a.int4_act, "lynx": a.lynx, "prompt_len": a.prompt_len, "rows": []}
     for B in sizes:
-        prompts = synthetic_prompts(eng, B, 8)
+        prompts = synthetic_prompts(eng, B, a.prompt_len)
         tok, tpot = {}, {"base": [], "tree": []}
         for tag in ("base", "tree"):  # warm-up, and the tokens each build generates (greedy)
             builds.use(tag)

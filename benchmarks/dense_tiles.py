@@ -41,16 +41,17 @@ def _paired(base: list, tree: list) -> dict:
     return {k: round(v, 3) for k, v in paired(base, tree).items()}
 
 
-def linear_rows(builds, rounds: int) -> list:
+def linear_rows(builds, rounds: int, tokens: tuple = TOKENS, dtypes: tuple = (torch.float32, torch.bfloat16),
+                shapes: list = LINEAR) -> list:
     from lynx_edge.kernels import native
 
     torch.set_num_threads(1)
     rows = []
-    for dt in (torch.float32, torch.bfloat16):
-        for name, K, N in LINEAR:
+    for dt in dtypes:
+        for name, K, N in shapes:
             g = torch.Generator().manual_seed(0)
             w = torch.randn(N, K, generator=g).to(dt)
-            for T in TOKENS:
+            for T in tokens:
                 x = torch.randn(T, K, generator=g)
                 ref = x.double() @ w.double().T
                 err = {}
@@ -113,6 +114,9 @@ def main() -> None:
     ap = parser("dense_tiles.json", rounds=15)
     ap.add_argument("--threads", type=int, default=2, help="threads for the end-to-end part")
     ap.add_argument("--skip-linear", action="store_true")
+    ap.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="tokens per call in the lynx_linear part")
+    ap.add_argument("--linear-dtypes", default="float32,bfloat16")
+    ap.add_argument("--linear-shapes", default=None, help="comma-separated names' prefixes (e.g. 'demo'); default: all")
     ap.add_argument("--model", default="demo", help="the end-to-end model: demo, mixtral (vs_transformers.py's), or a path")
     ap.add_argument("--dtype", default=None, help="comma-separated dtypes for the end-to-end part (default: the CPU default)")
     ap.add_argument("--batch", default="1,4,16")
@@ -123,7 +127,9 @@ def main() -> None:
     builds = Builds(a.base, "dense_tiles")
     run = builds.header("native dense rows, this tree vs --base (same process, alternating rounds)", a.rounds)
     if not a.skip_linear:
-        run["linear_1_thread"] = linear_rows(builds, a.rounds)
+        shapes = [s for s in LINEAR if not a.linear_shapes or any(s[0].startswith(p) for p in a.linear_shapes.split(","))]
+        run["linear_1_thread"] = linear_rows(builds, a.rounds, tuple(int(t) for t in a.tokens.split(",")),
+                                             tuple(getattr(torch, d) for d in a.linear_dtypes.split(",")), shapes)
     run["demo_end_to_end"] = [row for dt in (a.dtype or "").split(",") for row in demo_rows(
         builds, a.rounds, a.threads, a.model, dt or None, tuple(int(b) for b in a.batch.split(",")), a.int4_act,
         a.int8_head)]

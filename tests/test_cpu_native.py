@@ -757,11 +757,13 @@ def test_row_tiles_are_batch_and_row_invariant(kind, Kin):
     rows (dense_tile): one token over 4 rows (K = 100: a scalar tail; the experts' whole-row reads
     on AVX2 are checked by test_dense_moe_tokens_alone_equal_their_batch); two over 8 (AVX-512; 4 on
     AVX2) or, for rows of 1024+ inputs, 4; three or more over 4 rows (AVX-512; 2 on AVX2) or 2 for long rows, each tile's rows
-    serving every group of four tokens in turn. INT4: up to four rows x four tokens. Each output
+    serving every group of four tokens in turn (on AVX2 a lone last token joins the group before it:
+    2 x 5 tiles). INT4: up to four rows x four tokens. Each output
     must be bit-equal whether its row and token run alone or inside any tile: decode is
     batch-invariant, and a projection's rows do not depend on their neighbours. N = 19 is a 16-row
-    work item and a 3-row one; T = 1, 2, 3, 7 take every tile shape (7: a group of 4, then 3)."""
-    N, T = 19, 7
+    work item and a 3-row one; T = 1, 2, 3, 5, 6, 7, 9 take every tile shape (6: a group of 4, then
+    2; 7: 4, then 3; 5 and 9: the last 5 in one tile)."""
+    N, T = 19, 9
     g = torch.Generator().manual_seed(11)
     x = torch.randn(T, Kin, generator=g)
     if kind in ("f32", "bf16"):
@@ -785,7 +787,7 @@ def test_row_tiles_are_batch_and_row_invariant(kind, Kin):
             z = ql.zeros[:, rows].contiguous()
             return native.linear_int4(xs, ql.packed[rows].contiguous(), ql.scales[:, rows].contiguous(), z,
                                       act=kind[5:] or "f32")
-    for n_tok in (1, 2, 3, T):
+    for n_tok in (1, 2, 3, 5, 6, 7, T):
         full = run(x[:n_tok], slice(0, N))
         for t in range(n_tok):
             for n in range(N):
@@ -797,14 +799,14 @@ def test_row_tiles_are_batch_and_row_invariant(kind, Kin):
 def test_dense_moe_tokens_alone_equal_their_batch(dtype):
     """The dense experts' rows: a token alone (one slot per expert: the one-token tiles, which on
     AVX2 read fp32 expert rows of <= 512 inputs whole) equals itself inside a batch where its experts
-    are shared with 1-3 other tokens (interleaved multi-token tiles), bit for bit. Gate/up rows of 256
-    inputs, down rows of 100 (a scalar tail after 96)."""
+    are shared with 1-5 other tokens (interleaved multi-token tiles: 5 slots are AVX2's 2 x 5 tile,
+    6 a group of 4 and one of 2), bit for bit. Gate/up rows of 256 inputs, down rows of 100 (a scalar tail after 96)."""
     g = torch.Generator().manual_seed(6)
-    E, D, I, T, K = 5, 256, 100, 7, 2
+    E, D, I, T, K = 5, 256, 100, 9, 2
     gu = (torch.randn(E, 2 * I, D, generator=g) / D**0.5).to(dtype)
     dn = (torch.randn(E, D, I, generator=g) / I**0.5).to(dtype)
     x = torch.randn(T, D, generator=g)
-    ids = torch.tensor([[0, 1], [0, 1], [0, 2], [0, 2], [1, 2], [1, 3], [3, 4]])  # 4, 4, 3, 2, 1 slots
+    ids = torch.tensor([[0, 1], [0, 1], [0, 1], [0, 1], [0, 2], [0, 2], [1, 2], [3, 2], [3, 4]])  # 6, 5, 4, 2, 1 slots
     w = torch.softmax(torch.randn(T, K, generator=g), -1)
     full = native.moe_dense(x, ids, w, gu, dn)
     assert _rel(full, moe_ref_loop(x, ids, w, gu.float(), dn.float())) < TOL_MOE

@@ -806,7 +806,7 @@ enum { FMT_INT4 = 0, FMT_F32 = 1, FMT_BF16 = 2, FMT_MXFP4 = 3, FMT_FP8 = 4, FMT_
 
 /* acc[r * ald + t] = sum_j w_r[j] * x_t[j] for R adjacent rows (row r at w + r * rs bytes; fp32,
  * bf16 — it widens exactly by a shift — or int8 codes, FMT_I8, whose row scale the caller applies)
- * and NT tokens, R * NT <= DT_N (the accumulators of one tile), NT <= 4. One accumulator per row x
+ * and NT tokens, R * NT <= DT_A (the accumulators of one tile), NT <= DT_TOK. One accumulator per row x
  * token (a 4 x 4 tile loads 8 vectors per 16 multiply-adds; the earlier four partial sums per row x
  * token allowed only one row x 4 tokens, 20 loads per 16). Each tile prefetches its rows' places in
  * the tiles after it (tile_ahead). */
@@ -861,6 +861,8 @@ enum { FMT_INT4 = 0, FMT_F32 = 1, FMT_BF16 = 2, FMT_MXFP4 = 3, FMT_FP8 = 4, FMT_
  * DT_RUN inputs unrolled by DT_UNROLL_RUN (the measured unrolls of each path) */
 #if defined(__AVX512F__)
 #define DT_N 16
+#define DT_A 16
+#define DT_TOK 4
 #define DT_VL 16
 #define DT_VEC __m512
 #define DT_VZERO _mm512_setzero_ps
@@ -874,6 +876,8 @@ enum { FMT_INT4 = 0, FMT_F32 = 1, FMT_BF16 = 2, FMT_MXFP4 = 3, FMT_FP8 = 4, FMT_
                 : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(WB(r) + (jj)))), 16)))
 #elif defined(__AVX2__) && defined(__FMA__)
 #define DT_N 8
+#define DT_A 12
+#define DT_TOK 5
 #define DT_VL 8
 #define DT_VEC __m256
 #define DT_VZERO _mm256_setzero_ps
@@ -887,12 +891,14 @@ enum { FMT_INT4 = 0, FMT_F32 = 1, FMT_BF16 = 2, FMT_MXFP4 = 3, FMT_FP8 = 4, FMT_
                 : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(WB(r) + (jj)))), 16)))
 #else
 #define DT_N 16
+#define DT_A 16
+#define DT_TOK 4
 #endif
 static inline __attribute__((always_inline)) void dense_tile(const uint8_t *w, const long rs, const int FMT, int Kin,
                                                              const int R, const float *const *x, const int NT,
                                                              float *acc, const long ald, const int STREAM) {
     int t, r, j = 0;
-    float out[DT_N];
+    float out[DT_A];
     (void)STREAM; /* only the AVX2 fp32 rows read it */
 #define WF(r) ((const float *)(w + (r) * rs))
 #define WB(r) ((const uint16_t *)(w + (r) * rs))
@@ -904,8 +910,8 @@ static inline __attribute__((always_inline)) void dense_tile(const uint8_t *w, c
      * fixed tree: every row x token sums the same way in any tile, so a token's result does not
      * depend on which tokens or rows share the call (decode is batch-invariant). The AVX-512 and
      * AVX2 paths are one body over the vector macros (DT_V*) defined before this function. */
-    DT_VEC a[DT_N];
-    for (t = 0; t < DT_N; t++) a[t] = DT_VZERO();
+    DT_VEC a[DT_A];
+    for (t = 0; t < DT_A; t++) a[t] = DT_VZERO();
     const long pf = tile_ahead(R * rs, TILE_PREFETCH); /* each row prefetches its place in a later tile */
     if (NT == 1 && FMT == FMT_F32 && STREAM && Kin <= DT_WHOLE_F32) { /* fp32, one token, short rows: each row whole */
 #pragma GCC unroll 16
@@ -928,7 +934,7 @@ static inline __attribute__((always_inline)) void dense_tile(const uint8_t *w, c
             }
     }
     for (; j + DT_VL <= Kin; j += DT_VL) {
-        DT_VEC xv[4];
+        DT_VEC xv[DT_TOK];
         for (t = 0; t < NT; t++) xv[t] = DT_VLOAD(x[t] + j);
         for (r = 0; r < R; r++) {
             if (((j * ES) & 63) == 0) _mm_prefetch((const char *)(w + r * rs) + (long)j * ES + pf, PF_HINT);
@@ -937,6 +943,9 @@ static inline __attribute__((always_inline)) void dense_tile(const uint8_t *w, c
         }
     }
     sum_lanes(a, out);
+#if DT_A > DT_N /* AVX2's 2 x 5 and 2 x 6 tiles: the last sums by the same tree (sum4_256 is sum_lanes's) */
+    if (R * NT > DT_N) _mm_storeu_ps(out + DT_N, sum4_256(a[8], a[9], a[10], a[11]));
+#endif
 #else
     /* portable: eight partial sums per row x token (as vector lanes would; the compiler may
      * vectorise them) — one running sum over a long row would lose more to rounding */
@@ -979,14 +988,20 @@ static inline __attribute__((always_inline)) void dense_tile_m(const uint8_t *w,
  * t*ld). Tile shapes, measured (benchmarks/results/dense_tiles.md):
  * - four or more tokens: tiles of DT_N / 4 rows (rows under 1024 inputs: the reductions and loop
  *   set-up rival their multiply-adds) or 2 rows (longer rows, streamed from memory), each serving
- *   every group of four tokens before the next rows load;
+ *   every group of four tokens before the next rows load; on AVX2 (2-row tiles, DT_TOK 5) a last
+ *   lone token joins the group before it: 5 tokens are one 2 x 5 tile, not 4 + 1, whose one-token
+ *   tile loads and widens each weight vector for a single multiply-add (one thread on a Zen3, the
+ *   demo's head at T = 5: bf16 1.29x, fp32 1.51x; T = 9: 1.16x, 1.24x; other T within 2%;
+ *   benchmarks/results/dense_tail_s26.json). A 2 x 6 tile for two-token tails measured 0.77-0.84x (its 6 inputs, 2
+ *   weights and 12 sums overflow AVX2's 16 registers) and 3 + 3 the same as 4 + 2. An expert's
+ *   token count at B = 16 (2-8 with top-4 of 32) lands on such tails;
  * - three tokens: the same rows; two: DT_N / 2 rows (short) or 4 (long);
  * - one token: 4 rows (16 at once measured 0.91x end to end at B = 1).
  * A last partial tile runs row by row. */
 static inline __attribute__((always_inline)) void dense_tiles(const uint8_t *w, long rs, const int FMT, int Kin, int R,
                                                               const float *x0, long ld, int n, float *acc,
                                                               const int STREAM) {
-    const float *x[4];
+    const float *x[DT_TOK];
     const int wide = Kin < 1024;
     for (int i = 0; i < n && i < 4; i++) x[i] = x0 + i * ld;
     if (n < 4) { /* one token group: tiles of RT rows */
@@ -1004,16 +1019,24 @@ static inline __attribute__((always_inline)) void dense_tiles(const uint8_t *w, 
         return;
     }
     const int RT = wide ? DT_N / 4 : 2; /* each tile's rows serve every token group before the next load */
+    const int n4 = DT_TOK > 4 && n % 4 == 1 ? n - 5 : n; /* tokens in groups of four: a one-token tail joins (above) */
     for (int r = 0; r < R;) {
         const int one = R - r < RT;
-        for (int t = 0; t < n; t += 4) {
-            const int m = n - t < 4 ? n - t : 4;
+        for (int t = 0; t < n4; t += 4) {
+            const int m = n4 - t < 4 ? n4 - t : 4;
             for (int i = 0; i < m; i++) x[i] = x0 + (t + i) * ld;
             float *a = acc + r * ROWS_LD + t;
             if (one) dense_tile_m(w + r * rs, rs, FMT, Kin, 1, x, m, a, STREAM);
             else if (wide) dense_tile_m(w + r * rs, rs, FMT, Kin, DT_N / 4, x, m, a, STREAM);
             else dense_tile_m(w + r * rs, rs, FMT, Kin, 2, x, m, a, STREAM);
         }
+#if DT_TOK > 4
+        if (n4 < n) { /* the last five tokens in one tile (RT is 2 here) */
+            for (int i = 0; i < 5; i++) x[i] = x0 + (n4 + i) * ld;
+            if (one) dense_tile(w + r * rs, rs, FMT, Kin, 1, x, 5, acc + r * ROWS_LD + n4, ROWS_LD, STREAM);
+            else dense_tile(w + r * rs, rs, FMT, Kin, 2, x, 5, acc + r * ROWS_LD + n4, ROWS_LD, STREAM);
+        }
+#endif
         r += one ? 1 : RT;
     }
 }
