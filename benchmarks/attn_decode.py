@@ -26,6 +26,7 @@ sys.path.insert(0, str(ROOT))
 SHAPES = [  # name, B, H, Hkv, hd, cached positions, cache dtype, evict between calls
     ("demo B=16 L=144 (cold)", 16, 4, 2, 64, 144, torch.float32, True),
     ("demo B=16 L=144 (hot)", 16, 4, 2, 64, 144, torch.float32, False),
+    ("demo B=16 L=144 bf16 (hot)", 16, 4, 2, 64, 144, torch.bfloat16, False),  # the demo's CPU default since s25
     ("Qwen3-30B-A3B heads B=1 L=4000", 1, 32, 4, 128, 4000, torch.float32, False),
     ("Qwen3-30B-A3B heads B=1 L=4000 bf16", 1, 32, 4, 128, 4000, torch.bfloat16, False),
     ("Qwen3-30B-A3B heads B=4 L=1000", 4, 32, 4, 128, 1000, torch.float32, False),

@@ -2242,8 +2242,9 @@ static inline float max_of(const float *v, long n) {
 #define PV_STORE _mm256_storeu_ps
 #define PV_LOADF(p) _mm256_loadu_ps(p)
 #define PV_LOADB(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
-#define PV_JB 2 /* HB x PV_JB <= 8 accumulators of 16 registers */
+#define PV_JB 2 /* HB x PV_JB <= 8 accumulators of 16 registers (pv_vec widens it for fewer heads) */
 #endif
+#define PV_JB_MAX (PV_JB == 2 ? 8 : PV_JB) /* the widest tile pv_tile takes: AVX2's one head x 8 vectors */
 /* o[i][j0*PVW .. (j0+JB)*PVW) for HB heads from head i0: the sum over the L positions of p_is v_s
  * in position order, one multiply-add per position into accumulators that stay in registers, so
  * each value vector loaded serves HB heads and o is stored once, not read and written per
@@ -2253,13 +2254,13 @@ static inline __attribute__((always_inline)) void pv_tile(const uint8_t *v0, int
                                                           long s0, long s1, int i0, const int HB, int j0, const int JB,
                                                           float *o) {
     const long es = cfmt == FMT_F32 ? 4 : 2, rs = hd * es;
-    PV_VEC a[4][PV_JB];
+    PV_VEC a[4][PV_JB_MAX];
     for (int i = 0; i < HB; i++) /* positions s0.. go on from the sums of the positions before */
         for (int j = 0; j < JB; j++) a[i][j] = s0 ? PV_LOADF(o + (long)(i0 + i) * hd + (j0 + j) * PVW) : PV_ZERO;
     for (long s = s0; s < s1; s++) {
         const uint8_t *row = v0 + s * rs;
         __builtin_prefetch(row + 8 * rs + j0 * PVW * es, 0, 3); /* eight rows on (the first line this pass reads) */
-        PV_VEC vv[PV_JB];
+        PV_VEC vv[PV_JB_MAX];
         for (int j = 0; j < JB; j++)
             vv[j] = cfmt == FMT_F32 ? PV_LOADF((const float *)row + (j0 + j) * PVW)
                                     : PV_LOADB((const uint16_t *)row + (j0 + j) * PVW);
@@ -2276,10 +2277,27 @@ static inline __attribute__((always_inline)) void pv_tile(const uint8_t *v0, int
 
 /* o [G, hd] = p [G, L] (scores rows, stride L) times the L value rows from v0 (hd % PVW == 0):
  * blocks of PV_ROWS positions, in order, each through tiles of up to 4 heads x PV_JB vectors of
- * dims (pv_tile), so the value rows come from memory once whatever the number of tiles */
+ * dims (AVX2: up to 8 / heads vectors; pv_tile), so the value rows come from memory once whatever the number of tiles */
 static void pv_vec(const uint8_t *v0, int cfmt, int hd, long L, const float *sc, int G, float *o) {
     for (long s0 = 0; s0 < L; s0 += PV_ROWS) {
         const long s1 = L - s0 < PV_ROWS ? L : s0 + PV_ROWS;
+#if PV_JB == 2
+        /* AVX2: eight accumulators whatever the heads (one head x 8 vectors, two x 4, else 2 x 4 or 3):
+         * with HB x 2 only, the demo's two heads per kv head ran four multiply-add chains, each
+         * position waiting on the FMA latency (benchmarks/results/attn_pv_s26.json). Each output
+         * keeps its one sum over the positions in order: bit-equal to any other tiling. */
+        for (int i0 = 0; i0 < G; i0 += 4) {
+            const int HB = G - i0 < 4 ? G - i0 : 4, nv = hd / PVW;
+            int JB = HB == 1 ? 8 : HB == 2 ? 4 : 2;
+            while (nv % JB) JB /= 2;
+            for (int j0 = 0; j0 < nv; j0 += JB) {
+#define PV(h, j) if (HB == h && JB == j) pv_tile(v0, cfmt, hd, L, sc, s0, s1, i0, h, j0, j, o)
+                PV(2, 4); else PV(1, 8); else PV(4, 2); else PV(1, 4); else PV(2, 2); else PV(3, 2);
+                else PV(1, 2); else PV(1, 1); else PV(2, 1); else PV(3, 1); else PV(4, 1);
+#undef PV
+            }
+        }
+#else
         for (int j0 = 0; j0 < hd / PVW; j0 += PV_JB) {
             const int JB = hd / PVW - j0 < PV_JB ? hd / PVW - j0 : PV_JB;
             for (int i0 = 0; i0 < G; i0 += 4) {
@@ -2294,6 +2312,7 @@ static void pv_vec(const uint8_t *v0, int cfmt, int hd, long L, const float *sc,
 #undef PV
             }
         }
+#endif
     }
 }
 
