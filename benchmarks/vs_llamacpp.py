@@ -99,6 +99,7 @@ PAIRS = {"f32": ("F32", dict(dtype="float32")), "bf16": ("BF16", dict(dtype="bfl
          # and with the output head int8 (--int8-head): a GPTQ checkpoint keeps lm_head 16-bit, which
          # Q4_0 holds at Q6_K; on the demo the bf16 head is 2 of the ~3 MB a 4-bit token reads
          "int4attn-q8-int8head": ("Q4_0", dict(dtype="bfloat16", int4_act="q8", int8_head=True)),
+         "int4attn-int8head": ("Q4_0", dict(dtype="bfloat16", int8_head=True)),  # the default activations
          # 8-bit: an FP8 checkpoint as published (Qwen3-*-FP8: e4m3 experts and attention, 128×128
          # block scales; quant/fp8.write_checkpoint from the same weights) vs Q8_0 (int8 per 32)
          "fp8": ("Q8_0", dict(dtype="bfloat16")),
@@ -346,7 +347,7 @@ def run(args) -> dict:
         ggufs = {"bf16": bf16}
         qsrc = f32 if f32.is_file() else bf16
         ggufs |= {"f32": f32, "int4": quantize(bins, qsrc, q4, max(threads))}
-        ggufs["int4attn"] = ggufs["int4attn-f32"] = ggufs["int4attn-q8"] = ggufs["int4attn-q8-int8head"] = ggufs["int4all"] = ggufs["int4all-q8"] = ggufs["int4"]
+        ggufs |= {k: ggufs["int4"] for k, (ll, _) in PAIRS.items() if ll == "Q4_0"}  # every 4-bit pair: the one Q4_0 file
         if "fp8" in kinds:
             ggufs["fp8"] = quantize(bins, qsrc, work / f"{tag}-q8_0.gguf", max(threads), "Q8_0")
         res["models"][model] = {"path": str(path), "checkpoint_bytes_bf16": ckpt_bytes(path),
@@ -412,6 +413,8 @@ def _ours_name(r: dict) -> str:
             "int4attn-f32": f"4-bit ckpt + attn, --int4-act f32 ({r['ours_dtype']})",
             "int4attn-q8": f"4-bit ckpt + attn, --int4-act q8 ({r['ours_dtype']})",
             "int4attn-q8-int8head": f"4-bit ckpt + attn, --int4-act q8 --int8-head ({r['ours_dtype']})",
+            "int4attn-int8head": f"4-bit ckpt + attn, default {r.get('int4_act', 'f32')} activations, --int8-head "
+                                 f"({r['ours_dtype']})",
             "fp8": f"FP8 ckpt, experts + attn 8-bit ({r['ours_dtype']})",
             "int4all": f"--int4 --int4-attn{' --int8-head' if r.get('int8_head') else ''} ({r['ours_dtype']})",
             "int4all-q8": f"--int4 --int4-attn{' --int8-head' if r.get('int8_head') else ''} --int4-act q8 ({r['ours_dtype']})"}.get(r["kind"], r["ours_dtype"])
@@ -501,7 +504,7 @@ def main() -> None:
     ap.add_argument("--bits", default="f32,bf16,int4,int4attn,int4attn-q8",
                     help="pairs: f32 (F32 vs fp32), bf16, int4 (Q4_0 vs --int4), int4attn (Q4_0 vs a lynx-edge "
                          "4-bit checkpoint with 4-bit attention), int4attn-q8 (the same with --int4-act q8), "
-                         "int4attn-q8-int8head (and --int8-head), "
+                         "int4attn-q8-int8head (and --int8-head), int4attn-int8head (default activations, --int8-head), "
                          "fp8 (Q8_0 vs an FP8 checkpoint of the same weights), int4all / int4all-q8 (Q4_0 vs "
                          "--int4 --int4-attn [--int4-act q8])")
     ap.add_argument("--threads", default="1,2")
