@@ -130,7 +130,7 @@ def test_missing_expert_projection_is_named(q3, tmp_path):
             _load(dst, **kw)
 
 
-def test_default_cpu_dtype_widens_only_small_checkpoints_without_native_bf16(monkeypatch):
+def test_default_cpu_dtype_follows_the_kernels_the_checkpoint_and_its_size(monkeypatch):
     from lynx_edge.kernels import native
 
     cfg = ModelConfig.from_dict(json.loads((ROOT / "lynx_edge/demo/config.json").read_text()))

@@ -218,3 +218,34 @@ def test_bad_quantization_config_is_one_line(tmp_path):
     with pytest.raises(ConfigError, match="bits") as exc:
         _engine(dst)
     assert "\n" not in str(exc.value)
+
+
+def test_fp16_export_runs_bf16_on_a_cpu(tmp_path, monkeypatch):
+    """A published AWQ / GPTQ export is fp16 (awq_tiny: torch_dtype float16, fp16 scales, norms and
+    embeddings). Past the fp32 size rule it loads bf16 where the native kernels run, not fp16 on
+    torch's ops (~10x slower there), and its logits stay within bf16 rounding of the float reference."""
+    from lynx_edge import build
+    from lynx_edge.kernels import native
+
+    if native.lib() is None:
+        pytest.skip("native kernels not built")
+    monkeypatch.delenv("LYNX_EDGE_CPU_DTYPE", raising=False)  # the default rule, not the suite's pin
+    monkeypatch.setenv("LYNX_EDGE_CPU_BF16", "0")  # a CPU without native bf16 math (this kind of box)
+    monkeypatch.setattr(build, "CPU_FP32_MAX_BYTES", 0)  # as if it were a real multi-GB export
+    src = FIX / "awq_tiny"
+    ref = _logits(_engine(float_reference(src, tmp_path / "ref")))
+    eng = Engine.from_pretrained(src, device="cpu")
+    assert eng.model.embed_tokens.dtype == torch.bfloat16
+    kinds = {type(eng.model.layers[i].mlp.experts).__name__ for i in eng.cfg.moe_layer_ids}
+    assert kinds == {"Int4MoEExperts"}
+    got = _logits(eng).float()
+
+    def rel(x):
+        return ((x - ref).abs().max() / ref.abs().max()).item()
+
+    err = rel(got)
+    print("fp16 export as bf16: max |Δlogit| / max |logit|", err)
+    assert err < 1.5e-2, err  # observed 5.8e-3 (bf16 keeps 8 significant bits: 3.9e-3 per value)
+    packed = next(eng.model.layers[i].mlp.experts.packed for i in eng.cfg.moe_layer_ids)
+    packed.gu_s.mul_(1.25)  # one layer's gate/up scales off: the comparison must notice
+    assert rel(_logits(eng).float()) > 3 * err
