@@ -247,12 +247,21 @@ def test_bad_lynx_value_fails_before_the_model_loads(cmd, tmp_path):
 
 
 def test_boolean_options_are_plain_flags():
+    """No flag shows a type (typer 0.2x prints `<bool>` beside every flag, --help too) or a --no- twin,
+    in any command's help; options that take a value keep theirs."""
     from lynx_edge.cli.main import app
 
-    for cmd in ("chat", "bench", "info"):
-        r = CliRunner().invoke(app, [cmd, "--help"], env={"COLUMNS": "200"})
-        lines = [ln for ln in r.stdout.splitlines() if "--int4" in ln or "--offload" in ln]
-        assert lines and not any("<bool>" in ln or "--no-" in ln for ln in lines), (cmd, lines)
+    cmds = [c.name or c.callback.__name__ for c in app.registered_commands]
+    assert {"chat", "bench", "info", "quantize", "serve"} <= set(cmds)
+    for cmd in [[]] + [[c] for c in cmds]:
+        r = CliRunner().invoke(app, [*cmd, "--help"], env={"COLUMNS": "200"})
+        assert r.exit_code == 0 and "--help" in r.stdout, (cmd, r.output)
+        bad = [ln for ln in r.stdout.splitlines() if "<bool>" in ln or "--no-" in ln]
+        assert not bad, (cmd, bad)
+        if cmd in (["chat"], ["bench"], ["info"]):
+            assert any("--int4 " in ln for ln in r.stdout.splitlines()), cmd
+        if cmd == ["bench"]:
+            assert "<f32|q16|q8>" in r.stdout and "<int>" in r.stdout  # value types still shown
 
 
 # LYNX cheap on CPU -----------------------------------------------------------------------------

@@ -15,6 +15,22 @@ from ..threads import set_threads
 from .common import explain
 from .options import Threads
 
+def _flags_show_no_type() -> None:
+    """typer 0.2x prints `<bool>` beside every flag in help (--help itself too), as if it took a value;
+    a flag takes none, so its type column stays empty (options with a metavar of their own keep it)."""
+    cls = getattr(getattr(typer, "core", None), "TyperOption", None)
+    shown = getattr(cls, "display_type_rich", None)
+    if shown is None or getattr(shown, "_flags_plain", False):  # another typer, or already done
+        return
+
+    def display_type_rich(self, ctx):
+        return None if getattr(self, "is_flag", False) and self.metavar is None else shown(self, ctx)
+
+    display_type_rich._flags_plain = True
+    cls.display_type_rich = display_type_rich
+
+
+_flags_show_no_type()
 app = typer.Typer(name="lynx-edge", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
                   help="Fast Mixture-of-Experts inference on one edge GPU or CPU, with LYNX expert selection.")
 
