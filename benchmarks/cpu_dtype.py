@@ -95,14 +95,14 @@ def _quality(engines: dict, windows: int) -> dict | None:
     greedy token equals fp32's (eval's exact pass: prefill 64, then decode steps on the true tokens)."""
     import math
 
-    from lynx_edge.eval import _run, load_sequences
+    from lynx_edge.eval import load_sequences, run_windows
 
     try:
         seqs = load_sequences(engines["float32"], num_seqs=windows, seq_len=128)
     except (FileNotFoundError, ValueError) as e:
         print(f"quality skipped: {e}")
         return None
-    runs = {d: _run(e, seqs, min(16, len(seqs)), 64) for d, e in engines.items()}
+    runs = {d: run_windows(e, seqs, min(16, len(seqs)), 64) for d, e in engines.items()}
     ppl = {d: math.exp(r.nll.mean().item()) for d, r in runs.items()}
     agree = (runs["float32"].argmax == runs["bfloat16"].argmax).float().mean().item() * 100
     print(f"quality: ppl fp32 {ppl['float32']:.4f} bf16 {ppl['bfloat16']:.4f}, top-1 agreement {agree:.2f}%")

@@ -64,7 +64,11 @@ def _teacher_forced(engine, seqs: list[list[int]], prefill_len: int) -> _Pass:
                  stats.unique_per_layer(decode_only=True))
 
 
-def _run(engine, seqs, B, prefill_len) -> _Pass:
+def run_windows(engine, seqs, B, prefill_len) -> _Pass:
+    """Teacher-forced passes over the windows, B at a time (an exact prefill of prefill_len tokens,
+    then batched decode steps on the true tokens) in the engine's current routing → the pooled
+    per-token NLL, greedy argmax and mean unique experts per layer (a part of evaluate; the
+    benchmarks compare dtypes with it)."""
     parts = [_teacher_forced(engine, seqs[i : i + B], prefill_len) for i in range(0, len(seqs) - B + 1, B)]
     return _Pass(torch.cat([p.nll for p in parts]), torch.cat([p.argmax for p in parts]),
                  sum(p.unique for p in parts) / len(parts))
@@ -90,10 +94,10 @@ def evaluate(engine, batch_sizes=(1, 4, 8, 16, 32), lynx="lynx", seqs: list[list
             if B > len(seqs):
                 continue
             engine.set_lynx("off")
-            exact = _run(engine, seqs, B, prefill_len)
+            exact = run_windows(engine, seqs, B, prefill_len)
             for mode in modes:
                 engine.set_lynx(mode)
-                rows.append({"mode": str(getattr(mode, "mode", mode)), **_compare(B, exact, _run(engine, seqs, B, prefill_len))})
+                rows.append({"mode": str(getattr(mode, "mode", mode)), **_compare(B, exact, run_windows(engine, seqs, B, prefill_len))})
     finally:
         engine.model.routing.stats.record = recording
         engine.set_lynx(mode_before.cfg if mode_before is not None else "off")
