@@ -995,10 +995,11 @@ static inline __attribute__((always_inline)) void dense_tile_m(const uint8_t *w,
  *   benchmarks/results/dense_tail_s26.json). A 2 x 6 tile for two-token tails measured 0.77-0.84x (its 6 inputs, 2
  *   weights and 12 sums overflow AVX2's 16 registers) and 3 + 3 the same as 4 + 2. An expert's
  *   token count at B = 16 (2-8 with top-4 of 32) lands on such tails;
- * - three tokens: 4 rows for short rows (on AVX2 12 sums, DT_A: 4 rows share each input load and
- *   reduction; the demo's bf16 head and q/k/v at T = 3 1.10-1.20x, fp32 0.96-1.0x; a variant
- *   keeping fp32 at 2 x 3 measured bf16 0.80-0.87x with near-identical bf16 code: loop placement,
- *   so read these within ~10%), else 2; two: DT_N / 2 rows (short) or 4 (long);
+ * - three tokens: 4 rows (on AVX2 12 sums, DT_A: 4 rows share each input load and reduction; at
+ *   T = 3 the demo's bf16 head and q/k/v 1.10-1.24x, Qwen3-30B-A3B's bf16 o_proj from DRAM 1.22x and
+ *   expert gate/up 1.07x, fp32 0.96-1.02x; a variant keeping fp32 at 2 x 3 measured bf16 0.80-0.87x
+ *   with near-identical bf16 code: loop placement, so read these within ~10%); two: DT_N / 2 rows
+ *   (short) or 4 (long);
  * - one token: 4 rows (16 at once measured 0.91x end to end at B = 1).
  * A last partial tile runs row by row. */
 static inline __attribute__((always_inline)) void dense_tiles(const uint8_t *w, long rs, const int FMT, int Kin, int R,
@@ -1008,15 +1009,14 @@ static inline __attribute__((always_inline)) void dense_tiles(const uint8_t *w, 
     const int wide = Kin < 1024;
     for (int i = 0; i < n && i < 4; i++) x[i] = x0 + i * ld;
     if (n < 4) { /* one token group: tiles of RT rows */
-        const int RT = n == 1 ? 4 : n == 2 ? (wide ? DT_N / 2 : 4) : (wide ? 4 : 2);
+        const int RT = n == 1 ? 4 : n == 2 ? (wide ? DT_N / 2 : 4) : 4;
         for (int r = 0; r < R;) {
             const int one = R - r < RT;
             if (one) dense_tile_m(w + r * rs, rs, FMT, Kin, 1, x, n, acc + r * ROWS_LD, STREAM);
             else if (n == 1) dense_tile(w + r * rs, rs, FMT, Kin, 4, x, 1, acc + r * ROWS_LD, ROWS_LD, STREAM);
             else if (n == 2 && wide) dense_tile(w + r * rs, rs, FMT, Kin, DT_N / 2, x, 2, acc + r * ROWS_LD, ROWS_LD, STREAM);
             else if (n == 2) dense_tile(w + r * rs, rs, FMT, Kin, 4, x, 2, acc + r * ROWS_LD, ROWS_LD, STREAM);
-            else if (wide) dense_tile(w + r * rs, rs, FMT, Kin, 4, x, 3, acc + r * ROWS_LD, ROWS_LD, STREAM);
-            else dense_tile(w + r * rs, rs, FMT, Kin, 2, x, 3, acc + r * ROWS_LD, ROWS_LD, STREAM);
+            else dense_tile(w + r * rs, rs, FMT, Kin, 4, x, 3, acc + r * ROWS_LD, ROWS_LD, STREAM);
             r += one ? 1 : RT;
         }
         return;
