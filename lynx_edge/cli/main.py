@@ -15,6 +15,7 @@ from ..threads import set_threads
 from .common import explain
 from .options import Threads
 
+
 def _flags_show_no_type() -> None:
     """typer 0.2x prints `<bool>` beside every flag in help (--help itself too), as if it took a value;
     a flag takes none, so its type column stays empty (options with a metavar of their own keep it)."""

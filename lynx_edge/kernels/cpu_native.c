@@ -943,7 +943,7 @@ static inline __attribute__((always_inline)) void dense_tile(const uint8_t *w, c
         }
     }
     sum_lanes(a, out);
-#if DT_A > DT_N /* AVX2's 2 x 5 and 2 x 6 tiles: the last sums by the same tree (sum4_256 is sum_lanes's) */
+#if DT_A > DT_N /* AVX2's 2 x 5 and 4 x 3 tiles: the last sums by the same tree (sum4_256 is sum_lanes's) */
     if (R * NT > DT_N) _mm_storeu_ps(out + DT_N, sum4_256(a[8], a[9], a[10], a[11]));
 #endif
 #else
@@ -992,14 +992,14 @@ static inline __attribute__((always_inline)) void dense_tile_m(const uint8_t *w,
  *   lone token joins the group before it: 5 tokens are one 2 x 5 tile, not 4 + 1, whose one-token
  *   tile loads and widens each weight vector for a single multiply-add (one thread on a Zen3, the
  *   demo's head at T = 5: bf16 1.29x, fp32 1.51x; T = 9: 1.16x, 1.24x; other T within 2%;
- *   benchmarks/results/dense_tail_s26.json). A 2 x 6 tile for two-token tails measured 0.77-0.84x (its 6 inputs, 2
- *   weights and 12 sums overflow AVX2's 16 registers) and 3 + 3 the same as 4 + 2. An expert's
- *   token count at B = 16 (2-8 with top-4 of 32) lands on such tails;
+ *   benchmarks/results/dense_tail_s26.json). A 2 x 6 tile for two-token tails measured 0.77-0.84x
+ *   (its 6 inputs, 2 weights and 12 sums overflow AVX2's 16 registers) and 3 + 3 the same as 4 + 2.
+ *   An expert's token count at B = 16 (2-8 with top-4 of 32) lands on such tails;
  * - three tokens: 4 rows (on AVX2 12 sums, DT_A: 4 rows share each input load and reduction; at
  *   T = 3 the demo's bf16 head and q/k/v 1.10-1.24x, Qwen3-30B-A3B's bf16 o_proj from DRAM 1.22x and
  *   expert gate/up 1.07x, fp32 0.96-1.02x; a variant keeping fp32 at 2 x 3 measured bf16 0.80-0.87x
- *   with near-identical bf16 code: loop placement, so read these within ~10%); two: DT_N / 2 rows
- *   (short) or 4 (long);
+ *   with near-identical bf16 code: loop placement, so read these within ~10%); AVX-512 keeps 2 rows
+ *   for long rows (unmeasured there); two: DT_N / 2 rows (short) or 4 (long);
  * - one token: 4 rows (16 at once measured 0.91x end to end at B = 1).
  * A last partial tile runs row by row. */
 static inline __attribute__((always_inline)) void dense_tiles(const uint8_t *w, long rs, const int FMT, int Kin, int R,
@@ -1009,14 +1009,15 @@ static inline __attribute__((always_inline)) void dense_tiles(const uint8_t *w, 
     const int wide = Kin < 1024;
     for (int i = 0; i < n && i < 4; i++) x[i] = x0 + i * ld;
     if (n < 4) { /* one token group: tiles of RT rows */
-        const int RT = n == 1 ? 4 : n == 2 ? (wide ? DT_N / 2 : 4) : 4;
+        const int RT = n == 1 ? 4 : n == 2 ? (wide ? DT_N / 2 : 4) : (wide || DT_N == 8 ? 4 : 2);
         for (int r = 0; r < R;) {
             const int one = R - r < RT;
             if (one) dense_tile_m(w + r * rs, rs, FMT, Kin, 1, x, n, acc + r * ROWS_LD, STREAM);
             else if (n == 1) dense_tile(w + r * rs, rs, FMT, Kin, 4, x, 1, acc + r * ROWS_LD, ROWS_LD, STREAM);
             else if (n == 2 && wide) dense_tile(w + r * rs, rs, FMT, Kin, DT_N / 2, x, 2, acc + r * ROWS_LD, ROWS_LD, STREAM);
             else if (n == 2) dense_tile(w + r * rs, rs, FMT, Kin, 4, x, 2, acc + r * ROWS_LD, ROWS_LD, STREAM);
-            else dense_tile(w + r * rs, rs, FMT, Kin, 4, x, 3, acc + r * ROWS_LD, ROWS_LD, STREAM);
+            else if (RT == 4) dense_tile(w + r * rs, rs, FMT, Kin, 4, x, 3, acc + r * ROWS_LD, ROWS_LD, STREAM);
+            else dense_tile(w + r * rs, rs, FMT, Kin, 2, x, 3, acc + r * ROWS_LD, ROWS_LD, STREAM);
             r += one ? 1 : RT;
         }
         return;
@@ -2280,12 +2281,13 @@ static inline __attribute__((always_inline)) void pv_tile(const uint8_t *v0, int
 
 /* o [G, hd] = p [G, L] (scores rows, stride L) times the L value rows from v0 (hd % PVW == 0):
  * blocks of PV_ROWS positions, in order, each through tiles of up to 4 heads x PV_JB vectors of
- * dims (AVX2: up to 8 / heads vectors; pv_tile), so the value rows come from memory once whatever the number of tiles */
+ * dims (AVX2: up to 8 / heads vectors; pv_tile), so the value rows come from memory once whatever
+ * the number of tiles */
 static void pv_vec(const uint8_t *v0, int cfmt, int hd, long L, const float *sc, int G, float *o) {
     for (long s0 = 0; s0 < L; s0 += PV_ROWS) {
         const long s1 = L - s0 < PV_ROWS ? L : s0 + PV_ROWS;
 #if PV_JB == 2
-        /* AVX2: eight accumulators whatever the heads (one head x 8 vectors, two x 4, else 2 x 4 or 3):
+        /* AVX2: eight accumulators whatever the heads (one head x 8 vectors, two x 4, three or four x 2):
          * with HB x 2 only, the demo's two heads per kv head ran four multiply-add chains, each
          * position waiting on the FMA latency (benchmarks/results/attn_pv_s26.json). Each output
          * keeps its one sum over the positions in order: bit-equal to any other tiling. */
