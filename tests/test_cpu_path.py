@@ -262,6 +262,9 @@ def test_boolean_options_are_plain_flags():
             assert any("--int4 " in ln for ln in r.stdout.splitlines()), cmd
         if cmd == ["bench"]:
             assert "<f32|q16|q8>" in r.stdout and "<int>" in r.stdout  # value types still shown
+        if cmd and cmd[0] in ("chat", "bench", "info", "quantize", "serve", "eval"):
+            usage = next(ln for ln in r.stdout.splitlines() if "Usage:" in ln)
+            assert "MODEL" in usage, usage  # the argument named as the docs name it
 
 
 # LYNX cheap on CPU -----------------------------------------------------------------------------

@@ -9,8 +9,8 @@ import typer
 
 MODEL_HELP = "local directory, HF repo id (org/name) or alias (demo, mixtral-8x7b, qwen3-30b-a3b, …)"
 
-Model = Annotated[str, typer.Argument(help=MODEL_HELP, show_default=True)]
-RequiredModel = Annotated[str, typer.Argument(help=MODEL_HELP)]
+Model = Annotated[str, typer.Argument(help=MODEL_HELP, show_default=True, metavar="MODEL")]
+RequiredModel = Annotated[str, typer.Argument(help=MODEL_HELP, metavar="MODEL")]
 
 # engine construction
 Lynx = Annotated[str, typer.Option("--lynx", help="expert selection: off (exact) | on | budget:M | lynx-mass:T")]
