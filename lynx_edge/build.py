@@ -114,7 +114,8 @@ def default_dtype(device: torch.device, cfg: ModelConfig, ckpt_bytes: int) -> to
         return torch.float32
     if ckpt == torch.float16 and _native_kernels():
         # the native kernels have no fp16 rows: an fp16 model would decode on torch's ops (the demo's
-        # 4-bit checkpoint: 3.6 ms a token against 0.49 in bf16). bf16 halves fp32's bytes; it rounds
+        # 4-bit checkpoint exported fp16: 4.01 ms a token against 0.34 in bf16,
+        # benchmarks/results/fp16_checkpoint_cpu_s25.json). bf16 halves fp32's bytes; it rounds
         # what the checkpoint keeps unquantized (embeddings, head, norms, routers) to 8 significant
         # bits — exactly the values an fp16 export of a bf16-trained model holds (GPTQ / AWQ
         # checkpoints are mostly such exports); --dtype float32 keeps them exact

@@ -77,7 +77,7 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def root(
-    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, metavar="",
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
                                           help="print the version and exit")] = False,
 ) -> None:
     """Fast Mixture-of-Experts inference on one edge GPU or CPU, with LYNX expert selection."""

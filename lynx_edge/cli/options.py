@@ -14,12 +14,12 @@ RequiredModel = Annotated[str, typer.Argument(help=MODEL_HELP, metavar="MODEL")]
 
 # engine construction
 Lynx = Annotated[str, typer.Option("--lynx", help="expert selection: off (exact) | on | budget:M | lynx-mass:T")]
-# boolean options are plain flags: metavar "" so help shows `--int4`, not `--int4 <bool>`
-Offload = Annotated[bool, typer.Option("--offload", metavar="", help="keep experts in host memory, cache hot ones on the GPU")]
-Int4 = Annotated[bool, typer.Option("--int4", metavar="", help="INT4 experts (quantized at load time or from a GPTQ checkpoint)")]
-Int4Attn = Annotated[bool, typer.Option("--int4-attn", metavar="", help="CPU: attention and dense projections INT4 "
+# boolean options are plain flags: help shows `--int4`, not `--int4 <bool>` (cli/main.py, for every flag)
+Offload = Annotated[bool, typer.Option("--offload", help="keep experts in host memory, cache hot ones on the GPU")]
+Int4 = Annotated[bool, typer.Option("--int4", help="INT4 experts (quantized at load time or from a GPTQ checkpoint)")]
+Int4Attn = Annotated[bool, typer.Option("--int4-attn", help="CPU: attention and dense projections INT4 "
                                          "too, quantized at load (RTN; approximate, like llama.cpp's Q4_0)")]
-Int8Head = Annotated[bool, typer.Option("--int8-head", metavar="", help="CPU: the output head int8 with a scale per "
+Int8Head = Annotated[bool, typer.Option("--int8-head", help="CPU: the output head int8 with a scale per "
                                         "row, quantized at load (half of bf16's bytes per token; approximate)")]
 
 
@@ -54,7 +54,7 @@ RepeatPenalty = Annotated[Optional[float], typer.Option("--repeat-penalty", help
 # chat prompt (llama.cpp names)
 ChatTemplateKwargs = Annotated[Optional[str], typer.Option(
     "--chat-template-kwargs", help='JSON object passed to the chat template, e.g. \'{"enable_thinking": false}\'')]
-VerbosePrompt = Annotated[bool, typer.Option("--verbose-prompt", metavar="", help="print each rendered prompt (stderr) before the answer")]
+VerbosePrompt = Annotated[bool, typer.Option("--verbose-prompt", help="print each rendered prompt (stderr) before the answer")]
 
 # bench / eval
 BatchSizes = Annotated[str, typer.Option("--batch-size", "-b", help="comma-separated batch sizes, e.g. 1,4,16")]
