@@ -14,6 +14,7 @@ Two parts:
     python benchmarks/dense_tiles.py --base HEAD~1 --skip-linear --model mixtral --dtype float32,bfloat16 \
         --batch 1,16 --threads 1 --out benchmarks/results/dense_prefetch.json   # vs_transformers.py's model
     LYNX_EDGE_NATIVE_ARCH=haswell python benchmarks/dense_tiles.py ...    # the AVX2 build
+    python benchmarks/dense_tiles.py --base HEAD~1 --skip-linear --pad 8192 --batch 1,4,16 --threads 1  # padded demo
     python benchmarks/dense_tiles.py --base HEAD~1 --skip-linear --model CKPT_4BIT --dtype bfloat16 --int4-act q8
 """
 from __future__ import annotations
@@ -71,7 +72,7 @@ def linear_rows(builds, rounds: int, tokens: tuple = TOKENS, dtypes: tuple = (to
 
 
 def demo_rows(builds, rounds: int, threads: int, model: str = "demo", dtype: str | None = None,
-              batches: tuple = (1, 4, 16), int4_act: str | None = None, int8_head: bool = False) -> list:
+              batches: tuple = (1, 4, 16), int4_act: str | None = None, int8_head: bool = False, pad: int = 0) -> list:
     from lynx_edge import Engine
     from lynx_edge.bench import measure, synthetic_prompts
     from lynx_edge.threads import set_threads
@@ -85,6 +86,10 @@ def demo_rows(builds, rounds: int, threads: int, model: str = "demo", dtype: str
         model = str(make_checkpoint(Path(tempfile.mkdtemp()) / "mixtral-8l-512"))
         set_threads(threads, explicit=True)  # importing the tests' conftest set torch's threads
     eng = Engine.from_pretrained(model, device="cpu", dtype=dtype, max_num_seqs=16, int4_act=int4_act, int8_head=int8_head)
+    if pad:  # lynx_cpu.py's zero-padded experts: the same outputs, experts from DRAM
+        from lynx_cpu import pad_experts  # beside this script
+
+        pad_experts(eng, pad)
     rows = []
     for B in batches:
         prompts = synthetic_prompts(eng, B, 128)
@@ -97,7 +102,7 @@ def demo_rows(builds, rounds: int, threads: int, model: str = "demo", dtype: str
                     eng.set_lynx(m)
                     tp[(tag, m)].append(measure(eng, prompts, 32)["tpot_ms"])
         row = {"model": Path(model).name, "dtype": str(eng.model.embed_tokens.dtype)[6:], "batch": B,
-               "threads": threads, "int4_act": int4_act, "int8_head": int8_head}
+               "threads": threads, "int4_act": int4_act, "int8_head": int8_head, "pad": pad}
         for m in modes:
             row[m] = {"base_tpot_ms": round(statistics.median(tp[("base", m)]), 4),
                       "tree_tpot_ms": round(statistics.median(tp[("tree", m)]), 4),
@@ -123,6 +128,7 @@ def main() -> None:
     ap.add_argument("--int4-act", default=None, choices=("f32", "q16", "q8"),
                     help="activations of a 4-bit checkpoint's rows (--model PATH): lynx-edge's --int4-act")
     ap.add_argument("--int8-head", action="store_true", help="lynx-edge's --int8-head")
+    ap.add_argument("--pad", type=int, default=0, help="zero-pad the experts to this intermediate size (lynx_cpu.py)")
     a = ap.parse_args()
     builds = Builds(a.base, "dense_tiles")
     run = builds.header("native dense rows, this tree vs --base (same process, alternating rounds)", a.rounds)
@@ -132,7 +138,7 @@ def main() -> None:
                                              tuple(getattr(torch, d) for d in a.linear_dtypes.split(",")), shapes)
     run["demo_end_to_end"] = [row for dt in (a.dtype or "").split(",") for row in demo_rows(
         builds, a.rounds, a.threads, a.model, dt or None, tuple(int(b) for b in a.batch.split(",")), a.int4_act,
-        a.int8_head)]
+        a.int8_head, a.pad)]
     append_run(Path(a.out), run)
 
 

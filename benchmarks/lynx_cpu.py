@@ -36,6 +36,11 @@ def pad_experts(engine, inter: int) -> float:
         ex.gate_up = torch.nn.Parameter(gu, requires_grad=False)
         ex.down = torch.nn.Parameter(dn, requires_grad=False)
         total += gu.numel() * gu.element_size() + dn.numel() * dn.element_size()
+    from lynx_edge.kernels import native
+
+    for layer in engine.model.layers:  # the builder's rule for the padded size (they now come from DRAM)
+        if layer.is_moe:
+            layer.mlp.experts.streamed = native.streamed(total)
     return total / 1e9
 
 

@@ -323,6 +323,11 @@ def _backends(cfg: ModelConfig, dt, dev, int4: bool, group, sym, mixed, rt, act:
     """layer → its expert backend (a load sink), chosen once here."""
     D, I, E = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
     own = getattr(FAMILIES[cfg.model_type], "experts", None)  # a family with its own expert math (gpt-oss)
+    from .kernels import native
+
+    # 16-bit experts on a CPU: do all layers' experts outgrow the last-level cache (each step then reads
+    # its experts from DRAM)? The native kernel's read order follows (native.streamed).
+    streamed = native.streamed(len(cfg.moe_layer_ids) * E * 3 * D * I * dt.itemsize)
 
     def make(layer: int):
         if rt is not None:  # the store's format carries the family's expert math and reader
@@ -339,7 +344,9 @@ def _backends(cfg: ModelConfig, dt, dev, int4: bool, group, sym, mixed, rt, act:
             from .quant.fp8 import Fp8MoEExperts
 
             return Fp8MoEExperts(E, D, I, fp8_block, dev)
-        return StackedExperts(E, D, I, dt, dev)
+        stacked = StackedExperts(E, D, I, dt, dev)
+        stacked.streamed = streamed
+        return stacked
 
     return make
 

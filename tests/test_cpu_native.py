@@ -133,7 +133,7 @@ def test_model_paths_use_the_kernels(monkeypatch):
     from lynx_edge.models import layers
 
     calls = []
-    monkeypatch.setattr(native, "moe_dense", lambda *a: calls.append("moe") or moe_ref_loop(*a))
+    monkeypatch.setattr(native, "moe_dense", lambda *a: calls.append("moe") or moe_ref_loop(*a[:5]))
     monkeypatch.setattr(native, "linear", lambda x, w, b=None: calls.append("linear") or F.linear(x, w, b))
     x, ids, w, gu, dn = _moe_problem(4, 2, 4, 64, 32, torch.bfloat16)
     layers.cpu_moe(x.bfloat16(), ids, w, gu, dn)
@@ -795,23 +795,27 @@ def test_row_tiles_are_batch_and_row_invariant(kind, Kin):
         assert torch.equal(run(x[:n_tok], slice(2, 6)), full[:, 2:6])  # a tile that starts mid-way
 
 
+@pytest.mark.parametrize("stream", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_dense_moe_tokens_alone_equal_their_batch(dtype):
-    """The dense experts' rows: a token alone (one slot per expert: the one-token tiles, which on
-    AVX2 read fp32 expert rows of <= 512 inputs whole) equals itself inside a batch where its experts
-    are shared with 1-5 other tokens (interleaved multi-token tiles: 5 slots are AVX2's 2 x 5 tile,
-    6 a group of 4 and one of 2), bit for bit. Gate/up rows of 256 inputs, down rows of 100 (a scalar tail after 96)."""
+def test_dense_moe_tokens_alone_equal_their_batch(dtype, stream):
+    """The dense experts' rows: a token alone (one slot per expert: the one-token tiles) equals
+    itself inside a batch where its experts are shared with 1-5 other tokens (interleaved multi-token
+    tiles: 5 slots are AVX2's 2 x 5 tile, 6 a group of 4 and one of 2), bit for bit; and experts read
+    as streamed from DRAM (on AVX2: fp32 rows of <= 512 inputs whole at one token, bf16 ones at 1-3
+    tokens) give the same bits as read from cache. Gate/up rows of 256 inputs, down rows of 100 (a
+    scalar tail after 96)."""
     g = torch.Generator().manual_seed(6)
-    E, D, I, T, K = 5, 256, 100, 9, 2
+    E, D, I, T, K = 5, 256, 100, 10, 2
     gu = (torch.randn(E, 2 * I, D, generator=g) / D**0.5).to(dtype)
     dn = (torch.randn(E, D, I, generator=g) / I**0.5).to(dtype)
     x = torch.randn(T, D, generator=g)
-    ids = torch.tensor([[0, 1], [0, 1], [0, 1], [0, 1], [0, 2], [0, 2], [1, 2], [3, 2], [3, 4]])  # 6, 5, 4, 2, 1 slots
+    ids = torch.tensor([[0, 1], [0, 1], [0, 1], [0, 1], [0, 2], [0, 2], [1, 2], [3, 2], [3, 4], [3, 4]])  # 6, 5, 4, 3, 2 slots
     w = torch.softmax(torch.randn(T, K, generator=g), -1)
-    full = native.moe_dense(x, ids, w, gu, dn)
+    full = native.moe_dense(x, ids, w, gu, dn, stream)
     assert _rel(full, moe_ref_loop(x, ids, w, gu.float(), dn.float())) < TOL_MOE
+    assert torch.equal(full, native.moe_dense(x, ids, w, gu, dn, not stream))
     for t in range(T):
-        assert torch.equal(native.moe_dense(x[t:t + 1], ids[t:t + 1], w[t:t + 1], gu, dn), full[t:t + 1]), t
+        assert torch.equal(native.moe_dense(x[t:t + 1], ids[t:t + 1], w[t:t + 1], gu, dn, stream), full[t:t + 1]), t
 
 
 @pytest.mark.parametrize("act", ["f32", "q8", "q16"])

@@ -224,3 +224,33 @@ def test_int4_activations_default_to_q16_where_vectorised(q3, monkeypatch):
     assert eng.model.layers[0]._native is None or eng.model.layers[0]._native.moe_plan.act == native.act_code(None)
     monkeypatch.setattr(native, "INT4_ACT", "q8")
     assert native.default_int4_act() == "q8"
+
+
+@pytest.mark.parametrize("llc", [1 << 10, 1 << 40])
+def test_expert_read_order_follows_the_cache_rule(q3, llc, monkeypatch):
+    """The builder marks 16-bit experts streamed when all layers' experts outgrow the last-level
+    cache (native.streamed); the flag reaches the layer's native plan and the module path, and the
+    logits are the same bits either way (the read order changes, not the sums)."""
+    monkeypatch.setattr(native, "llc_bytes", lambda: llc)
+    eng = Engine.from_pretrained(q3, device="cpu", dtype="bfloat16", max_num_seqs=3)
+    moe = [layer.mlp.experts for layer in eng.model.layers]
+    assert all(ex.streamed is (llc == 1 << 10) for ex in moe)
+    got = _decode(eng, 3)
+    assert all(nl.moe_plan.stream == int(llc == 1 << 10) for nl in (layer._native for layer in eng.model.layers))
+    for ex in moe:
+        ex.streamed = not ex.streamed
+    monkeypatch.setattr(native_layer, "NATIVE_LAYERS", False)  # the module path, the other order
+    assert torch.equal(_decode(eng, 3), got)
+
+
+def test_last_level_cache_is_read_from_sysfs(tmp_path):
+    for index, size in ((2, "512K"), (3, "32768K")):
+        (tmp_path / f"index{index}").mkdir()
+        (tmp_path / f"index{index}" / "size").write_text(size + "\n")
+    assert native.llc_bytes.__wrapped__(str(tmp_path)) == 32 << 20
+    (tmp_path / "index3" / "size").unlink()
+    assert native.llc_bytes.__wrapped__(str(tmp_path)) == 512 << 10  # no L3: the L2
+    (tmp_path / "index2" / "size").write_text("lots\n")
+    assert native.llc_bytes.__wrapped__(str(tmp_path / "none")) is None
+    assert native.llc_bytes.__wrapped__(str(tmp_path)) is None
+    assert native.streamed(1) is False or native.llc_bytes() is None  # 1 byte fits any cache

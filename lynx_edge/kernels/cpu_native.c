@@ -855,6 +855,9 @@ enum { FMT_INT4 = 0, FMT_F32 = 1, FMT_BF16 = 2, FMT_MXFP4 = 3, FMT_FP8 = 4, FMT_
 #ifndef ROW_WHOLE_F32_AVX2
 #define ROW_WHOLE_F32_AVX2 512
 #endif
+#ifndef ROW_WHOLE_BF16_AVX2
+#define ROW_WHOLE_BF16_AVX2 512
+#endif
 #define DT_PRAGMA(x) _Pragma(#x)
 /* dense_tile's vector macros: DT_N accumulators of DT_VL lanes, one weight vector of row r at input
  * jj widened to fp32 (DT_WAT: fp32 loads, int8 codes convert, bf16 widens by a shift), runs of
@@ -871,6 +874,7 @@ enum { FMT_INT4 = 0, FMT_F32 = 1, FMT_BF16 = 2, FMT_MXFP4 = 3, FMT_FP8 = 4, FMT_
 #define DT_RUN ROW_RUN
 #define DT_UNROLL_RUN DT_PRAGMA(GCC unroll 4)
 #define DT_WHOLE_F32 0
+#define DT_WHOLE_BF16 0
 #define DT_WAT(r, jj) (FMT == FMT_F32 ? _mm512_loadu_ps(WF(r) + (jj)) \
                 : FMT == FMT_I8 ? _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(WI(r) + (jj))))) \
                 : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(WB(r) + (jj)))), 16)))
@@ -886,6 +890,7 @@ enum { FMT_INT4 = 0, FMT_F32 = 1, FMT_BF16 = 2, FMT_MXFP4 = 3, FMT_FP8 = 4, FMT_
 #define DT_RUN ROW_RUN_AVX2
 #define DT_UNROLL_RUN DT_PRAGMA(GCC unroll 8)
 #define DT_WHOLE_F32 ROW_WHOLE_F32_AVX2
+#define DT_WHOLE_BF16 ROW_WHOLE_BF16_AVX2
 #define DT_WAT(r, jj) (FMT == FMT_F32 ? _mm256_loadu_ps(WF(r) + (jj)) \
                 : FMT == FMT_I8 ? _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(WI(r) + (jj))))) \
                 : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(WB(r) + (jj)))), 16)))
@@ -913,12 +918,14 @@ static inline __attribute__((always_inline)) void dense_tile(const uint8_t *w, c
     DT_VEC a[DT_A];
     for (t = 0; t < DT_A; t++) a[t] = DT_VZERO();
     const long pf = tile_ahead(R * rs, TILE_PREFETCH); /* each row prefetches its place in a later tile */
-    if (NT == 1 && FMT == FMT_F32 && STREAM && Kin <= DT_WHOLE_F32) { /* fp32, one token, short rows: each row whole */
+    if (STREAM && ((NT == 1 && FMT == FMT_F32 && Kin <= DT_WHOLE_F32) || (FMT == FMT_BF16 && NT <= 3 && Kin <= DT_WHOLE_BF16))) {
+        /* short streamed rows: each row whole, for all NT tokens */
 #pragma GCC unroll 16
         for (r = 0; r < R; r++) /* unrolled: a[r] a register; j ends where the interleaved loop would */
             for (j = 0; j + DT_VL <= Kin; j += DT_VL) {
                 if (((j * ES) & 63) == 0) _mm_prefetch((const char *)(w + r * rs) + (long)j * ES + pf, PF_HINT);
-                a[r] = DT_VFMA(DT_WAT(r, j), DT_VLOAD(x[0] + j), a[r]);
+                const DT_VEC wv = DT_WAT(r, j);
+                for (t = 0; t < NT; t++) a[r * NT + t] = DT_VFMA(wv, DT_VLOAD(x[t] + j), a[r * NT + t]);
             }
     } else if (NT == 1 && FMT == FMT_BF16 && DT_RUN > 0 && Kin >= ROW_RUN_MIN_K) { /* bf16, one token: a run of each row in turn */
         /* whole runs only, with constant trip counts, so the rows' accumulators stay in registers;
@@ -1056,6 +1063,10 @@ static __attribute__((noinline)) void dense_bf16(const uint8_t *w, long rs, int 
                                                  int n, float *acc) {
     dense_tiles(w, rs, FMT_BF16, Kin, R, x0, ld, n, acc, 0);
 }
+static __attribute__((noinline)) void dense_bf16_stream(const uint8_t *w, long rs, int Kin, int R, const float *x0,
+                                                        long ld, int n, float *acc) {
+    dense_tiles(w, rs, FMT_BF16, Kin, R, x0, ld, n, acc, 1);
+}
 static __attribute__((noinline)) void dense_i8(const uint8_t *w, long rs, int Kin, int R, const float *x0, long ld,
                                                int n, float *acc) {
     dense_tiles(w, rs, FMT_I8, Kin, R, x0, ld, n, acc, 0);
@@ -1070,6 +1081,7 @@ static void dense_block(const uint8_t *w, long rs, int fmt, int Kin, int R, cons
     if (fmt == FMT_F32 && stream) dense_f32_stream(w, rs, Kin, R, x0, ld, n, acc);
     else if (fmt == FMT_F32) dense_f32(w, rs, Kin, R, x0, ld, n, acc);
     else if (fmt == FMT_I8) dense_i8(w, rs, Kin, R, x0, ld, n, acc);
+    else if (stream) dense_bf16_stream(w, rs, Kin, R, x0, ld, n, acc);
     else dense_bf16(w, rs, Kin, R, x0, ld, n, acc);
 }
 
@@ -1292,6 +1304,7 @@ typedef struct {
      * gus / dns (read as float), one per block of bn rows × bk inputs */
     int bn, bk;
     int xq16, hq16; /* the codes at xqe / hqe are int16 (q16_block), else int8 */
+    int stream; /* 16/32-bit experts that come from DRAM at each use (dense_block's stream), not from cache */
 } layer_t;
 
 /* e^x in fp32, Cephes' expf: x = n ln2 + r (|r| <= ln2/2), a degree-6 polynomial in r, times 2^n
@@ -1483,8 +1496,8 @@ static void gate_up_item(const void *arg, long item) {
             for (int64_t c = 0; c < n; c += ROWS_LD) { /* slots of this expert, 64 at a time */
                 const int m = (int)(n - c < ROWS_LD ? n - c : ROWS_LD);
                 const float *x = L->xe + (r0 + c) * D;
-                dense_block(gu + (long)i * D * es, (long)D * es, L->fmt, D, R, x, D, m, gate4, 1);
-                dense_block(gu + (long)(I + i) * D * es, (long)D * es, L->fmt, D, R, x, D, m, up4, 1);
+                dense_block(gu + (long)i * D * es, (long)D * es, L->fmt, D, R, x, D, m, gate4, L->stream);
+                dense_block(gu + (long)(I + i) * D * es, (long)D * es, L->fmt, D, R, x, D, m, up4, L->stream);
                 for (int t = 0; t < m; t++) /* token by token (see linear_item) */
                     for (int r = 0; r < R; r++)
                         put_h(L, e, i + r, L->he + (r0 + c + t) * I + i + r, gate4[r * ROWS_LD + t], up4[r * ROWS_LD + t]);
@@ -1551,7 +1564,7 @@ static void down_item(const void *arg, long item) {
                           L->hsum + (r0 + c) * (I / L->G), m, acc);
             else if (L->fmt == FMT_F32 || L->fmt == FMT_BF16)
                 dense_block(L->dn + (e * (long)D * I + (long)d * I) * es, (long)I * es, L->fmt, I, R,
-                            L->he + (r0 + c) * I, I, m, acc, 1);
+                            L->he + (r0 + c) * I, I, m, acc, L->stream);
             else
                 for (int r = 0; r < R; r++) {
                     if (L->fmt == FMT_MXFP4)
@@ -1620,11 +1633,13 @@ static uint8_t *scratch(const size_t *sz, int n, void **out) {
  * gub [E, 2I] / dnb [E, D] fp32 biases or NULL; act_kind 1: gpt-oss's clamped SwiGLU.
  * amode: the INT4 rows' activations, ACT_F32 / ACT_Q8 / ACT_Q16 (each side falls back to fp32 where
  * its mode does not take the shape: act_for).
+ * stream: the 16/32-bit experts come from DRAM at each use (they outgrow the last-level cache; the
+ * caller decides, native.streamed): their short rows are read whole (dense_block).
  * Returns 0; -1 when out of memory; -3 for an expert id outside [0, E). */
 int lynx_moe(int fmt, const float *x, const int64_t *ids, const float *w, const int32_t *perm, const uint8_t *data,
              long E, long nbytes, const long *offs, const uint8_t *gu, const uint8_t *dn, int sym, int G, int D, int I,
              int T, int K, float *out, int nthreads, const uint8_t *gus, const uint8_t *dns, const float *gub,
-             const float *dnb, int act_kind, float limit, float alpha, int amode, int bn, int bk) {
+             const float *dnb, int act_kind, float limit, float alpha, int amode, int bn, int bk, int stream) {
     const long S = (long)T * K;
     const int dense = fmt == FMT_F32 || fmt == FMT_BF16 || fmt == FMT_FP8, int4 = fmt == FMT_INT4;
     /* the INT4 rows' activation mode on each side (ACT_*: fp32, int8, int16) */
@@ -1673,7 +1688,7 @@ int lynx_moe(int fmt, const float *x, const int64_t *ids, const float *w, const 
                  ax ? xq : NULL, ax ? act_odd(ax, xq, S, D) : NULL, /* hq: written after the gate/up pass */
                  ah ? hq : NULL, ah ? act_odd(ah, hq, S, I) : NULL,
                  xd, ax ? xd + S * ACT_DS(ax == ACT_Q16, D, G) : NULL, hd, ah ? hd + S * ACT_DS(ah == ACT_Q16, I, G) : NULL,
-                 bn, bk, ax == ACT_Q16, ah == ACT_Q16};
+                 bn, bk, ax == ACT_Q16, ah == ACT_Q16, stream};
     parallel(gate_up_item, &L, A * ((I + ROW_BLOCK - 1) / ROW_BLOCK), nthreads);
     if (ue) lynx_silu_mul(he, ue, S * (long)I);
     if (ah) quant_act(ah, he, ho, S, I, G, hq, hd);
@@ -2626,6 +2641,7 @@ typedef struct {
     int sym, G, D, I, act; /* act: the INT4 rows' ACT_* mode */
     const uint8_t *gus, *dns; /* fp8: the block scales (fp32) */
     int bn, bk;
+    int stream; /* dense experts: read from DRAM at each use (lynx_moe's stream) */
 } moe_layer_t;
 
 /* out [B, D] (model dtype fmt) = x1 + round(sum_k w[b, k] * expert_{ids[b, k]}(h2[b])); h2 fp32.
@@ -2639,7 +2655,7 @@ int lynx_layer_moe(const moe_layer_t *M, int fmt, const float *h2, const int64_t
     if (!mem) return -1;
     float *y = b[0], *r = b[1];
     int rc = lynx_moe(M->fmt, h2, ids, w, M->perm, M->data, M->E, M->nbytes, M->offs, M->gu, M->dn, M->sym, M->G, D, M->I,
-                  B, K, y, nthreads, M->gus, M->dns, NULL, NULL, 0, 0.0f, 0.0f, M->act, M->bn, M->bk);
+                  B, K, y, nthreads, M->gus, M->dns, NULL, NULL, 0, 0.0f, 0.0f, M->act, M->bn, M->bk, M->stream);
     if (rc == 0) residual_add(x1, fmt, y, B, D, r, out);
     free(mem);
     return rc;

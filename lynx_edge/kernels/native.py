@@ -133,7 +133,7 @@ def lib() -> ctypes.CDLL | None:
         return None
     p, i, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
     so.lynx_moe.argtypes = [i, p, p, p, p, p, L, L, p, p, p, i, i, i, i, i, i, p, i, p, p, p, p, i, ctypes.c_float,
-                            ctypes.c_float, i, i, i]
+                            ctypes.c_float, i, i, i, i]
     so.lynx_moe.restype = i
     so.lynx_linear.argtypes = [i, p, p, p, i, i, i, p, i]
     so.lynx_linear.restype = None
@@ -208,6 +208,32 @@ def act_code(act: str | None) -> int:
 # token-expert slots per MoE call: bounds the kernel's fp32 scratch, S·(2D + I) floats (~60 MiB at
 # D=2048, I=768) however long the prompt being prefilled
 MAX_SLOTS = 4096
+
+
+@functools.lru_cache(maxsize=None)
+def llc_bytes(root: str = "/sys/devices/system/cpu/cpu0/cache") -> int | None:
+    """This CPU's last-level cache (one instance, as Linux's sysfs reports it), or None where unknown."""
+    for index in (3, 2):
+        f = Path(root) / f"index{index}" / "size"
+        try:
+            text = f.read_text().strip()
+        except OSError:
+            continue
+        num, unit = text.rstrip("KMG"), text[len(text.rstrip("KMG")):]
+        if num.isdigit():
+            return int(num) << {"": 0, "K": 10, "M": 20, "G": 30}[unit]
+    return None
+
+
+def streamed(expert_bytes: int) -> bool:
+    """Whether a model's 16/32-bit experts (all layers' bytes) come from DRAM at each decode step: they
+    outgrow the last-level cache (unknown: assumed so). The native kernel then reads short expert rows
+    whole, one after another, which streams faster from DRAM but runs slower from cache (one thread on
+    an AMD EPYC Zen3, L3 32 MiB, bf16 rows of 256 inputs from DRAM 12.3 -> 15.6 GB/s at one token,
+    10.5 -> 12.7 at three; the demo's 25 MB of bf16 experts, L3-resident, 0.91-0.97x end to end:
+    benchmarks/results/expert_rows_s27.json)."""
+    llc = llc_bytes()
+    return llc is None or expert_bytes > llc
 _FMT = {torch.float32: FMT_F32, torch.bfloat16: FMT_BF16}
 
 
@@ -230,7 +256,7 @@ def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _call_moe(fmt, x, ids, w, perm, data, E, nbytes, offs, gu, dn, sym, G, D, I, oss=(None, None, None, None, 0, 0.0, 0.0),
-              act: int = 0, blocks: tuple[int, int] = (0, 0)) -> torch.Tensor:
+              act: int = 0, blocks: tuple[int, int] = (0, 0), stream: bool = True) -> torch.Tensor:
     so = lib()
     x32, ids64, w32 = _as(x, torch.float32), _as(ids, torch.int64), _as(w, torch.float32)
     T, K = ids64.shape
@@ -239,7 +265,8 @@ def _call_moe(fmt, x, ids, w, perm, data, E, nbytes, offs, gu, dn, sym, G, D, I,
     for t0 in range(0, T, step):
         n = min(step, T - t0)  # row slices of contiguous tensors: contiguous, pointers offset
         rc = so.lynx_moe(fmt, x32[t0].data_ptr(), ids64[t0].data_ptr(), w32[t0].data_ptr(), perm, data, E, nbytes,
-                         offs, gu, dn, sym, G, D, I, n, K, out[t0].data_ptr(), torch.get_num_threads(), *oss, act, *blocks)
+                         offs, gu, dn, sym, G, D, I, n, K, out[t0].data_ptr(), torch.get_num_threads(), *oss, act, *blocks,
+                         int(stream))
         _check_moe(rc, ids64, E)
     return out
 
@@ -265,12 +292,14 @@ def moe_int4(x, ids, weights, data: torch.Tensor, offs, sym: bool, G: int, D: in
     return out
 
 
-def moe_dense(x, ids, weights, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+def moe_dense(x, ids, weights, gate_up: torch.Tensor, down: torch.Tensor, stream: bool = True) -> torch.Tensor:
     """moe_ref's result over stacked fp32/bf16 experts gate_up [E, 2I, D], down [E, D, I], read in
-    place → [T, D] in x's dtype; products and sums in fp32 (h = silu(gate)·up stays fp32)."""
+    place → [T, D] in x's dtype; products and sums in fp32 (h = silu(gate)·up stays fp32).
+    stream: the experts come from DRAM at each use (see streamed): the same sums, read in the order
+    that streams fastest."""
     E, two_i, D = gate_up.shape
     out = _call_moe(_FMT[gate_up.dtype], x, ids, weights, None, None, E, gate_up.element_size(), None,
-                    gate_up.data_ptr(), down.data_ptr(), 0, 0, D, two_i // 2)
+                    gate_up.data_ptr(), down.data_ptr(), 0, 0, D, two_i // 2, stream=stream)
     return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
@@ -479,7 +508,7 @@ class MoeLayer(ctypes.Structure):
                 ("offs", ctypes.c_void_p), ("perm", ctypes.c_void_p), ("gu", ctypes.c_void_p),
                 ("dn", ctypes.c_void_p), ("sym", ctypes.c_int), ("G", ctypes.c_int), ("D", ctypes.c_int),
                 ("I", ctypes.c_int), ("act", ctypes.c_int), ("gus", ctypes.c_void_p), ("dns", ctypes.c_void_p),
-                ("bn", ctypes.c_int), ("bk", ctypes.c_int)]
+                ("bn", ctypes.c_int), ("bk", ctypes.c_int), ("stream", ctypes.c_int)]
 
 
 def dense_lin(weight: torch.Tensor, bias32: torch.Tensor | None) -> Lin:
@@ -663,5 +692,5 @@ class Stack:
 
 
 __all__ = ["AttnLayer", "Lin", "MoeLayer", "attn_decode", "build", "cache_dir", "dense_lin", "dense_ok", "dequant_int4",
-           "exact_plan", "int4_lin", "layer", "layer_attn", "Stack", "layer_moe", "lib", "route", "Route", "linear", "linear_int4", "moe_dense", "moe_int4", "moe_oss",
+           "exact_plan", "int4_lin", "layer", "layer_attn", "Stack", "layer_moe", "lib", "route", "Route", "linear", "linear_int4", "moe_dense", "moe_int4", "moe_oss", "streamed",
            "rmsnorm"]

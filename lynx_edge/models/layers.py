@@ -406,16 +406,17 @@ class DenseMLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-def cpu_moe(x, ids, weights, gate_up, down):
+def cpu_moe(x, ids, weights, gate_up, down, stream: bool = True):
     """Resident experts on a CPU: the native kernel (one call, each active expert's rows read once,
     fp32 sums) at decode-sized batches, and for bf16 experts at any batch where the CPU has no
     native bf16 math or the experts are small; past NATIVE_SLOTS slots moe_ref's grouped GEMM (fp32,
     or bf16 on a CPU with native bf16 for experts of GROUPED_BF16_MIN weights per projection and
-    more: it rounds gate, up and h to bf16 as transformers' bf16 experts do)."""
+    more: it rounds gate, up and h to bf16 as transformers' bf16 experts do). stream: the experts
+    come from DRAM at each use (native.streamed)."""
     big = ids.numel() > NATIVE_SLOTS and (gate_up.dtype != torch.bfloat16 or (
         x.dtype == torch.bfloat16 and down[0].numel() >= GROUPED_BF16_MIN and cpu_bf16()))
     if not big and native.dense_ok(gate_up, down):
-        return native.moe_dense(x, ids, weights, gate_up, down)
+        return native.moe_dense(x, ids, weights, gate_up, down, stream)
     return moe_ref(x, ids, weights, gate_up, down)
 
 
@@ -435,6 +436,9 @@ class StackedExperts(nn.Module):
     home; `load_quant_part(e, part, QuantLinear)` takes a 4-bit one. The builder picks the backend
     (resident 16-bit, INT4, offloaded) once per layer; the loader streams into it.
     On CUDA (with Triton) the grouped GEMM kernel runs, elsewhere its torch reference.
+    `streamed`: on a CPU, whether the experts come from DRAM at each step (the builder sets it from
+    all layers' bytes against the last-level cache: native.streamed); the native kernel picks its
+    read order by it.
     """
 
     def __init__(self, E: int, D: int, inter: int, dtype, device):
@@ -443,6 +447,7 @@ class StackedExperts(nn.Module):
         self.gate_up = _param(E, 2 * inter, D, dtype=dtype, device=device)  # [E, 2I, D]
         self.down = _param(E, D, inter, dtype=dtype, device=device)  # [E, D, I]
         self._fn = fused_moe if torch.device(device).type == "cuda" else cpu_moe  # fused_moe: Triton or its ref
+        self.streamed = True
 
     def load_part(self, e: int, part: str, w: torch.Tensor) -> None:
         I = self.inter
@@ -455,6 +460,8 @@ class StackedExperts(nn.Module):
         self.load_part(e, part, ql.dequant(self.gate_up.dtype))
 
     def forward(self, x, ids, weights):
+        if self._fn is cpu_moe:
+            return cpu_moe(x, ids, weights, self.gate_up, self.down, self.streamed)
         return self._fn(x, ids, weights, self.gate_up, self.down)
 
 

@@ -291,7 +291,8 @@ def _moe_plan(experts, keep: list, dt) -> tuple[native.MoeLayer | None, int]:
     if type(experts) is StackedExperts and native.dense_ok(experts.gate_up, experts.down):
         E, two_i, D = experts.gate_up.shape
         plan = native.MoeLayer(native._FMT[experts.gate_up.dtype], None, E, experts.gate_up.element_size(), None, None,
-                               experts.gate_up.data_ptr(), experts.down.data_ptr(), 0, 0, D, two_i // 2, 0)
+                               experts.gate_up.data_ptr(), experts.down.data_ptr(), 0, 0, D, two_i // 2, 0,
+                               stream=int(experts.streamed))
         return plan, (NATIVE_SLOTS if experts.gate_up.dtype == torch.float32 else 1 << 30)
     packed = getattr(experts, "packed", None)
     layout = getattr(packed, "layout", None)
