@@ -72,7 +72,8 @@ def linear_rows(builds, rounds: int, tokens: tuple = TOKENS, dtypes: tuple = (to
 
 
 def demo_rows(builds, rounds: int, threads: int, model: str = "demo", dtype: str | None = None,
-              batches: tuple = (1, 4, 16), int4_act: str | None = None, int8_head: bool = False, pad: int = 0) -> list:
+              batches: tuple = (1, 4, 16), int4_act: str | None = None, int8_head: bool = False, pad: int = 0,
+              streamed: bool | None = None) -> list:
     from lynx_edge import Engine
     from lynx_edge.bench import measure, synthetic_prompts
     from lynx_edge.threads import set_threads
@@ -90,6 +91,10 @@ def demo_rows(builds, rounds: int, threads: int, model: str = "demo", dtype: str
         from lynx_cpu import pad_experts  # beside this script
 
         pad_experts(eng, pad)
+    if streamed is not None:  # the experts' read order forced (default: the builder's cache rule)
+        for layer in eng.model.layers:
+            if layer.is_moe:
+                layer.mlp.experts.streamed = streamed
     rows = []
     for B in batches:
         prompts = synthetic_prompts(eng, B, 128)
@@ -102,7 +107,8 @@ def demo_rows(builds, rounds: int, threads: int, model: str = "demo", dtype: str
                     eng.set_lynx(m)
                     tp[(tag, m)].append(measure(eng, prompts, 32)["tpot_ms"])
         row = {"model": Path(model).name, "dtype": str(eng.model.embed_tokens.dtype)[6:], "batch": B,
-               "threads": threads, "int4_act": int4_act, "int8_head": int8_head, "pad": pad}
+               "threads": threads, "int4_act": int4_act, "int8_head": int8_head, "pad": pad,
+               "streamed": [layer.mlp.experts.streamed for layer in eng.model.layers if layer.is_moe][0]}
         for m in modes:
             row[m] = {"base_tpot_ms": round(statistics.median(tp[("base", m)]), 4),
                       "tree_tpot_ms": round(statistics.median(tp[("tree", m)]), 4),
@@ -129,6 +135,8 @@ def main() -> None:
                     help="activations of a 4-bit checkpoint's rows (--model PATH): lynx-edge's --int4-act")
     ap.add_argument("--int8-head", action="store_true", help="lynx-edge's --int8-head")
     ap.add_argument("--pad", type=int, default=0, help="zero-pad the experts to this intermediate size (lynx_cpu.py)")
+    ap.add_argument("--streamed", default=None, choices=("on", "off"),
+                    help="force the experts' read order (default: the builder's last-level-cache rule)")
     a = ap.parse_args()
     builds = Builds(a.base, "dense_tiles")
     run = builds.header("native dense rows, this tree vs --base (same process, alternating rounds)", a.rounds)
@@ -138,7 +146,7 @@ def main() -> None:
                                              tuple(getattr(torch, d) for d in a.linear_dtypes.split(",")), shapes)
     run["demo_end_to_end"] = [row for dt in (a.dtype or "").split(",") for row in demo_rows(
         builds, a.rounds, a.threads, a.model, dt or None, tuple(int(b) for b in a.batch.split(",")), a.int4_act,
-        a.int8_head, a.pad)]
+        a.int8_head, a.pad, None if a.streamed is None else a.streamed == "on")]
     append_run(Path(a.out), run)
 
 

@@ -855,6 +855,15 @@ enum { FMT_INT4 = 0, FMT_F32 = 1, FMT_BF16 = 2, FMT_MXFP4 = 3, FMT_FP8 = 4, FMT_
 #ifndef ROW_WHOLE_F32_AVX2
 #define ROW_WHOLE_F32_AVX2 512
 #endif
+/* bf16 expert rows of <= ROW_WHOLE_BF16_AVX2 inputs that come from DRAM (stream) are read whole too,
+ * at one to three tokens (each row's 1-3 sums, then the next row). One thread on an AMD EPYC Zen3
+ * (benchmarks/expert_rows.py, results/expert_rows_s27.json, GB/s interleaved -> whole): 256-input
+ * rows (the zero-padded demo's gate/up) 12.1 -> 14.0 at one token, 10.7 -> 11.3 at two, 10.3 -> 11.1
+ * at three (1.05-1.23x over runs); 512 inputs (Qwen3-Next's down) 1.02-1.04x; four tokens whole
+ * measured 0.96-0.98x and keep the interleaved tile. The padded demo end to end 1.07x at B = 1,
+ * 1.13-1.15x at B = 4 (results/padded_stream_s27.json). From cache (the bf16 demo, 25 MB of experts
+ * in a 32 MB L3) whole rows measured 0.94-1.0x, so the builder marks experts streamed only when they
+ * outgrow the last-level cache (native.streamed). */
 #ifndef ROW_WHOLE_BF16_AVX2
 #define ROW_WHOLE_BF16_AVX2 512
 #endif

@@ -229,9 +229,9 @@ def streamed(expert_bytes: int) -> bool:
     """Whether a model's 16/32-bit experts (all layers' bytes) come from DRAM at each decode step: they
     outgrow the last-level cache (unknown: assumed so). The native kernel then reads short expert rows
     whole, one after another, which streams faster from DRAM but runs slower from cache (one thread on
-    an AMD EPYC Zen3, L3 32 MiB, bf16 rows of 256 inputs from DRAM 12.3 -> 15.6 GB/s at one token,
-    10.5 -> 12.7 at three; the demo's 25 MB of bf16 experts, L3-resident, 0.91-0.97x end to end:
-    benchmarks/results/expert_rows_s27.json)."""
+    an AMD EPYC Zen3, L3 32 MiB: bf16 rows of 256 inputs from DRAM 1.05-1.23x at 1-3 tokens,
+    benchmarks/results/expert_rows_s27.json; the demo's 25 MB of bf16 experts, L3-resident, forced
+    streamed 0.94-1.0x end to end, padded_stream_s27.json)."""
     llc = llc_bytes()
     return llc is None or expert_bytes > llc
 _FMT = {torch.float32: FMT_F32, torch.bfloat16: FMT_BF16}
