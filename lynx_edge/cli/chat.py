@@ -2,7 +2,8 @@
 
 The full message list is passed every turn; Engine.stream reuses the cached common prefix, so
 earlier turns are never prefilled again. Ctrl-C stops an answer and keeps the session. Models
-without a chat template chat in plain text (the transcript is the prompt). Sampling flags left out
+without a chat template, and any model with --raw (the embedded demo by default: a code-continuation
+model never trained on chat), chat in plain text (the transcript is the prompt). Sampling flags left out
 take the model's generation_config.json values (shown on stderr), as llama.cpp does. Models whose
 tokenizer and template speak Harmony (gpt-oss) answer on channels: the final channel is the answer
 (and what the next turn sends back), the analysis channel is reasoning, dimmed with
@@ -100,13 +101,14 @@ class ChatSession:
     """The conversation: messages, sampling, the engine, and the last turn's stats."""
 
     def __init__(self, engine, system: str | None, sampling: dict, chat_template_kwargs: dict | None = None,
-                 verbose_prompt: bool = False, show_reasoning: bool = False):
+                 verbose_prompt: bool = False, show_reasoning: bool = False, raw: bool = False):
         self.engine, self.sampling = engine, sampling
         self.template_kwargs = dict(chat_template_kwargs or {})
         self.verbose_prompt, self.show_reasoning = verbose_prompt, show_reasoning
-        # no chat template: plain-text chat, the running transcript is the prompt
+        # no chat template (or raw completion asked for): plain-text chat, the running transcript is the prompt
         tok = getattr(engine, "tokenizer", None)
-        self.plain = tok is not None and not getattr(tok, "chat_template", None)
+        self.no_template = tok is not None and not getattr(tok, "chat_template", None)
+        self.plain = raw or self.no_template
         # a Harmony tokenizer and template (gpt-oss): the answer comes on channels
         self.harmony = HarmonyTokens.of(tok) if tok is not None and not self.plain else None
         self.system = [{"role": "system", "content": system}] if system else []
@@ -255,6 +257,7 @@ def chat(
     reasoning_effort: Annotated[Optional[str], typer.Option("--reasoning-effort", help="low | medium | high: the chat template's reasoning_effort (gpt-oss); short for --chat-template-kwargs '{\"reasoning_effort\": …}'")] = None,
     show_reasoning: Annotated[bool, typer.Option("--show-reasoning", help="show the model's reasoning (Harmony analysis channel), dimmed; hidden by default")] = False,
     verbose_prompt: VerbosePrompt = False,
+    raw: Annotated[Optional[bool], typer.Option("--raw/--no-raw", help="raw completion: no chat template, the model continues what you type (llama.cpp's -no-cnv, ollama's raw); default: on for the embedded demo (a code-continuation model), off otherwise")] = None,
     temp: Temp = None,
     top_p: TopP = None,
     top_k: TopK = None,
@@ -288,20 +291,23 @@ def chat(
     if from_model:
         ui.note("sampling defaults from the model's generation_config.json: "
                 + " ".join(f"{k}={v}" for k, v in from_model.items()) + " (flags override)", stderr=True)
-    session = ChatSession(engine, system, sampling, template_kwargs, verbose_prompt, show_reasoning)
-    if session.plain:
-        ui.note("this model has no chat template: plain-text chat"
+    demo = ui.is_demo(str(engine.model_dir))  # never trained on chat data: it continues code (ui.DEMO_NOTE says so)
+    session = ChatSession(engine, system, sampling, template_kwargs, verbose_prompt, show_reasoning,
+                          demo if raw is None else raw)
+    if session.plain and (session.no_template or raw or template_kwargs):
+        ui.note(("this model has no chat template: plain-text chat" if session.no_template else
+                 "raw completion: no chat template, the model continues your text")
                 + (" (--chat-template-kwargs ignored)" if template_kwargs else ""), stderr=True)
     elif reasoning_effort is not None and "reasoning_effort" not in (engine.tokenizer.chat_template or ""):
         ui.note("this model's chat template does not read reasoning_effort (--reasoning-effort ignored)", stderr=True)
     if show_reasoning and session.harmony is None:
         ui.note("this model's output has no reasoning channel (--show-reasoning ignored)", stderr=True)
     if prompt is not None:
-        ui.model_note(str(engine.model_dir))
+        ui.model_note(str(engine.model_dir), session.plain)
         session.turn(prompt, stats_to_stderr=True)
         if session.failed:
             raise typer.Exit(1)
         return
-    ui.chat_banner(str(engine.model_dir), opts["lynx"], COMMANDS)
+    ui.chat_banner(str(engine.model_dir), opts["lynx"], COMMANDS, session.plain)
     _ctrl_c_on_a_terminal()
     session.loop()

@@ -224,21 +224,28 @@ DEMO_NOTE = ("the demo is a 14M-parameter code-continuation model trained on the
              "not an assistant: give it the start of some Python (e.g. `def fibonacci(n):`)")
 
 
-def model_note(model: str) -> None:
-    """One line on stderr saying what the embedded demo model is (nothing for other models)."""
+def is_demo(model: str) -> bool:
+    """Whether the model directory is the embedded demo."""
     from ..hub import demo_dir
 
     try:
-        is_demo = Path(model).resolve() == demo_dir()
+        return Path(model).resolve() == demo_dir()
     except OSError:
-        is_demo = False
-    if is_demo:
-        note(DEMO_NOTE, stderr=True)
+        return False
 
 
-def chat_banner(model: str, lynx: str, commands: dict) -> None:
+def model_note(model: str, raw: bool | None = None) -> None:
+    """One line on stderr saying what the embedded demo model is (nothing for other models); raw:
+    chat's mode, said too."""
+    if is_demo(model):
+        mode = "" if raw is None else ("; chat runs it as raw completion (--no-raw: through its ChatML template)" if raw
+                                       else "; --raw runs it as raw completion, without the ChatML template it never saw")
+        note(DEMO_NOTE + mode, stderr=True)
+
+
+def chat_banner(model: str, lynx: str, commands: dict, raw: bool | None = None) -> None:
     note(f"lynx-edge chat · {model} · lynx {lynx}", stderr=False)
-    model_note(model)
+    model_note(model, raw)
     note("  ".join(commands) + '   (end a line with \\ or wrap in """ for several lines)', stderr=False)
 
 
