@@ -108,7 +108,8 @@ def demo_rows(builds, rounds: int, threads: int, model: str = "demo", dtype: str
                     tp[(tag, m)].append(measure(eng, prompts, 32)["tpot_ms"])
         row = {"model": Path(model).name, "dtype": str(eng.model.embed_tokens.dtype)[6:], "batch": B,
                "threads": threads, "int4_act": int4_act, "int8_head": int8_head, "pad": pad,
-               "streamed": [layer.mlp.experts.streamed for layer in eng.model.layers if layer.is_moe][0]}
+               "streamed": next((getattr(layer.mlp.experts, "streamed", None) for layer in eng.model.layers
+                                 if layer.is_moe), None)}  # 16-bit experts only
         for m in modes:
             row[m] = {"base_tpot_ms": round(statistics.median(tp[("base", m)]), 4),
                       "tree_tpot_ms": round(statistics.median(tp[("tree", m)]), 4),

@@ -849,7 +849,7 @@ enum { FMT_INT4 = 0, FMT_F32 = 1, FMT_BF16 = 2, FMT_MXFP4 = 3, FMT_FP8 = 4, FMT_
  *     768 12.6 -> 12.0 and 1024 11.9 -> 11.2 lose, and so do bf16 rows at every width (0.81-0.96x:
  *     their widening shift, not the read, bounds them there).
  * Hence rows of <= 512 inputs only, and only rows that come from DRAM at each use (dense_block's
- * `stream`: the experts): rows that stay in cache run slower whole — the demo's fp32 head (4096 x 256,
+ * `stream`: experts that outgrow the last-level cache, native.streamed): rows that stay in cache run slower whole — the demo's fp32 head (4096 x 256,
  * 4 MB) read 42 GB/s interleaved against 18-26 whole on the Zen3 (one latency-bound accumulator per
  * row at a time). The AVX-512 path is unmeasured and keeps the interleaved loop. */
 #ifndef ROW_WHOLE_F32_AVX2
