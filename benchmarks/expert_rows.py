@@ -14,7 +14,6 @@ of expert weights per build, the paired speed-up and whether the outputs are bit
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -23,7 +22,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from native_ab import Builds, alternate, append_run, paired, parser  # noqa: E402  (beside this script)
+from native_ab import Builds, append_run, gb_row, parser  # noqa: E402  (beside this script)
 
 SHAPES = [("demo padded", 256, 8192), ("Qwen3-Next", 2048, 512), ("Qwen3-30B-A3B", 2048, 768),
           ("OLMoE", 2048, 1024)]  # name, hidden D, expert intermediate I
@@ -53,18 +52,11 @@ def rows(builds, rounds: int, dtype: torch.dtype, tokens: tuple, experts: int, s
                 ids = (torch.arange(T) // m + first).view(T, 1)
                 return native.moe_dense(x, ids, w, gate_up, down)
 
-            ys = {}
-            for tag in ("base", "tree"):
-                builds.use(tag)
+            def start():  # each build's checked call reads the same experts
                 nxt[0] = 0
-                ys[tag] = call()
-            ms = alternate(builds, rounds, call, reps=max(1, E // experts))
-            gb = experts * per / 1e9
+
             row = {"shape": f"{name} D={D} I={I} {str(dtype)[6:]} {m} tok x {experts} experts",
-                   "base_gb_s": round(gb / statistics.median(ms["base"]) * 1e3, 2),
-                   "tree_gb_s": round(gb / statistics.median(ms["tree"]) * 1e3, 2),
-                   "speedup": {k: round(v, 3) for k, v in paired(ms["base"], ms["tree"]).items()},
-                   "bit_equal": torch.equal(ys["base"], ys["tree"])}
+                   **gb_row(builds, rounds, call, experts * per / 1e9, reps=max(1, E // experts), start=start)}
             out.append(row)
             print(json.dumps(row), flush=True)
     return out

@@ -10,7 +10,6 @@ paired speed-up.
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from native_ab import Builds, alternate, append_run, paired, parser  # noqa: E402  (beside this script)
+from native_ab import Builds, append_run, gb_row, parser  # noqa: E402  (beside this script)
 
 SHAPES = [(768, 131072), (2048, 65536), (4096, 32768)]  # K (inputs; rows of K/2 bytes), N (rows)
 
@@ -46,17 +45,9 @@ def rows(builds, rounds: int, threads: int, kind: str, tokens: tuple = (1, 4)) -
                     return (native.linear_int4(x, packed, scales, None, act=act) if kind == "int4" else
                             native.linear_int8(x, codes, scales, act=act))
 
-                ys = {}
-                for tag in ("base", "tree"):
-                    builds.use(tag)
-                    ys[tag] = call()
-                ms = alternate(builds, rounds, call)
                 gb = N * K / (2 if kind == "int4" else 1) / 1e9
                 row = {"shape": f"{kind} K={K} N={N} T={T} {act}", "threads": threads,
-                       "base_gb_s": round(gb / statistics.median(ms["base"]) * 1e3, 2),
-                       "tree_gb_s": round(gb / statistics.median(ms["tree"]) * 1e3, 2),
-                       "speedup": {k: round(v, 3) for k, v in paired(ms["base"], ms["tree"]).items()},
-                       "bit_equal": torch.equal(ys["base"], ys["tree"])}
+                       **gb_row(builds, rounds, call, gb)}
                 out.append(row)
                 print(json.dumps(row), flush=True)
     return out

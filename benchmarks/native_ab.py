@@ -93,6 +93,26 @@ def alternate(builds: Builds, rounds: int, fn, reps: int = 1) -> dict:
     return ms
 
 
+def gb_row(builds: Builds, rounds: int, call, gb: float, reps: int = 1, start=None) -> dict:
+    """One weight-streaming A/B row: call() run once with each build (its outputs compared bit for bit),
+    then timed alternating (`reps` calls per sample) → GB/s of `gb` GB per call with each build, the
+    paired speed-up and bit_equal. start: called before each build's first call (a call that walks
+    through its weights starts from the same place)."""
+    import torch
+
+    ys = {}
+    for tag in ("base", "tree"):
+        builds.use(tag)
+        if start is not None:
+            start()
+        ys[tag] = call()
+    ms = alternate(builds, rounds, call, reps)
+    return {"base_gb_s": round(gb / statistics.median(ms["base"]) * 1e3, 2),
+            "tree_gb_s": round(gb / statistics.median(ms["tree"]) * 1e3, 2),
+            "speedup": {k: round(v, 3) for k, v in paired(ms["base"], ms["tree"]).items()},
+            "bit_equal": torch.equal(ys["base"], ys["tree"])}
+
+
 def append_run(path: Path, run: dict) -> None:
     """Add run to the results file at path (a JSON list of runs, made when missing)."""
     runs = json.loads(path.read_text()) if path.is_file() else []
