@@ -70,14 +70,20 @@ def resolve_dtype(dtype, device: torch.device, cfg: ModelConfig, ckpt_bytes: int
             raise ConfigError(f"dtype {dtype} not supported; use torch.float32, torch.bfloat16 or torch.float16")
         return dtype
     if dtype is not None:
-        if dtype not in DTYPES:
-            raise ConfigError(f"dtype {dtype!r} not supported; use one of float32, bfloat16, float16")
-        dtype = DTYPES[dtype]
+        dtype = named_dtype(dtype, "dtype")
         if dtype == torch.float16 and device.type == "cpu":
             warnings.warn("float16 on a CPU decodes on torch's ops (the native kernels have no fp16 rows): "
                           "bfloat16 or float32 are ~10x faster", RuntimeWarning, stacklevel=3)
         return dtype
     return default_dtype(device, cfg, ckpt_bytes)
+
+
+def named_dtype(name: str, source: str) -> torch.dtype:
+    """"float32" | "bfloat16" | "float16" → the torch dtype; anything else one ConfigError naming
+    where it came from (--dtype, $LYNX_EDGE_CPU_DTYPE)."""
+    if name not in DTYPES:
+        raise ConfigError(f"{source}={name!r} is not a dtype; use one of {', '.join(DTYPES)}")
+    return DTYPES[name]
 
 
 def _native_kernels() -> bool:
@@ -104,9 +110,7 @@ def default_dtype(device: torch.device, cfg: ModelConfig, ckpt_bytes: int) -> to
         return torch.bfloat16
     env = os.environ.get("LYNX_EDGE_CPU_DTYPE")  # the choice made by hand (--dtype still wins)
     if env:
-        if env not in DTYPES:
-            raise ConfigError(f"LYNX_EDGE_CPU_DTYPE={env!r} is not a dtype; use one of {', '.join(DTYPES)}")
-        return DTYPES[env]
+        return named_dtype(env, "LYNX_EDGE_CPU_DTYPE")
     ckpt = DTYPES.get(str(cfg.torch_dtype or "bfloat16"), torch.bfloat16)
     if ckpt == torch.bfloat16 and (cpu_bf16() or _native_kernels()):
         return torch.bfloat16
@@ -362,9 +366,8 @@ def _offload_runtime(cfg, opts: LoadOptions, dt, dev, name, group, sym, mixed, f
     extra = dict(opts.offload_options or {})
     oo = OffloadOptions(device=str(dev), ctx=opts.ctx, batch=opts.batch,
                         expert_format=name if name in ("int4", "fp8") else "auto", int4_group=group or 128, **extra)
-    fmt = store_format(cfg, oo.expert_format, dt, group or 128, sym if sym is not None else True, fp8_block)
-    if hasattr(fmt, "int4_act"):  # INT4 (Int4Format): the CPU experts run the engine's int4_act
-        fmt.int4_act = act
+    # INT4 host experts computed on the CPU run the engine's int4_act
+    fmt = store_format(cfg, oo.expert_format, dt, group or 128, sym if sym is not None else True, fp8_block, act)
     return make_runtime(cfg, oo, dt, dev, fmt=fmt)
 
 

@@ -159,6 +159,11 @@ def test_default_cpu_dtype_follows_the_kernels_the_checkpoint_and_its_size(monke
     monkeypatch.setenv("LYNX_EDGE_CPU_DTYPE", "bf8")
     with pytest.raises(ConfigError, match=r"LYNX_EDGE_CPU_DTYPE='bf8' is not a dtype; use one of float32"):
         default_dtype(cpu, cfg, 30 << 20)
+    from lynx_edge.build import resolve_dtype
+
+    with pytest.raises(ConfigError, match=r"dtype='bf8' is not a dtype; use one of float32"):  # the same check
+        resolve_dtype("bf8", cpu, cfg, 30 << 20)
+    assert resolve_dtype("bf16", cpu, cfg, 30 << 20) == torch.bfloat16  # a named dtype wins over the variable
 
 
 def test_cpu_bf16_reads_the_cpu_flags(monkeypatch):

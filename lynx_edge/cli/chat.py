@@ -303,11 +303,11 @@ def chat(
     if show_reasoning and session.harmony is None:
         ui.note("this model's output has no reasoning channel (--show-reasoning ignored)", stderr=True)
     if prompt is not None:
-        ui.model_note(str(engine.model_dir), session.plain)
+        ui.model_note(demo, session.plain)
         session.turn(prompt, stats_to_stderr=True)
         if session.failed:
             raise typer.Exit(1)
         return
-    ui.chat_banner(str(engine.model_dir), opts["lynx"], COMMANDS, session.plain)
+    ui.chat_banner(str(engine.model_dir), opts["lynx"], COMMANDS, session.plain, demo)
     _ctrl_c_on_a_terminal()
     session.loop()

@@ -234,18 +234,18 @@ def is_demo(model: str) -> bool:
         return False
 
 
-def model_note(model: str, raw: bool | None = None) -> None:
-    """One line on stderr saying what the embedded demo model is (nothing for other models); raw:
-    chat's mode, said too."""
-    if is_demo(model):
+def model_note(demo: bool, raw: bool | None = None) -> None:
+    """One line on stderr saying what the embedded demo model is (nothing for other models: demo
+    is is_demo's answer); raw: chat's mode, said too."""
+    if demo:
         mode = "" if raw is None else ("; chat runs it as raw completion (--no-raw: through its ChatML template)" if raw
                                        else "; --raw runs it as raw completion, without the ChatML template it never saw")
         note(DEMO_NOTE + mode, stderr=True)
 
 
-def chat_banner(model: str, lynx: str, commands: dict, raw: bool | None = None) -> None:
+def chat_banner(model: str, lynx: str, commands: dict, raw: bool | None = None, demo: bool = False) -> None:
     note(f"lynx-edge chat · {model} · lynx {lynx}", stderr=False)
-    model_note(model, raw)
+    model_note(demo, raw)
     note("  ".join(commands) + '   (end a line with \\ or wrap in """ for several lines)', stderr=False)
 
 

@@ -85,14 +85,14 @@ class DenseFormat:
 class Int4Format:
     """lynx_edge.quant.int4's expert block (RTN-quantised at pack time, dequantised on use)."""
 
-    def __init__(self, hidden: int, inter: int, group: int = 128, sym: bool = True):
+    def __init__(self, hidden: int, inter: int, group: int = 128, sym: bool = True, int4_act: str | None = None):
         from ..quant.int4 import Int4Layout  # only INT4 users need the quant package
 
         self.name, self.hidden, self.inter = "int4", hidden, inter
         self.layout = Int4Layout(hidden, inter, group, sym)
         self.nbytes = self.layout.nbytes
         self._last = None  # (layer buffer, its Int4Experts view): see _view
-        self.int4_act: str | None = None  # CPU experts' activations (the engine's int4_act; None: the default)
+        self.int4_act = int4_act  # CPU experts' activations (the engine's int4_act; None: the default)
 
     def _view(self, buf: torch.Tensor):
         """A layer buffer uint8 [E, nbytes] as Int4Experts; the last one is kept, since a load
@@ -199,8 +199,9 @@ class Fp8Format:
 
 
 def expert_format(name: str, dtype: torch.dtype, hidden: int, inter: int, group: int = 128, sym: bool = True,
-                  block: tuple[int, int] | None = None):
-    """"auto" (the model's dtype), bf16, fp16, fp32, int4 or fp8 (an FP8 checkpoint's block) → a format object."""
+                  block: tuple[int, int] | None = None, int4_act: str | None = None):
+    """"auto" (the model's dtype), bf16, fp16, fp32, int4 or fp8 (an FP8 checkpoint's block) → a format object.
+    int4_act: the CPU activations of int4 experts (build.int4_act's answer; None: the kernels' default)."""
     if name == "fp8":
         if block is None:
             raise ValueError("expert format fp8 is an FP8 checkpoint's own (its weight_block_size)")
@@ -208,14 +209,14 @@ def expert_format(name: str, dtype: torch.dtype, hidden: int, inter: int, group:
     if name == "auto":
         name = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
     if name == "int4":
-        return Int4Format(hidden, inter, group, sym)
+        return Int4Format(hidden, inter, group, sym, int4_act)
     if name not in _DENSE:
         raise ValueError(f"expert format {name!r} is unknown (use auto, bf16, fp16, fp32, int4)")
     return DenseFormat(name, hidden, inter)
 
 
 def store_format(cfg, name: str, dtype: torch.dtype, group: int = 128, sym: bool = True,
-                 block: tuple[int, int] | None = None):
+                 block: tuple[int, int] | None = None, int4_act: str | None = None):
     """The store format of cfg's experts: the family's own (experts with biases and their own
     activation, see biased.py) when it describes them, else expert_format(name, …). name "int4"
     asks a family with its own experts for its 4-bit format; a dense name for that dtype."""
@@ -225,7 +226,7 @@ def store_format(cfg, name: str, dtype: torch.dtype, group: int = 128, sym: bool
     fmt = family_format(cfg, dense.get(name, dtype), name == "int4")
     if fmt is not None:
         return fmt
-    return expert_format(name, dtype, cfg.hidden_size, cfg.moe_intermediate_size, group, sym, block)
+    return expert_format(name, dtype, cfg.hidden_size, cfg.moe_intermediate_size, group, sym, block, int4_act)
 
 
 def _alloc_pinned(shape: tuple[int, ...]) -> torch.Tensor:
