@@ -339,7 +339,7 @@ def _backends(cfg: ModelConfig, dt, dev, int4: bool, group, sym, mixed, rt, act:
 
             return OffloadedExperts.make(rt, layer)
         if own is not None:
-            return own(cfg, layer, dt, dev, four_bit=int4)
+            return own(cfg, layer, dt, dev, four_bit=int4, act=act)
         if int4 and layer not in mixed:
             from .quant.experts import Int4MoEExperts
 
@@ -366,7 +366,7 @@ def _offload_runtime(cfg, opts: LoadOptions, dt, dev, name, group, sym, mixed, f
     extra = dict(opts.offload_options or {})
     oo = OffloadOptions(device=str(dev), ctx=opts.ctx, batch=opts.batch,
                         expert_format=name if name in ("int4", "fp8") else "auto", int4_group=group or 128, **extra)
-    # INT4 host experts computed on the CPU run the engine's int4_act
+    # 4-bit host experts computed on the CPU (INT4, MXFP4) run the engine's int4_act
     fmt = store_format(cfg, oo.expert_format, dt, group or 128, sym if sym is not None else True, fp8_block, act)
     return make_runtime(cfg, oo, dt, dev, fmt=fmt)
 

@@ -106,8 +106,8 @@ def q8_emulate(x: torch.Tensor, block: int = 32, levels: float = 127.0) -> torch
 
 @pytest.fixture
 def exact_int4(monkeypatch):
-    """The CPU INT4 kernels on fp32 activations (exact to fp32 rounding) unless a call names another:
-    for tests that check 4-bit formats or the f32 rows against fp32 references at fp32's tolerance
+    """The CPU INT4 and MXFP4 kernels on fp32 activations (exact to fp32 rounding) unless a call names
+    another: for tests that check 4-bit formats or the f32 rows against fp32 references at fp32's tolerance
     (the default int16 activations are ~2^-16 off by design: tested against their emulation in
     test_cpu_native.py and against the float reference at their own bound in test_quant_checkpoints.py)."""
     from lynx_edge.kernels import native

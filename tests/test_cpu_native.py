@@ -369,7 +369,8 @@ def test_gpt_oss_experts_match_reference(T, K, E, D, I, kind):
         gs[0, 0, 0] = 0  # an e8m0 of 0: the subnormal scale 2^-127
         args = (gq.flatten(-2).contiguous(), dq.flatten(-2).contiguous())
         gu_v, dn_v = mxfp4_dequant(gq, gs, torch.float32), mxfp4_dequant(dq, ds, torch.float32)
-        run = lambda a, b, s1=gs, s2=ds, lim=limit: native.moe_oss(x, ids, w, a, b, gb, db, lim, alpha, s1, s2)
+        run = lambda a, b, s1=gs, s2=ds, lim=limit: native.moe_oss(x, ids, w, a, b, gb, db, lim, alpha, s1, s2,
+                                                                   act="f32")  # exact: int16 activations below
     else:
         dt = getattr(torch, kind)
         args = (gu.to(dt), dn.to(dt))
@@ -389,6 +390,72 @@ def test_gpt_oss_experts_match_reference(T, K, E, D, I, kind):
         ds2 = ds.clone()
         ds2[int(ids[0, 0]), 5, 0] += 1
         assert _rel(run(*args, s2=ds2), ref) > 100 * TOL_MOE
+
+
+def _oss_mx_problem(T, K, E, D, I, seed):
+    """A gpt-oss MXFP4 layer → (moe_oss's arguments, the dequantised fp32 weights, limit, alpha)."""
+    from lynx_edge.kernels.moe_mxfp4 import mxfp4_dequant, mxfp4_quantize
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, D, generator=g)
+    (gq, gs), (dq, ds) = mxfp4_quantize(torch.randn(E, 2 * I, D, generator=g) * 0.3), \
+        mxfp4_quantize(torch.randn(E, D, I, generator=g) * 0.3)
+    gs[0, 0, 0], gs[0, 1, 0], ds[-1, 0, -1] = 0, 1, 1  # e8m0 0 and 1: the subnormal scales 2^-127, 2^-126
+    gb, db = torch.randn(E, 2 * I, generator=g) * 0.2, torch.randn(E, D, generator=g) * 0.2
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    w = torch.softmax(torch.randn(T, K, generator=g), -1)
+    args = [x, ids, w, gq.flatten(-2).contiguous(), dq.flatten(-2).contiguous(), gb, db, 1.5, 1.702, gs, ds]
+    return args, (mxfp4_dequant(gq, gs, torch.float32), mxfp4_dequant(dq, ds, torch.float32))
+
+
+def _oss_q16_reference(args, weights, quant):
+    """fp64 sums of gpt-oss's layer whose expert inputs, x and h, pass through quant(v) first."""
+    from lynx_edge.kernels.moe_mxfp4 import oss_act
+
+    x, ids, w, _, _, gb, db, limit, alpha = args[:9]
+    gu, dn = weights
+    ref = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for k in range(ids.shape[1]):
+            e = int(ids[t, k])
+            hg = (gu[e].double() @ quant(x[t]).double() + gb[e].double()).float()
+            h = oss_act(hg[None], limit, alpha)[0]
+            ref[t] += float(w[t, k]) * (dn[e].double() @ quant(h).double() + db[e].double())
+    return ref.float()
+
+
+# vs the emulation of the same int16 activations: h's codes come from the kernel's fp32 h, the
+# reference's from fp64, so a code one step (2^-16 of its block's largest input) apart flips now and
+# then, as in test_int4_q16_moe_matches_emulation (observed max |Δ| / output scale 4.9e-6 over 18
+# problems; 1e-7 without a flip)
+TOL_MX16 = 2e-5
+
+
+@pytest.mark.parametrize("T,K,E,D,I", [(1, 2, 4, 64, 32), (5, 4, 8, 96, 288), (9, 2, 3, 512, 64)])
+def test_gpt_oss_mxfp4_int16_activations_match_emulation(T, K, E, D, I):
+    """MXFP4 rows against int16 activations (act="q16", the default on AVX2): equal to fp64 sums
+    over the same dequantised weights with x and h rounded as the kernel rounds them (blocks of 32,
+    32767 levels) — 1, 3, 9 (a chunk of eight and one more) and 16 blocks a row, subnormal scales —
+    and "q8" runs the same int16 path. A token's result does
+    not depend on the batch around it. Bug cases: a code flipped, a scale one off."""
+    args, weights = _oss_mx_problem(T, K, E, D, I, seed=T + D)
+    args[0][:, 0::64] *= 300  # one large input in every other block: its neighbours round coarsely,
+    args[7] = 100.0  # and no clamp hides that
+    ref = _oss_q16_reference(args, weights, lambda v: _q16(v, 32))
+    y = native.moe_oss(*args, act="q16")
+    assert _rel(y, ref) < TOL_MX16, _rel(y, ref)
+    assert torch.equal(native.moe_oss(*args, act="q8"), y)
+    assert 2e-5 < _rel(y, native.moe_oss(*args, act="f32")) < 1e-3  # the int16 rows ran (observed 4e-5 to 2e-4)
+    for t in range(T):  # alone = in the batch, bit for bit
+        one = native.moe_oss(args[0][t:t + 1], args[1][t:t + 1], args[2][t:t + 1], *args[3:], act="q16")
+        assert torch.equal(one, y[t:t + 1])
+    bad = [a.clone() if i in (4, 10) else a for i, a in enumerate(args)]
+    e = int(args[1][0, 0])
+    bad[4][e, 1, 3] ^= 0x11  # two codes of the down projection
+    assert _rel(native.moe_oss(*bad, act="q16"), ref) > 100 * TOL_MX16
+    bad[4][e, 1, 3] ^= 0x11
+    bad[10][e, 5, 0] += 1  # a down block's scale doubled
+    assert _rel(native.moe_oss(*bad, act="q16"), ref) > 100 * TOL_MX16
 
 
 @pytest.mark.parametrize("arch", ["haswell", "x86-64"])

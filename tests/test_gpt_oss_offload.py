@@ -32,10 +32,10 @@ def ckpts(tmp_path_factory) -> dict[str, Path]:
     return {"16bit": bf16, "mxfp4": pack_mxfp4(bf16, root / "mxfp4")}
 
 
-def offloaded(path: Path, int4: bool = False, lynx: str = "off", **oo) -> Engine:
+def offloaded(path: Path, int4: bool = False, lynx: str = "off", int4_act: str | None = None, **oo) -> Engine:
     """Engine.from_pretrained(offload=True) with every OffloadOptions field reachable (cpu_compute, pin…)."""
     cfg = ModelConfig.from_file(path / "config.json")
-    opts = LoadOptions(device="cpu", dtype="float32", offload=True, int4=int4, ctx=256,
+    opts = LoadOptions(device="cpu", dtype="float32", offload=True, int4=int4, ctx=256, int4_act=int4_act,
                        offload_options=dict(profile="cpu-only", **oo))
     return Engine(load_model(path, cfg, opts), Tokenizer(path), EngineConfig(dtype="float32", device="cpu", lynx=lynx),
                   path)
@@ -57,7 +57,7 @@ CASES = [  # checkpoint, int4 at load, store format, offload options
 
 
 @pytest.mark.parametrize("case", CASES, ids=["16bit-inplace", "rtn-mxfp4-slots", "mxfp4-slots-lynxpolicy", "mxfp4-cpu"])
-def test_offloaded_equals_resident(ckpts, case, monkeypatch):
+def test_offloaded_equals_resident(ckpts, case, monkeypatch, exact_int4):
     src, int4, fmt, oo = case
     monkeypatch.setattr(store_mod, "_alloc_pinned", lambda shape: torch.empty(shape, dtype=torch.uint8))
     path = ckpts[src]
@@ -216,7 +216,7 @@ def test_attach_and_detach_keep_mxfp4(ckpts):
     assert eng.generate_batch(PROMPTS, **kw) == want
 
 
-def test_store_format_compute_is_the_reference(ckpts):
+def test_store_format_compute_is_the_reference(ckpts, exact_int4):
     """One expert from the store = kernels/moe_mxfp4.oss_moe_ref with that expert alone (weight 1),
     to fp32 rounding (the store's CPU experts run the native kernel on the block's bytes: observed
     ≤ 2e-7 of the output scale), and bit-equal to the resident experts' own CPU call."""
@@ -231,6 +231,14 @@ def test_store_format_compute_is_the_reference(ckpts):
         got = st.compute(1, e, x)
         assert (got - want).abs().max() <= 1e-6 * want.abs().max(), (got - want).abs().max()
         assert torch.equal(got, ref(x, ids, w))
+    # the engine's int4_act reaches the host experts' MXFP4 rows, as the resident ones'
+    eng16 = offloaded(ckpts["mxfp4"], expert_slots=4, int4_act="q16")
+    st16 = eng16.model.offload.store
+    assert st16.fmt.int4_act == "q16" and st.fmt.int4_act == ref.act == "f32"
+    res16 = resident(ckpts["mxfp4"], int4_act="q16").model.layers[1].mlp.experts
+    assert res16.act == "q16"
+    ids, w = torch.full((5, 1), 2), torch.ones(5, 1)
+    assert torch.equal(st16.compute(1, 2, x), res16(x, ids, w)) and not torch.equal(st16.compute(1, 2, x), ref(x, ids, w))
 
 
 @pytest.mark.gpu

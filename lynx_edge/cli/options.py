@@ -30,7 +30,7 @@ class Int4ActChoice(str, Enum):
 
 
 Int4Act = Annotated[Optional[Int4ActChoice], typer.Option(
-    "--int4-act", help="CPU INT4 kernels' activations: f32 (exact) | q16 (int16 per weight group, within 2^-16 "
+    "--int4-act", help="CPU INT4 and MXFP4 kernels' activations: f32 (exact) | q16 (int16 per weight group, within 2^-16 "
     "of the group's largest input: integer dot products, 128x finer than bf16's rounding) | q8 (int8 like llama.cpp's "
     "Q4_0: fastest, approximate) [default: $LYNX_EDGE_INT4_ACT, else q16 on AVX2 without AVX-512, else f32]")]
 Profile = Annotated[Optional[str], typer.Option("--profile", help="hardware profile (TOML) for placement")]

@@ -1186,6 +1186,100 @@ static void mx_slots(const uint8_t *q, const uint8_t *sc, int Kin, const float *
     else if (r == 1) mx_rows(q, sc, Kin, xe, xo, 1, acc + t);
 }
 
+/* MXFP4 rows against int16 activations (ACT_Q16, the INT4 rows' default mode on AVX2). The fp32 rows
+ * above widen every code through a float table and a sign xor: bound by those vector ops, not by
+ * memory (a gpt-oss-20b-shaped layer on an AMD EPYC Zen3, one thread: ~4 GB/s of codes against the
+ * ~18 GB/s the memory gives). Doubled, the e2m1 values are the integers 0, 1, 2, 3, 4, 6, 8, 12 (sign
+ * from bit 3), so one byte shuffle turns 16 code nibbles into int8 weights, and a token takes a block's
+ * 32 products with two vpmaddwd against its int16 inputs (quant_q16 over blocks of 32: the block's own
+ * scale d), exact in int32 (|12 * 32767| * 32 < 2^31); the block's integer sum meets 2^(s - 128) * d
+ * once. The only rounding is the activations' (as q16_tile: 2^-16 of each block's largest input).
+ * Each token sums the same way whatever NT (batch-invariant). */
+static const int8_t MX_I8[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+static inline float e8m0_half(uint8_t s) { /* 2^(s - 128), the doubled codes' scale: s 1 and 0 subnormal */
+    union { uint32_t u; float f; } c = {s > 1 ? (uint32_t)(s - 1) << 23 : s ? 0x00400000u : 0x00200000u};
+    return c.f;
+}
+
+/* acc[t] for one row of Kin/2 code bytes q and Kin/32 scale bytes sc against NT (1..4) tokens' int16
+ * codes xe / xo (even / odd inputs) with block scales d */
+static inline __attribute__((always_inline)) void mxq_rows(const uint8_t *q, const uint8_t *sc, int Kin,
+                                                           const int16_t *const *xe, const int16_t *const *xo,
+                                                           const float *const *d, const int NT, float *acc) {
+    const int nb = Kin / 32;
+    int t;
+#if defined(__AVX2__) && defined(__FMA__)
+    const __m128i lut = _mm_loadu_si128((const __m128i *)MX_I8), m4 = _mm_set1_epi8(15);
+    const float zero[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    float sd[4][8]; /* eight blocks' 2^(s - 128) * d per token (the same product as e8m0_half's) */
+    __m256 tot[4], odd[4]; /* even and odd blocks' sums: two chains of multiply-adds, not one */
+    for (t = 0; t < NT; t++) tot[t] = odd[t] = _mm256_setzero_ps();
+    for (int g0 = 0; g0 < nb; g0 += 8) {
+        const int gn = nb - g0 < 8 ? nb - g0 : 8;
+        if (gn == 8) { /* the scale bytes as exponents, halved; s = 0 (the exponent field's 0) is 2^-128 */
+            const __m256 sv = _mm256_max_ps(
+                _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sc + g0))), 23)),
+                              _mm256_set1_ps(0.5f)),
+                _mm256_set1_ps(0x1p-128f));
+            for (t = 0; t < NT; t++) _mm256_storeu_ps(sd[t], _mm256_mul_ps(sv, _mm256_loadu_ps(d[t] + g0)));
+        } else
+            for (int j = 0; j < gn; j++)
+                for (t = 0; t < NT; t++) sd[t][j] = e8m0_half(sc[g0 + j]) * d[t][g0 + j];
+#define MXQ_BLOCK(j, ACC) /* block g0 + j into ACC[t] */ \
+    do { \
+        const int g = g0 + (j); \
+        if ((g & 3) == 0) _mm_prefetch((const char *)q + 16L * g + PREFETCH, PF_HINT); \
+        const __m128i b = _mm_loadu_si128((const __m128i *)(q + 16 * g)); \
+        const __m256i we = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(lut, _mm_and_si128(b, m4))); \
+        const __m256i wo = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(b, 4), m4))); \
+        for (t = 0; t < NT; t++) { \
+            const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(we, _mm256_loadu_si256((const __m256i *)(xe[t] + 16 * g))), \
+                                               _mm256_madd_epi16(wo, _mm256_loadu_si256((const __m256i *)(xo[t] + 16 * g)))); \
+            ACC[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(sd[t] + (j)), ACC[t]); \
+        } \
+    } while (0)
+        int j = 0;
+        for (; j + 2 <= gn; j += 2) { /* g0 is even: even blocks into tot, odd ones into odd */
+            MXQ_BLOCK(j, tot);
+            MXQ_BLOCK(j + 1, odd);
+        }
+        if (j < gn) MXQ_BLOCK(j, tot);
+#undef MXQ_BLOCK
+    }
+    for (t = 0; t < NT; t++) tot[t] = _mm256_add_ps(tot[t], odd[t]);
+    reduce_256(tot, zero, NT, acc);
+#else
+    for (t = 0; t < NT; t++) {
+        float a = 0.0f;
+        for (int g = 0; g < nb; g++) {
+            int p = 0;
+            for (int j = 16 * g; j < 16 * g + 16; j++) p += MX_I8[q[j] & 15] * xe[t][j] + MX_I8[q[j] >> 4] * xo[t][j];
+            a += (float)p * (e8m0_half(sc[g]) * d[t][g]);
+        }
+        acc[t] = a;
+    }
+#endif
+}
+
+/* mxq_rows over n tokens (codes of stride ld, Kin / 32 block scales each from d0) */
+static void mxq_slots(const uint8_t *q, const uint8_t *sc, int Kin, const int16_t *xe0, const int16_t *xo0,
+                      const float *d0, long ld, int n, float *acc) {
+    const int16_t *xe[4], *xo[4];
+    const float *d[4];
+    const long nd = Kin / 32;
+    int t = 0;
+    for (; t + 4 <= n; t += 4) {
+        for (int i = 0; i < 4; i++) { xe[i] = xe0 + (t + i) * ld; xo[i] = xo0 + (t + i) * ld; d[i] = d0 + (t + i) * nd; }
+        mxq_rows(q, sc, Kin, xe, xo, d, 4, acc + t);
+    }
+    const int r = n - t;
+    for (int i = 0; i < r; i++) { xe[i] = xe0 + (t + i) * ld; xo[i] = xo0 + (t + i) * ld; d[i] = d0 + (t + i) * nd; }
+    if (r == 3) mxq_rows(q, sc, Kin, xe, xo, d, 3, acc + t);
+    else if (r == 2) mxq_rows(q, sc, Kin, xe, xo, d, 2, acc + t);
+    else if (r == 1) mxq_rows(q, sc, Kin, xe, xo, d, 1, acc + t);
+}
+
 /* --- FP8 rows (e4m3fn codes with one fp32 scale per block of bk inputs: Qwen3 / DeepSeek "fp8") -- */
 
 /* An e4m3fn byte as fp16 bits: sign to bit 15, the 4 exponent and 3 mantissa bits to bits 13..7.
@@ -1476,9 +1570,16 @@ static void gate_up_item(const void *arg, long item) {
         for (int i = i0; i < I && i < i0 + ROW_BLOCK; i++)
             for (int64_t c = 0; c < n; c += 64) {
                 const int m = (int)(n - c < 64 ? n - c : 64);
-                const float *xe = L->xe + (r0 + c) * (D / 2), *xo = L->xo + (r0 + c) * (D / 2);
-                mx_slots(gu + (long)i * (D / 2), gs + (long)i * (D / 32), D, xe, xo, D / 2, m, gate);
-                mx_slots(gu + (long)(I + i) * (D / 2), gs + (long)(I + i) * (D / 32), D, xe, xo, D / 2, m, up);
+                if (L->xqe) { /* int16 activations */
+                    const int16_t *qe = (const int16_t *)L->xqe + (r0 + c) * (D / 2), *qo = (const int16_t *)L->xqo + (r0 + c) * (D / 2);
+                    const float *xd = L->xd + (r0 + c) * (D / 32);
+                    mxq_slots(gu + (long)i * (D / 2), gs + (long)i * (D / 32), D, qe, qo, xd, D / 2, m, gate);
+                    mxq_slots(gu + (long)(I + i) * (D / 2), gs + (long)(I + i) * (D / 32), D, qe, qo, xd, D / 2, m, up);
+                } else {
+                    const float *xe = L->xe + (r0 + c) * (D / 2), *xo = L->xo + (r0 + c) * (D / 2);
+                    mx_slots(gu + (long)i * (D / 2), gs + (long)i * (D / 32), D, xe, xo, D / 2, m, gate);
+                    mx_slots(gu + (long)(I + i) * (D / 2), gs + (long)(I + i) * (D / 32), D, xe, xo, D / 2, m, up);
+                }
                 float *dst = ((i & 1) ? L->ho : L->he) + (r0 + c) * (I / 2) + i / 2;
                 for (int t = 0; t < m; t++) put_h(L, e, i, dst + (long)t * (I / 2), gate[t], up[t]);
             }
@@ -1578,7 +1679,11 @@ static void down_item(const void *arg, long item) {
                             L->he + (r0 + c) * I, I, m, acc, L->stream);
             else
                 for (int r = 0; r < R; r++) {
-                    if (L->fmt == FMT_MXFP4)
+                    if (L->fmt == FMT_MXFP4 && L->hqe)
+                        mxq_slots(L->dn + (e * (long)D + d + r) * (I / 2), L->dns + (e * (long)D + d + r) * (I / 32), I,
+                                  (const int16_t *)L->hqe + (r0 + c) * (I / 2), (const int16_t *)L->hqo + (r0 + c) * (I / 2),
+                                  L->hd + (r0 + c) * (I / 32), I / 2, m, acc + r * ROWS_LD);
+                    else if (L->fmt == FMT_MXFP4)
                         mx_slots(L->dn + (e * (long)D + d + r) * (I / 2), L->dns + (e * (long)D + d + r) * (I / 32), I,
                                  L->he + (r0 + c) * (I / 2), L->ho + (r0 + c) * (I / 2), I / 2, m, acc + r * ROWS_LD);
                     else
@@ -1643,7 +1748,7 @@ static uint8_t *scratch(const size_t *sz, int n, void **out) {
  * [E, D/bn, I/bk] (bn | I and D, bk | D and I, bk % 32 == 0: the caller checks).
  * gub [E, 2I] / dnb [E, D] fp32 biases or NULL; act_kind 1: gpt-oss's clamped SwiGLU.
  * amode: the INT4 rows' activations, ACT_F32 / ACT_Q8 / ACT_Q16 (each side falls back to fp32 where
- * its mode does not take the shape: act_for).
+ * its mode does not take the shape: act_for); MXFP4 rows run ACT_Q16 for either integer mode.
  * stream: the 16/32-bit experts come from DRAM at each use (they outgrow the last-level cache; the
  * caller decides, native.streamed): their short rows are read whole (dense_block).
  * Returns 0; -1 when out of memory; -3 for an expert id outside [0, E). */
@@ -1652,9 +1757,12 @@ int lynx_moe(int fmt, const float *x, const int64_t *ids, const float *w, const 
              int T, int K, float *out, int nthreads, const uint8_t *gus, const uint8_t *dns, const float *gub,
              const float *dnb, int act_kind, float limit, float alpha, int amode, int bn, int bk, int stream) {
     const long S = (long)T * K;
-    const int dense = fmt == FMT_F32 || fmt == FMT_BF16 || fmt == FMT_FP8, int4 = fmt == FMT_INT4;
-    /* the INT4 rows' activation mode on each side (ACT_*: fp32, int8, int16) */
-    const int ax = int4 ? act_for(amode, D, G) : ACT_F32, ah = int4 ? act_for(amode, I, G) : ACT_F32;
+    const int dense = fmt == FMT_F32 || fmt == FMT_BF16 || fmt == FMT_FP8, int4 = fmt == FMT_INT4, mx = fmt == FMT_MXFP4;
+    /* the INT4 rows' activation mode on each side (ACT_*: fp32, int8, int16); MXFP4 rows take int16
+     * activations in its blocks of 32 for either integer mode (mxq_rows), else fp32 */
+    if (mx) G = 32;
+    if (mx && amode != ACT_F32) amode = ACT_Q16;
+    const int ax = int4 || mx ? act_for(amode, D, G) : ACT_F32, ah = int4 || mx ? act_for(amode, I, G) : ACT_F32;
     for (long i = 0; i < S; i++)
         if (ids[i] < 0 || ids[i] >= E) return -3; /* nothing written: the caller names the bad id */
     const int defer = act_kind == 0 && !gub; /* plain SwiGLU: one pass (lynx_silu_mul) */

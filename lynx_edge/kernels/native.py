@@ -318,11 +318,13 @@ def moe_fp8(x, ids, weights, gate_up: torch.Tensor, gate_up_scales: torch.Tensor
 
 def moe_oss(x, ids, weights, gate_up: torch.Tensor, down: torch.Tensor, gate_up_b: torch.Tensor,
             down_b: torch.Tensor, limit: float, alpha: float, gate_up_scales: torch.Tensor | None = None,
-            down_scales: torch.Tensor | None = None) -> torch.Tensor:
+            down_scales: torch.Tensor | None = None, act: str | None = None) -> torch.Tensor:
     """gpt-oss's MoE layer (kernels/moe_mxfp4.oss_moe_ref's result) over MXFP4 experts — code bytes
     gate_up [E, 2I, D/2], down [E, D, I/2] with e8m0 scales [E, 2I, D/32], [E, D, I/32] — or
     16-bit ones [E, 2I, D], [E, D, I]; biases gate_up_b [E, 2I], down_b [E, D] fp32 → [T, D] in x's
-    dtype (products and sums in fp32, the activation in fp32)."""
+    dtype (products and sums in fp32, the activation in fp32). act: the MXFP4 rows' activations as
+    the INT4 rows' (None: default_int4_act()): "f32" exact, "q16" or "q8" int16 in blocks of 32
+    (integer products, ~2^-16 of each block's largest input)."""
     E, two_i = gate_up.shape[:2]
     D = down.shape[1]
     mx = gate_up_scales is not None
@@ -331,7 +333,7 @@ def moe_oss(x, ids, weights, gate_up: torch.Tensor, down: torch.Tensor, gate_up_
            db.data_ptr(), 1, float(limit), float(alpha))
     out = _call_moe(FMT_MXFP4 if mx else _FMT[gate_up.dtype], x, ids, weights, None, None, E,
                     1 if mx else gate_up.element_size(), None, gate_up.data_ptr(), down.data_ptr(), 0, 0, D, two_i // 2,
-                    oss)
+                    oss, act=act_code(act) if mx else 0)
     return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 

@@ -194,6 +194,7 @@ class OssExperts(nn.Module):
             raise ConfigError(f"MXFP4 experts need hidden ({D}) and intermediate ({I}) sizes divisible by 32")
         self.num_experts, self.hidden, self.inter, self.dtype = E, D, I, dtype
         self.limit, self.alpha, self.mxfp4 = limit, alpha, mxfp4
+        self.act: str | None = None  # the MXFP4 rows' CPU activations: f32 | q16 | q8 (native.moe_oss), set at build
         if mxfp4:
             u8 = torch.uint8
             self.gate_up = _param(E, 2 * I, D // 2, dtype=u8, device=device)  # [E, 2I, D/2] e2m1 pairs
@@ -287,7 +288,8 @@ class OssExperts(nn.Module):
             # one native call: MXFP4 codes decoded in registers (no expert widened per step)
             gb, db = self._biases32()
             sc = dict(gate_up_scales=self.gate_up_scales, down_scales=self.down_scales) if self.mxfp4 else {}
-            return native.moe_oss(x, ids, weights, self.gate_up, self.down, gb, db, self.limit, self.alpha, **sc)
+            return native.moe_oss(x, ids, weights, self.gate_up, self.down, gb, db, self.limit, self.alpha, **sc,
+                                  act=self.act)
         return oss_moe_ref(x, ids, weights, self.num_experts, lambda e: self.expert(e, x.dtype),
                            self.limit, self.alpha)
 
@@ -305,12 +307,15 @@ def _check(name: str, w: torch.Tensor, want: tuple[int, ...]) -> None:
         raise ValueError(f"{name} has shape {tuple(w.shape)}, expected {want}")
 
 
-def experts(cfg, layer: int, dtype, device, four_bit: bool = False) -> OssExperts:
+def experts(cfg, layer: int, dtype, device, four_bit: bool = False, act: str | None = None) -> OssExperts:
     """The resident backend the builder asks this family for: MXFP4 when the checkpoint is (kept
-    as published) or when 4-bit was asked for, else 16-bit in the model dtype."""
+    as published) or when 4-bit was asked for, else 16-bit in the model dtype. act: the MXFP4 rows'
+    CPU activations (the engine's int4_act)."""
     a = cfg.arch
-    return OssExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, dtype, device,
-                      a.swiglu_limit, a.swiglu_alpha, mxfp4=a.mxfp4 or four_bit)
+    ex = OssExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, dtype, device,
+                    a.swiglu_limit, a.swiglu_alpha, mxfp4=a.mxfp4 or four_bit)
+    ex.act = act
+    return ex
 
 
 def expert_block_bytes(cfg, dtype, four_bit: bool) -> tuple[str, int]:

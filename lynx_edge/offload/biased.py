@@ -27,12 +27,14 @@ class BiasedFormat:
     """weights: "mxfp4" or a dense name (bf16 | fp16 | fp32); act(h [n, 2I]) → [n, I]; reader():
     a new per-layer reader of checkpoint tensors (load_tensor(sink, name, w), finish())."""
 
-    def __init__(self, weights: str, hidden: int, inter: int, bias_dtype: torch.dtype, act, reader=None):
+    def __init__(self, weights: str, hidden: int, inter: int, bias_dtype: torch.dtype, act, reader=None,
+                 int4_act: str | None = None):
         if weights != "mxfp4" and weights not in _DENSE:
             raise ValueError(f"expert weights {weights!r} are unknown (mxfp4, bf16, fp16, fp32)")
         D, I = hidden, inter
         self.name, self.hidden, self.inter, self.act, self.reader = weights, D, I, act, reader
         self.mx = weights == "mxfp4"
+        self.int4_act = int4_act  # CPU MXFP4 rows' activations (the engine's int4_act; None: the default)
         if self.mx and (D % 32 or I % 32):
             raise ValueError(f"MXFP4 experts need hidden ({D}) and intermediate ({I}) sizes divisible by 32")
         self.dtype = torch.uint8 if self.mx else _DENSE[weights]
@@ -141,11 +143,12 @@ class BiasedFormat:
         sc = dict(gate_up_scales=self._t(block, "gu_s")[None], down_scales=self._t(block, "dn_s")[None]) if self.mx else {}
         return native.moe_oss(x, torch.zeros(n, 1, dtype=torch.int64), torch.ones(n, 1), gu[None], dn[None],
                               self._t(block, "gu_b")[None], self._t(block, "dn_b")[None], act.keywords["limit"],
-                              act.keywords["alpha"], **sc)
+                              act.keywords["alpha"], **sc, act=self.int4_act if self.mx else None)
 
 
-def family_format(cfg, dtype: torch.dtype, four_bit: bool) -> BiasedFormat | None:
-    """The store format of a family that describes its own experts (`expert_store` hook), else None."""
+def family_format(cfg, dtype: torch.dtype, four_bit: bool, int4_act: str | None = None) -> BiasedFormat | None:
+    """The store format of a family that describes its own experts (`expert_store` hook), else None;
+    int4_act: its MXFP4 rows' CPU activations."""
     from ..models.transformer import family_of
 
     hook = getattr(family_of(cfg), "expert_store", None)
@@ -153,7 +156,7 @@ def family_format(cfg, dtype: torch.dtype, four_bit: bool) -> BiasedFormat | Non
         return None
     spec = hook(cfg, dtype, four_bit)
     return BiasedFormat(spec["weights"], cfg.hidden_size, cfg.moe_intermediate_size, dtype, spec["act"],
-                        spec.get("reader"))
+                        spec.get("reader"), int4_act)
 
 
 __all__ = ["BiasedFormat", "family_format"]

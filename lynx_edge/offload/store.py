@@ -219,11 +219,12 @@ def store_format(cfg, name: str, dtype: torch.dtype, group: int = 128, sym: bool
                  block: tuple[int, int] | None = None, int4_act: str | None = None):
     """The store format of cfg's experts: the family's own (experts with biases and their own
     activation, see biased.py) when it describes them, else expert_format(name, …). name "int4"
-    asks a family with its own experts for its 4-bit format; a dense name for that dtype."""
+    asks a family with its own experts for its 4-bit format; a dense name for that dtype. int4_act:
+    the CPU activations of 4-bit experts computed on the host (INT4 and MXFP4 rows)."""
     from .biased import family_format
 
     dense = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-    fmt = family_format(cfg, dense.get(name, dtype), name == "int4")
+    fmt = family_format(cfg, dense.get(name, dtype), name == "int4", int4_act)
     if fmt is not None:
         return fmt
     return expert_format(name, dtype, cfg.hidden_size, cfg.moe_intermediate_size, group, sym, block, int4_act)
