@@ -18,6 +18,8 @@ llama-quantize makes Q4_0. Pairs compared (same weights, same thread count):
                    checkpoint `lynx-edge quantize --method rtn --attn` writes (experts and
                    attention 4-bit, group 128: what a published GPTQ checkpoint holds)
                    and vs --int4 --int4-attn (experts and attention RTN INT4 at load, group 128)
+    MXFP4:         llama.cpp MXFP4 vs lynx-edge's MXFP4 on a gpt-oss checkpoint as published
+                   (benchmarks/oss_checkpoint.py; both keep attention bf16)
     8-bit:         llama.cpp Q8_0 vs the FP8 checkpoint quant/fp8.write_checkpoint makes of the
                    same weights (experts and attention e4m3 with 128×128 block scales, as
                    Qwen/Qwen3-30B-A3B-FP8 is published), read 8-bit by lynx-edge's native kernels
@@ -34,6 +36,7 @@ background load hits them alike), medians over rounds:
     python benchmarks/vs_llamacpp.py --models demo --threads 2 -r 2
     python benchmarks/vs_llamacpp.py --models a3b --bits bf16,int4attn-q8,int4attn-q8-int8head -r 3
     python benchmarks/vs_llamacpp.py --models a3b48 --bits int4attn,int4attn-f32 --batch 1 -r 3
+    python benchmarks/vs_llamacpp.py --models oss --bits mxfp4,mxfp4-f32 -r 3   # gpt-oss's MXFP4 experts
 Writes benchmarks/results/vs_llamacpp.{json,md}.
 """
 from __future__ import annotations
@@ -70,6 +73,7 @@ A3B = dict(layers=4, experts=128, hidden=2048, inter=768, vocab=151936, top_k=8,
 # one of its 16 experts runs, where the real model's 16 tokens share ~82 of 128.
 A3B48 = A3B | dict(layers=48, experts=16)
 RANDOMS = {"random": RANDOM, "a3b": A3B, "a3b48": A3B48}
+OSS_LAYERS = 8  # --models oss: gpt-oss-20b's layer shapes, 8 of its 24 layers (benchmarks/oss_checkpoint.py)
 MODEL_NOTES = {"a3b": (
     "a3b: Qwen3-30B-A3B's shapes with 4 of its 48 layers and random weights. Per decode token at B=1 it reads "
     "~75 MB of 4-bit experts (8 of 128 per layer) and the output head: 622 MB bf16 (what a GPTQ checkpoint "
@@ -80,7 +84,13 @@ MODEL_NOTES = {"a3b": (
     "random weights (top-8 of 16). Per decode token at B=1 it reads what the real model reads: ~0.94 GB of "
     "4-bit experts, ~0.47 GB of 4-bit attention and the head (622 MB bf16 in a GPTQ checkpoint; llama.cpp's "
     "Q4_0 file: 1.02 GB, 0.51 GB and 255 MB of Q6_K). Its B=16 rows, where they were run, do not stand for the "
-    "real model (all 16 experts of a layer run).")}
+    "real model (all 16 experts of a layer run)."),
+    "oss": (
+    f"oss: gpt-oss-20b's layer shapes (hidden 2880, 32 experts of 2880 with biases, top-4, 64/8 heads of 64 with "
+    f"sinks, 128-token windows every other layer) at {OSS_LAYERS} of its 24 layers, random weights, MXFP4 experts "
+    "as published and bf16 attention, the demo's 4096-token vocabulary. Per decode token at B=1 a layer reads "
+    "4 experts' 49.6 MB of MXFP4 and 53 MB of bf16 attention, as the real model's layers do; its head is 24 MB "
+    "(the real vocabulary's: 1.16 GB).")}
 # issue 16's targets: lynx-edge / llama.cpp at the same bits
 TARGET = {("B1", "16bit"): 0.9, ("B1", "4bit"): 0.8, ("Bn", "16bit"): 1.0, ("Bn", "4bit"): 1.0,
           ("B1", "8bit"): 0.9, ("Bn", "8bit"): 1.0}  # 8-bit: issue 16 names none; the 16-bit ones
@@ -107,7 +117,12 @@ PAIRS = {"f32": ("F32", dict(dtype="float32")), "bf16": ("BF16", dict(dtype="bfl
          # load (group 128), as Q4_0 quantises every 2-D weight, and the output head int8 (llama-quantize
          # keeps it at Q6_K); and the same with int8 activations
          "int4all": ("Q4_0", dict(int4=True, int4_attn=True, int8_head=True, dtype="bfloat16")),
-         "int4all-q8": ("Q4_0", dict(int4=True, int4_attn=True, int8_head=True, int4_act="q8", dtype="bfloat16"))}
+         "int4all-q8": ("Q4_0", dict(int4=True, int4_attn=True, int8_head=True, int4_act="q8", dtype="bfloat16")),
+         # gpt-oss (--models oss): its MXFP4 experts as published on both sides (the converter keeps
+         # them MXFP4, the rest bf16), lynx-edge on its default activations (int16 on AVX2) and on
+         # the exact fp32 rows
+         "mxfp4": ("MXFP4", dict(dtype="bfloat16")),
+         "mxfp4-f32": ("MXFP4", dict(dtype="bfloat16", int4_act="f32"))}
 
 # The converter refuses byte-level BPE tokenizers whose pre-tokenizer hash it does not list (the
 # demo's own tokenizer). The demo's pre-tokenizer is ByteLevel with GPT-2's regex, X
@@ -237,6 +252,26 @@ def ours(engine, prompts: list[list[int]], n: int, lynx: str) -> float:
     return float(stats["decode_tok_s"])
 
 
+def to_ggufs(src: Path, bins: Path, work: Path, tag: str, path: Path, kinds: list[str], threads: list[int]) -> dict:
+    """The GGUF files of a 16-bit checkpoint the kinds compare against: kind → file."""
+    # the F32 file only where asked for (the a3b slice's is 12 GB); Q4_0 from it when it is there
+    # (as recorded so far), else from the BF16 one (the same values: bf16 widens exactly)
+    f32 = work / f"{tag}-f32.gguf"
+    if "f32" in kinds:
+        to_gguf(src, path, f32, "f32")
+    # the BF16 file where a BF16 row or a quantisation needs it (a3b48 keeps only its Q4_0: 3 GB, not 10)
+    bf16, q4 = work / f"{tag}-bf16.gguf", work / f"{tag}-q4_0.gguf"
+    if "bf16" in kinds or not f32.is_file() and (not q4.is_file() or "fp8" in kinds):
+        to_gguf(src, path, bf16, "bf16")
+    ggufs = {"bf16": bf16}
+    qsrc = f32 if f32.is_file() else bf16
+    ggufs |= {"f32": f32, "int4": quantize(bins, qsrc, q4, max(threads))}
+    ggufs |= {k: ggufs["int4"] for k, (ll, _) in PAIRS.items() if ll == "Q4_0"}  # every 4-bit pair: the one Q4_0 file
+    if "fp8" in kinds:
+        ggufs["fp8"] = quantize(bins, qsrc, work / f"{tag}-q8_0.gguf", max(threads), "Q8_0")
+    return ggufs
+
+
 def write_random(path: Path, spec: dict = RANDOM) -> Path:
     from load_memory import write_checkpoint
 
@@ -330,37 +365,34 @@ def run(args) -> dict:
            "loadavg_start": os.getloadavg(), "models": {}, "rows": []}
     t_start = time.time()
     for model in args.models.split(","):
-        if model not in ("demo", *RANDOMS):
-            raise SystemExit(f"unknown model {model!r}: demo, {', '.join(RANDOMS)}")
-        path = resolve_model("demo") if model == "demo" else \
-            write_random(work / ("random-qwen3moe" if model == "random" else f"{model}-qwen3moe"), RANDOMS[model])
-        tag = model
-        # the F32 file only where asked for (the a3b slice's is 12 GB); Q4_0 from it when it is there
-        # (as recorded so far), else from the BF16 one (the same values: bf16 widens exactly)
-        f32 = work / f"{tag}-f32.gguf"
-        if "f32" in kinds:
-            to_gguf(src, path, f32, "f32")
-        # the BF16 file where a BF16 row or a quantisation needs it (a3b48 keeps only its Q4_0: 3 GB, not 10)
-        bf16, q4 = work / f"{tag}-bf16.gguf", work / f"{tag}-q4_0.gguf"
-        if "bf16" in kinds or not f32.is_file() and (not q4.is_file() or "fp8" in kinds):
-            to_gguf(src, path, bf16, "bf16")
-        ggufs = {"bf16": bf16}
-        qsrc = f32 if f32.is_file() else bf16
-        ggufs |= {"f32": f32, "int4": quantize(bins, qsrc, q4, max(threads))}
-        ggufs |= {k: ggufs["int4"] for k, (ll, _) in PAIRS.items() if ll == "Q4_0"}  # every 4-bit pair: the one Q4_0 file
-        if "fp8" in kinds:
-            ggufs["fp8"] = quantize(bins, qsrc, work / f"{tag}-q8_0.gguf", max(threads), "Q8_0")
-        res["models"][model] = {"path": str(path), "checkpoint_bytes_bf16": ckpt_bytes(path),
-                                "gguf_bytes": {k: ggufs[k].stat().st_size for k in kinds if ggufs[k].is_file()}}
+        if model not in ("demo", "oss", *RANDOMS):
+            raise SystemExit(f"unknown model {model!r}: demo, oss, {', '.join(RANDOMS)}")
+        if (model == "oss") != all(k.startswith("mxfp4") for k in kinds):
+            raise SystemExit("--models oss runs --bits mxfp4,mxfp4-f32 (and only it does)")
+        if model == "oss":  # MXFP4 experts as published: one GGUF, its experts MXFP4, the rest bf16
+            from oss_checkpoint import write_oss
+
+            path = write_oss(work / "oss-gptoss", OSS_LAYERS)
+            mx = to_gguf(src, path, work / "oss-mxfp4.gguf", "bf16")
+            ggufs = {k: mx for k in kinds}
+            res["models"][model] = {"path": str(path), "checkpoint_bytes": ckpt_bytes(path),
+                                    "gguf_bytes": {"mxfp4": mx.stat().st_size}}
+        else:
+            path = resolve_model("demo") if model == "demo" else \
+                write_random(work / ("random-qwen3moe" if model == "random" else f"{model}-qwen3moe"), RANDOMS[model])
+            ggufs = to_ggufs(src, bins, work, model, path, kinds, threads)
+            res["models"][model] = {"path": str(path), "checkpoint_bytes_bf16": ckpt_bytes(path),
+                                    "gguf_bytes": {k: ggufs[k].stat().st_size for k in kinds if ggufs[k].is_file()}}
         for kind in kinds:
+
             ll_name, opts = PAIRS[kind]
-            src_k = lynx_4bit(path, work / f"{tag}-lynx-rtn-attn-g128") if kind.startswith("int4attn") else \
-                lynx_fp8(path, work / f"{tag}-fp8-b128") if kind == "fp8" else path
+            src_k = lynx_4bit(path, work / f"{model}-lynx-rtn-attn-g128") if kind.startswith("int4attn") else \
+                lynx_fp8(path, work / f"{model}-fp8-b128") if kind == "fp8" else path
             eng = Engine.from_pretrained(src_k, device="cpu", max_num_seqs=args.batch, **opts)
             dt = str(next(p for p in eng.model.parameters() if p.is_floating_point()).dtype).replace("torch.", "")
             p1 = synthetic_prompts(eng, 1, 8)
             pB = synthetic_prompts(eng, args.batch, args.prompt)
-            bits = "4bit" if kind.startswith("int4") else "8bit" if kind == "fp8" else "16bit"
+            bits = "4bit" if kind.startswith(("int4", "mxfp4")) else "8bit" if kind == "fp8" else "16bit"
             batched = args.batch > 1  # --batch 1: the B=1 rows only
             for th in threads:
                 set_threads(th, explicit=True)
@@ -417,7 +449,9 @@ def _ours_name(r: dict) -> str:
                                  f"({r['ours_dtype']})",
             "fp8": f"FP8 ckpt, experts + attn 8-bit ({r['ours_dtype']})",
             "int4all": f"--int4 --int4-attn{' --int8-head' if r.get('int8_head') else ''} ({r['ours_dtype']})",
-            "int4all-q8": f"--int4 --int4-attn{' --int8-head' if r.get('int8_head') else ''} --int4-act q8 ({r['ours_dtype']})"}.get(r["kind"], r["ours_dtype"])
+            "int4all-q8": f"--int4 --int4-attn{' --int8-head' if r.get('int8_head') else ''} --int4-act q8 ({r['ours_dtype']})",
+            "mxfp4": f"MXFP4 ckpt, default {r.get('int4_act', 'f32')} activations ({r['ours_dtype']})",
+            "mxfp4-f32": f"MXFP4 ckpt, --int4-act f32 ({r['ours_dtype']})"}.get(r["kind"], r["ours_dtype"])
 
 
 def to_markdown(res: dict) -> str:
@@ -451,7 +485,9 @@ def to_markdown(res: dict) -> str:
         md += [f"Re-measured later (`--update`, load average {rr['loadavg_start'][0]:.2f} → {rr['loadavg_end'][0]:.2f}): "
                + ", ".join(f"{m} {k} {t} thread(s)" for m, k, t in rr["cells"]) + ".", ""]
     for model, m in res["models"].items():
-        md += [f"## {model} ({m['checkpoint_bytes_bf16'] / 1e9:.3f} GB bf16 safetensors; GGUF "
+        size = f"{m['checkpoint_bytes_bf16'] / 1e9:.3f} GB bf16" if "checkpoint_bytes_bf16" in m else \
+            f"{m['checkpoint_bytes'] / 1e9:.3f} GB MXFP4 + bf16"
+        md += [f"## {model} ({size} safetensors; GGUF "
                + ", ".join(f"{k} {v / 1e6:.0f} MB" for k, v in m["gguf_bytes"].items()) + ")", "",
                "| threads | B | llama.cpp | lynx-edge | LYNX | llama.cpp tok/s (min–max) | lynx-edge tok/s (min–max) "
                "| ratio | target | met |" + (" previous run |" if res.get("previous") else ""),
@@ -500,7 +536,8 @@ def main() -> None:
     ap.add_argument("--models", default="demo,random",
                     help="demo, random (≥ 1 GB bf16 qwen3_moe), a3b (Qwen3-30B-A3B's shapes, 4 layers, "
                          "6.1 GB bf16: run it with --bits bf16,int4attn-q8 on a 24 GB box) and/or a3b48 (the "
-                         "same at 48 layers of 16 experts, 10.3 GB bf16: --bits int4attn --batch 1)")
+                         "same at 48 layers of 16 experts, 10.3 GB bf16: --bits int4attn --batch 1) or oss "
+                         "(gpt-oss-20b's layers, 8 of 24, MXFP4 experts: --models oss --bits mxfp4,mxfp4-f32)")
     ap.add_argument("--bits", default="f32,bf16,int4,int4attn,int4attn-q8",
                     help="pairs: f32 (F32 vs fp32), bf16, int4 (Q4_0 vs --int4), int4attn (Q4_0 vs a lynx-edge "
                          "4-bit checkpoint with 4-bit attention), int4attn-q8 (the same with --int4-act q8), "
