@@ -181,6 +181,35 @@ def test_batched_equals_single_and_cached_decode_equals_recompute(ckpt):
     torch.testing.assert_close(step.reshape(-1), fresh[-1], atol=2e-5, rtol=2e-5)
 
 
+def test_decode_attention_runs_native_with_sinks(ckpt, monkeypatch):
+    """A CPU decode step's sink attention runs the native kernel with the sinks in its softmax (full
+    and 8-token-window layers: the prompt runs past the window) and gives the torch path's logits;
+    the kernel without the sinks does not."""
+    from conftest import greedy_logits
+    from lynx_edge.kernels import native
+    from lynx_edge.models.layers import Attention
+
+    if native.lib() is None:
+        pytest.skip("native kernels not built")
+    eng = Engine.from_pretrained(ckpt, device="cpu", dtype=torch.float32)
+    ids = prompt_ids(20)
+    real, sinks = native.attn_decode, []
+
+    def spy(*a):
+        sinks.append(a[14])
+        return real(*a)
+
+    monkeypatch.setattr(native, "attn_decode", spy)
+    toks, got = greedy_logits(eng, ids, n=6)
+    assert len(sinks) == 6 * len(eng.model.layers) and all(s is not None and s.dtype == torch.float32 for s in sinks)
+    monkeypatch.setattr(native, "attn_decode", lambda *a: real(*a[:14], None))
+    assert (greedy_logits(eng, ids, n=6)[1] - got).abs().max() > 1e-3  # the sinks matter here
+    monkeypatch.setattr(Attention, "_decode_native", lambda self, x, ab, kv: None)  # the torch path
+    want_toks, want = greedy_logits(eng, ids, n=6)
+    assert toks == want_toks
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
 # MXFP4: the format, a published-layout checkpoint, the Triton kernel -----------------------------------
 def pack_mxfp4(src: Path, dst: Path) -> Path:
     """src's 16-bit experts re-written as published: `*_blocks` / `*_scales` (gate/up rows interleaved,

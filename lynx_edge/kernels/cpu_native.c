@@ -12,7 +12,7 @@
  * bf16 costs half the bytes of fp32 on a CPU without native bf16 math); lynx_linear_int4 the same
  * for an INT4 linear read packed (GPTQ / AWQ attention).
  * lynx_attn_decode: one decode token per row after the fused q/k/v projection (norm, RoPE, cache
- * write, GQA). lynx_rmsnorm: RMSNorm with the torch path's roundings.
+ * write, GQA, gpt-oss's sinks). lynx_rmsnorm: RMSNorm with the torch path's roundings.
  *
  * INT4 layout, as cpu_kernels._moe (read that docstring): packed codes [N, Kin/2] (low nibble =
  * even input column), fp16 scales [Kin/G, N], uint8 zeros [Kin/G, N] (sym: 8) in one block per
@@ -2270,6 +2270,7 @@ typedef struct {
     float *out; /* [B, H hd] */
     float *scores; /* [B Hkv, Lmax G] scratch */
     long Lmax;
+    const float *sinks; /* [H] learned sink logits (gpt-oss: one more softmax logit per head, no value), or NULL */
 } attn_t;
 
 /* sum of v[j]^2, j < n, in 16 interleaved partial sums (lane l takes j = l mod 16; the tail after
@@ -2532,10 +2533,12 @@ static void attn_item(const void *arg, long item) {
         for (int r = 0; r < R; r++)
             for (int i = 0; i < G; i++) sc[i * L + s + r] = acc[r * ROWS_LD + i];
     }
-    for (int i = 0; i < G; i++) { /* softmax over the L positions, fp32 */
+    for (int i = 0; i < G; i++) { /* softmax over the L positions (and the head's sink), fp32 */
         float *v = sc + i * L;
-        const float m = max_of(v, L);
-        const float inv = 1.0f / exp_sub_sum(v, L, m);
+        float m = max_of(v, L);
+        const float sink = A->sinks ? A->sinks[g * G + i] : 0.0f;
+        if (A->sinks && sink > m) m = sink;
+        const float inv = 1.0f / (exp_sub_sum(v, L, m) + (A->sinks ? expf(sink - m) : 0.0f));
         for (long s = 0; s < L; s++) v[s] *= inv;
     }
     float *dst = A->out + (long)b * A->H * hd + (long)g * G * hd; /* the group's G heads, hd each */
@@ -2582,12 +2585,13 @@ static void attn_item(const void *arg, long item) {
     memcpy(dst, o, (size_t)G * hd * sizeof(float));
 }
 
-/* Returns 0; -1 for a shape past the kernel's stack buffers (the caller runs torch instead), -2
+/* sinks [H] fp32 or NULL: a learned logit per head that joins each softmax's denominator (gpt-oss).
+ * Returns 0; -1 for a shape past the kernel's stack buffers (the caller runs torch instead), -2
  * when the scores buffer cannot be allocated. */
 int lynx_attn_decode(const float *qkv, int B, int H, int Hkv, int hd, int rd, const float *qn, const float *kn,
                      float eps, float scale, const float *cos, const float *sin, const int64_t *pos,
                      const int64_t *rows, uint8_t *kc, uint8_t *vc, int cfmt, long Bmax, long S, int window,
-                     float *out, int nthreads) {
+                     float *out, int nthreads, const float *sinks) {
     if (hd > MAX_HD || H % Hkv != 0 || H / Hkv > MAX_GROUP || rd > hd || rd % 2) return -1;
     long Lmax = 1;
     for (int b = 0; b < B; b++) {
@@ -2598,7 +2602,7 @@ int lynx_attn_decode(const float *qkv, int B, int H, int Hkv, int hd, int rd, co
     float *scores = malloc((size_t)B * H * Lmax * sizeof(float));
     if (!scores) return -2;
     attn_t A = {qkv, B, H, Hkv, hd, rd, window, cfmt, qn, kn, eps, scale, cos, sin, pos, rows, kc, vc, S, out,
-                scores, Lmax};
+                scores, Lmax, sinks};
     /* every key and value first: tokens of one row in one call (a mixed step's prompt chunk) attend
      * to each other's, whichever thread runs them */
     for (int b = 0; b < B; b++)
@@ -2735,7 +2739,7 @@ int lynx_layer_attn(const attn_layer_t *L, const uint8_t *x, int B, const float 
     if ((rc = lin_run(&L->qkv, hf, B, q, nthreads)) != 0) { rc = -2; goto done; }
     if (bf) round_bf16(q, (long)B * nq);
     rc = lynx_attn_decode(q, B, L->H, L->Hkv, L->hd, L->rd, L->qn, L->kn, L->eps_qk, L->scale, cos, sin, pos, rows,
-                          kc, vc, cfmt, Bmax, S, L->window, a, nthreads);
+                          kc, vc, cfmt, Bmax, S, L->window, a, nthreads, NULL);
     if (rc != 0) goto done;
     if (bf) round_bf16(a, (long)B * na);
     if (lin_run(&L->o, a, B, o, nthreads) != 0) { rc = -2; goto done; }

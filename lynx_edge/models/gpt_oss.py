@@ -86,6 +86,15 @@ class SinkAttention(Attention):
         self.sinks = _param(self.H, dtype=dtype, device=device)  # [H]
         self.scale = self.hd ** -0.5
 
+    def native_sinks(self) -> torch.Tensor:
+        """The sinks for the native decode kernel (the softmax below, one step per row): fp32 [H],
+        made once (re-made if the parameter changes)."""
+        key = (self.sinks.data_ptr(), self.sinks._version)
+        cached = getattr(self, "_sinks32", None)
+        if cached is None or cached[0] != key:
+            cached = self._sinks32 = (key, self.sinks.detach().float().contiguous())
+        return cached[1]
+
     def sdpa(self, q, keys, vals, ab, T: int) -> torch.Tensor:
         # q [B, H, T, hd], keys/vals [B, Hkv, S, hd] → [B, H, T, hd]
         mask, causal = self.attend(ab, T)

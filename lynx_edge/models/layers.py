@@ -334,13 +334,15 @@ class Attention(nn.Module):
     def _decode_native(self, x: torch.Tensor, ab: AttnBatch, kv) -> torch.Tensor | None:
         """A CPU decode step in two native calls after the fused projection (kernels/cpu_native.c:
         norm, RoPE, cache write and attention for every row and head at once) instead of ~40 torch
-        ops. Only for this class's own project/attend/sdpa with plain q/k RMSNorm; subclasses that
-        change any of them (and shapes the kernel does not take) run the torch path."""
+        ops. Only for this class's own project/attend/sdpa with plain q/k RMSNorm (or an sdpa that only
+        adds sinks: native_sinks); subclasses that change any of them (and shapes the kernel does not
+        take) run the torch path."""
         if self._native_decode is None:
             cls = type(self)
             norms_ok = self.qk_norm == "none" or (self.qk_norm == "head" and type(self.q_norm) is RMSNorm
                                                   and type(self.k_norm) is RMSNorm)
-            self._native_decode = (cls.project is Attention.project and cls.sdpa is Attention.sdpa
+            sdpa_ok = cls.sdpa is Attention.sdpa or cls.native_sinks is not Attention.native_sinks
+            self._native_decode = (cls.project is Attention.project and sdpa_ok
                                    and cls.attend is Attention.attend and norms_ok and native.lib() is not None)
             if not self._native_decode:
                 return None
@@ -357,10 +359,16 @@ class Attention(nn.Module):
         head = self.qk_norm == "head"
         out = native.attn_decode(qkv, self.H, self.Hkv, self.hd, self.q_norm.weight if head else None,
                                  self.k_norm.weight if head else None, self.q_norm.eps if head else 0.0,
-                                 step[2], step[3], step[1], step[0], k_cache, v_cache, self.window)
+                                 step[2], step[3], step[1], step[0], k_cache, v_cache, self.window,
+                                 self.native_sinks())
         if out is None:
             return None
         return self.o_proj(out.to(x.dtype).view(B, 1, self.H * self.hd))
+
+    def native_sinks(self) -> torch.Tensor | None:
+        """A subclass whose sdpa adds one learned logit per head to each softmax (gpt-oss) gives the
+        native decode those logits here, [H] fp32; None: plain softmax."""
+        return None
 
     def sdpa(self, q, keys, vals, ab: AttnBatch, T: int) -> torch.Tensor:
         mask, causal = self.attend(ab, T)
