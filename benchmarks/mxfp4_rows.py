@@ -1,13 +1,14 @@
 """gpt-oss's MXFP4 experts on the CPU by activation mode, side by side in one process: fp32 rows
-(exact) against int16 activations (q16, the default on AVX2 without AVX-512).
+(exact) against int16 activations (q16, the default on AVX2 without AVX-512) and int8 ones (q8,
+llama.cpp's MXFP4 x Q8_0 scheme, approximate).
 
 One MoE layer of gpt-oss-20b's shapes (32 experts of hidden 2880 and intermediate 2880, top-4,
 biases, the clamped SwiGLU; gpt-oss-120b has the same expert shape, 128 of them): 12.4 MB of codes
 and scales an expert, 400 MB a layer, far past the caches, so every call reads its experts from
 DRAM. Random codes and scales around 2^-5..2^0 (as published checkpoints have them), each round
 fresh random routing for T tokens; the modes alternate within every round, so the paired ratios
-(f32 time / q16 time) see the same background load. GB/s: the unique experts' bytes a call reads
-over its time; `rel_diff`: q16's largest difference to the fp32 rows over the output scale.
+(f32 time / mode time) see the same background load. GB/s: the unique experts' bytes a call reads
+over its time; `rel_diff`: each mode's largest difference to the fp32 rows over the output scale.
 
     python benchmarks/mxfp4_rows.py [--tokens 1,2,4,16] [--threads 1] [-r 9]
 Appends a run to benchmarks/results/mxfp4_rows.json.
@@ -28,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from native_ab import append_run  # noqa: E402  (beside this script)
 
-ACTS = ("f32", "q16")
+ACTS = ("f32", "q16", "q8")
 E, D, I, K = 32, 2880, 2880, 4  # gpt-oss-20b: num_local_experts, hidden_size, intermediate_size, experts_per_token
 LIMIT, ALPHA = 7.0, 1.702  # its swiglu_limit and the SwiGLU's alpha
 
@@ -56,7 +57,7 @@ def main() -> None:
     rows = []
     for T in (int(t) for t in a.tokens.split(",")):
         x = torch.randn(T, D, generator=g)
-        ms, gbs, diff = {act: [] for act in ACTS}, {act: [] for act in ACTS}, []
+        ms, gbs, diff = {act: [] for act in ACTS}, {act: [] for act in ACTS}, {act: [] for act in ACTS[1:]}
         for r in range(a.rounds + 1):  # round 0: warm-up
             ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
             w = torch.softmax(torch.randn(T, K, generator=g), -1)
@@ -70,14 +71,16 @@ def main() -> None:
                     ms[act].append(dt * 1e3)
                     gbs[act].append(nbytes / dt / 1e9)
             ref = out["f32"]
-            diff.append(((out["q16"] - ref).abs().max() / ref.abs().max().clamp(min=1.0)).item())
+            for act in ACTS[1:]:
+                diff[act].append(((out[act] - ref).abs().max() / ref.abs().max().clamp(min=1.0)).item())
         row = {"shape": f"gpt-oss-20b layer E={E} D={D} I={I} top-{K}", "tokens": T, "threads": a.threads,
                "ms": {act: round(statistics.median(v), 2) for act, v in ms.items()},
                "gb_s": {act: round(statistics.median(v), 2) for act, v in gbs.items()},
-               "q16_vs_f32": round(statistics.median(f / q for f, q in zip(ms["f32"], ms["q16"])), 3),
-               "q16_vs_f32_range": [round(min(f / q for f, q in zip(ms["f32"], ms["q16"])), 3),
-                                    round(max(f / q for f, q in zip(ms["f32"], ms["q16"])), 3)],
-               "rel_diff": float(f"{max(diff):.2e}")}
+               "vs_f32": {act: round(statistics.median(f / q for f, q in zip(ms["f32"], ms[act])), 3) for act in ACTS[1:]},
+               "vs_f32_range": {act: [round(min(f / q for f, q in zip(ms["f32"], ms[act])), 3),
+                                      round(max(f / q for f, q in zip(ms["f32"], ms[act])), 3)] for act in ACTS[1:]},
+               "q8_vs_q16": round(statistics.median(a / b for a, b in zip(ms["q16"], ms["q8"])), 3),
+               "rel_diff": {act: float(f"{max(v):.2e}") for act, v in diff.items()}}
         rows.append(row)
         print(json.dumps(row), flush=True)
     append_run(Path(a.out), {"benchmark": "native MXFP4 experts (gpt-oss) from DRAM by activation mode "

@@ -122,7 +122,8 @@ PAIRS = {"f32": ("F32", dict(dtype="float32")), "bf16": ("BF16", dict(dtype="bfl
          # them MXFP4, the rest bf16), lynx-edge on its default activations (int16 on AVX2) and on
          # the exact fp32 rows
          "mxfp4": ("MXFP4", dict(dtype="bfloat16")),
-         "mxfp4-f32": ("MXFP4", dict(dtype="bfloat16", int4_act="f32"))}
+         "mxfp4-f32": ("MXFP4", dict(dtype="bfloat16", int4_act="f32")),
+         "mxfp4-q8": ("MXFP4", dict(dtype="bfloat16", int4_act="q8"))}  # llama.cpp's own MXFP4 x Q8_0 scheme
 
 # The converter refuses byte-level BPE tokenizers whose pre-tokenizer hash it does not list (the
 # demo's own tokenizer). The demo's pre-tokenizer is ByteLevel with GPT-2's regex, X
@@ -368,7 +369,7 @@ def run(args) -> dict:
         if model not in ("demo", "oss", *RANDOMS):
             raise SystemExit(f"unknown model {model!r}: demo, oss, {', '.join(RANDOMS)}")
         if (model == "oss") != all(k.startswith("mxfp4") for k in kinds):
-            raise SystemExit("--models oss runs --bits mxfp4,mxfp4-f32 (and only it does)")
+            raise SystemExit("--models oss runs --bits mxfp4,mxfp4-q8,mxfp4-f32 (and only it does)")
         if model == "oss":  # MXFP4 experts as published: one GGUF, its experts MXFP4, the rest bf16
             from oss_checkpoint import write_oss
 
@@ -451,7 +452,8 @@ def _ours_name(r: dict) -> str:
             "int4all": f"--int4 --int4-attn{' --int8-head' if r.get('int8_head') else ''} ({r['ours_dtype']})",
             "int4all-q8": f"--int4 --int4-attn{' --int8-head' if r.get('int8_head') else ''} --int4-act q8 ({r['ours_dtype']})",
             "mxfp4": f"MXFP4 ckpt, default {r.get('int4_act', 'f32')} activations ({r['ours_dtype']})",
-            "mxfp4-f32": f"MXFP4 ckpt, --int4-act f32 ({r['ours_dtype']})"}.get(r["kind"], r["ours_dtype"])
+            "mxfp4-f32": f"MXFP4 ckpt, --int4-act f32 ({r['ours_dtype']})",
+            "mxfp4-q8": f"MXFP4 ckpt, --int4-act q8 ({r['ours_dtype']})"}.get(r["kind"], r["ours_dtype"])
 
 
 def to_markdown(res: dict) -> str:

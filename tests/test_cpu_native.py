@@ -429,14 +429,15 @@ def _oss_q16_reference(args, weights, quant):
 # then, as in test_int4_q16_moe_matches_emulation (observed max |Δ| / output scale 4.9e-6 over 18
 # problems; 1e-7 without a flip)
 TOL_MX16 = 2e-5
+TOL_MX8 = 2e-6  # int8 codes a step apart (2^-7 of the block's largest input) flip far more rarely: observed 5.6e-7
 
 
 @pytest.mark.parametrize("T,K,E,D,I", [(1, 2, 4, 64, 32), (5, 4, 8, 96, 288), (9, 2, 3, 512, 64)])
-def test_gpt_oss_mxfp4_int16_activations_match_emulation(T, K, E, D, I):
+def test_gpt_oss_mxfp4_integer_activations_match_emulation(T, K, E, D, I):
     """MXFP4 rows against int16 activations (act="q16", the default on AVX2): equal to fp64 sums
     over the same dequantised weights with x and h rounded as the kernel rounds them (blocks of 32,
     32767 levels) — 1, 3, 9 (a chunk of eight and one more) and 16 blocks a row, subnormal scales —
-    and "q8" runs the same int16 path. A token's result does
+    and on int8 ones (act="q8", 127 levels) to the emulation of those. A token's result does
     not depend on the batch around it. Bug cases: a code flipped, a scale one off."""
     args, weights = _oss_mx_problem(T, K, E, D, I, seed=T + D)
     args[0][:, 0::64] *= 300  # one large input in every other block: its neighbours round coarsely,
@@ -444,18 +445,24 @@ def test_gpt_oss_mxfp4_int16_activations_match_emulation(T, K, E, D, I):
     ref = _oss_q16_reference(args, weights, lambda v: _q16(v, 32))
     y = native.moe_oss(*args, act="q16")
     assert _rel(y, ref) < TOL_MX16, _rel(y, ref)
-    assert torch.equal(native.moe_oss(*args, act="q8"), y)
+    y8 = native.moe_oss(*args, act="q8")  # int8 activations (mx8_rows), the same blocks of 32
+    ref8 = _oss_q16_reference(args, weights, lambda v: _q8(v, 32))
+    assert _rel(y8, ref8) < TOL_MX8, _rel(y8, ref8)
+    assert _rel(y8, ref) > 10 * TOL_MX8  # not the int16 rows
     assert 2e-5 < _rel(y, native.moe_oss(*args, act="f32")) < 1e-3  # the int16 rows ran (observed 4e-5 to 2e-4)
     for t in range(T):  # alone = in the batch, bit for bit
-        one = native.moe_oss(args[0][t:t + 1], args[1][t:t + 1], args[2][t:t + 1], *args[3:], act="q16")
-        assert torch.equal(one, y[t:t + 1])
+        for act, full in (("q16", y), ("q8", y8)):
+            one = native.moe_oss(args[0][t:t + 1], args[1][t:t + 1], args[2][t:t + 1], *args[3:], act=act)
+            assert torch.equal(one, full[t:t + 1])
     bad = [a.clone() if i in (4, 10) else a for i, a in enumerate(args)]
     e = int(args[1][0, 0])
     bad[4][e, 1, 3] ^= 0x11  # two codes of the down projection
     assert _rel(native.moe_oss(*bad, act="q16"), ref) > 100 * TOL_MX16
+    assert _rel(native.moe_oss(*bad, act="q8"), ref8) > 100 * TOL_MX16
     bad[4][e, 1, 3] ^= 0x11
     bad[10][e, 5, 0] += 1  # a down block's scale doubled
     assert _rel(native.moe_oss(*bad, act="q16"), ref) > 100 * TOL_MX16
+    assert _rel(native.moe_oss(*bad, act="q8"), ref8) > 100 * TOL_MX16
 
 
 @pytest.mark.parametrize("arch", ["haswell", "x86-64"])

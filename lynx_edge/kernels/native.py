@@ -323,8 +323,8 @@ def moe_oss(x, ids, weights, gate_up: torch.Tensor, down: torch.Tensor, gate_up_
     gate_up [E, 2I, D/2], down [E, D, I/2] with e8m0 scales [E, 2I, D/32], [E, D, I/32] — or
     16-bit ones [E, 2I, D], [E, D, I]; biases gate_up_b [E, 2I], down_b [E, D] fp32 → [T, D] in x's
     dtype (products and sums in fp32, the activation in fp32). act: the MXFP4 rows' activations as
-    the INT4 rows' (None: default_int4_act()): "f32" exact, "q16" or "q8" int16 in blocks of 32
-    (integer products, ~2^-16 of each block's largest input)."""
+    the INT4 rows' (None: default_int4_act()): "f32" exact, "q16" int16 in blocks of 32 (integer
+    products, ~2^-16 of each block's largest input), "q8" int8 (2^-8, llama.cpp's MXFP4 x Q8_0)."""
     E, two_i = gate_up.shape[:2]
     D = down.shape[1]
     mx = gate_up_scales is not None
