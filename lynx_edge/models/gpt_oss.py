@@ -87,13 +87,8 @@ class SinkAttention(Attention):
         self.scale = self.hd ** -0.5
 
     def native_sinks(self) -> torch.Tensor:
-        """The sinks for the native decode kernel (the softmax below, one step per row): fp32 [H],
-        made once (re-made if the parameter changes)."""
-        key = (self.sinks.data_ptr(), self.sinks._version)
-        cached = getattr(self, "_sinks32", None)
-        if cached is None or cached[0] != key:
-            cached = self._sinks32 = (key, self.sinks.detach().float().contiguous())
-        return cached[1]
+        """The sinks for the native decode kernel (the softmax below, one step per row): fp32 [H]."""
+        return _fp32_once(self, "_sinks32", self.sinks)[0]
 
     def sdpa(self, q, keys, vals, ab, T: int) -> torch.Tensor:
         # q [B, H, T, hd], keys/vals [B, Hkv, S, hd] → [B, H, T, hd]
@@ -197,13 +192,14 @@ class OssExperts(nn.Module):
     storage by exact dequantisation.
     """
 
-    def __init__(self, E: int, D: int, I: int, dtype, device, limit: float, alpha: float, mxfp4: bool = False):
+    def __init__(self, E: int, D: int, I: int, dtype, device, limit: float, alpha: float, mxfp4: bool = False,
+                 act: str | None = None):
         super().__init__()
         if mxfp4 and (D % 32 or I % 32):
             raise ConfigError(f"MXFP4 experts need hidden ({D}) and intermediate ({I}) sizes divisible by 32")
         self.num_experts, self.hidden, self.inter, self.dtype = E, D, I, dtype
         self.limit, self.alpha, self.mxfp4 = limit, alpha, mxfp4
-        self.act: str | None = None  # the MXFP4 rows' CPU activations: f32 | q16 | q8 (native.moe_oss), set at build
+        self.act = act  # the MXFP4 rows' CPU activations: f32 | q16 | q8 (native.moe_oss); None: the default
         if mxfp4:
             u8 = torch.uint8
             self.gate_up = _param(E, 2 * I, D // 2, dtype=u8, device=device)  # [E, 2I, D/2] e2m1 pairs
@@ -303,12 +299,19 @@ class OssExperts(nn.Module):
                            self.limit, self.alpha)
 
     def _biases32(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """fp32 copies of the biases for the native kernel, made once (re-made if a bias changes)."""
-        key = tuple((b.data_ptr(), b._version) for b in (self.gate_up_b, self.down_b))
-        cached = getattr(self, "_b32", None)
-        if cached is None or cached[0] != key:
-            cached = self._b32 = (key, self.gate_up_b.detach().float().contiguous(), self.down_b.detach().float().contiguous())
-        return cached[1], cached[2]
+        """fp32 copies of the biases for the native kernel."""
+        return _fp32_once(self, "_b32", self.gate_up_b, self.down_b)
+
+
+def _fp32_once(owner, attr: str, *ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """fp32 contiguous copies of ts for the native kernels, made once and kept on owner.attr (made
+    again when one of ts changes: another tensor, or written in place)."""
+    key = tuple((t.data_ptr(), t._version) for t in ts)
+    cached = getattr(owner, attr, None)
+    if cached is None or cached[0] != key:
+        cached = (key, tuple(t.detach().float().contiguous() for t in ts))
+        setattr(owner, attr, cached)
+    return cached[1]
 
 
 def _check(name: str, w: torch.Tensor, want: tuple[int, ...]) -> None:
@@ -321,10 +324,8 @@ def experts(cfg, layer: int, dtype, device, four_bit: bool = False, act: str | N
     as published) or when 4-bit was asked for, else 16-bit in the model dtype. act: the MXFP4 rows'
     CPU activations (the engine's int4_act)."""
     a = cfg.arch
-    ex = OssExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, dtype, device,
-                    a.swiglu_limit, a.swiglu_alpha, mxfp4=a.mxfp4 or four_bit)
-    ex.act = act
-    return ex
+    return OssExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, dtype, device,
+                      a.swiglu_limit, a.swiglu_alpha, mxfp4=a.mxfp4 or four_bit, act=act)
 
 
 def expert_block_bytes(cfg, dtype, four_bit: bool) -> tuple[str, int]:
