@@ -1202,6 +1202,15 @@ static inline float e8m0_half(uint8_t s) { /* 2^(s - 128), the doubled codes' sc
     return c.f;
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+/* e8m0_half of eight scale bytes, the same values: the bytes as exponents, halved; s = 0 (the exponent
+ * field's 0) is 2^-128 */
+static inline __m256 e8m0_half8(const uint8_t *sc) {
+    const __m256i e = _mm256_slli_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sc)), 23);
+    return _mm256_max_ps(_mm256_mul_ps(_mm256_castsi256_ps(e), _mm256_set1_ps(0.5f)), _mm256_set1_ps(0x1p-128f));
+}
+#endif
+
 /* acc[t] for one row of Kin/2 code bytes q and Kin/32 scale bytes sc against NT (1..4) tokens' int16
  * codes xe / xo (even / odd inputs) with block scales d */
 static inline __attribute__((always_inline)) void mxq_rows(const uint8_t *q, const uint8_t *sc, int Kin,
@@ -1217,11 +1226,8 @@ static inline __attribute__((always_inline)) void mxq_rows(const uint8_t *q, con
     for (t = 0; t < NT; t++) tot[t] = odd[t] = _mm256_setzero_ps();
     for (int g0 = 0; g0 < nb; g0 += 8) {
         const int gn = nb - g0 < 8 ? nb - g0 : 8;
-        if (gn == 8) { /* the scale bytes as exponents, halved; s = 0 (the exponent field's 0) is 2^-128 */
-            const __m256 sv = _mm256_max_ps(
-                _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sc + g0))), 23)),
-                              _mm256_set1_ps(0.5f)),
-                _mm256_set1_ps(0x1p-128f));
+        if (gn == 8) {
+            const __m256 sv = e8m0_half8(sc + g0);
             for (t = 0; t < NT; t++) _mm256_storeu_ps(sd[t], _mm256_mul_ps(sv, _mm256_loadu_ps(d[t] + g0)));
         } else
             for (int j = 0; j < gn; j++)
@@ -1328,11 +1334,8 @@ static inline __attribute__((always_inline)) void mx8_rows(const uint8_t *q, con
     for (t = 0; t < NT; t++) tot[t] = odd[t] = off[t] = _mm256_setzero_ps();
     for (int g0 = 0; g0 < nb; g0 += 8) {
         const int gn = nb - g0 < 8 ? nb - g0 : 8;
-        if (gn == 8) { /* as mxq_rows */
-            const __m256 sv = _mm256_max_ps(
-                _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sc + g0))), 23)),
-                              _mm256_set1_ps(0.5f)),
-                _mm256_set1_ps(0x1p-128f));
+        if (gn == 8) {
+            const __m256 sv = e8m0_half8(sc + g0);
             for (t = 0; t < NT; t++) {
                 const __m256 sdv = _mm256_mul_ps(sv, _mm256_loadu_ps(d[t] + g0));
                 _mm256_storeu_ps(sd[t], sdv);
