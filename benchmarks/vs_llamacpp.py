@@ -406,6 +406,9 @@ def run(args) -> dict:
                     r = llama_tg(bins, ggufs[kind], th, args.n)
                     b1["llama"].append(r["tok_s"])
                     res.setdefault("llama_build", r["build"])
+                    # llama-bench's own rule: one untimed run of the same test before the timed one
+                    # (llama.cpp's run just flushed the caches this engine's weights sat in)
+                    ours(eng, p1, args.n, "off")
                     b1["ours"].append(ours(eng, p1, args.n, "off"))
                 bB = {"llama": [], "off": [], "on": []}
                 for _ in range(args.rounds if batched else 0):
@@ -525,7 +528,9 @@ def to_markdown(res: dict) -> str:
            "- llama.cpp keeps its KV cache in f16 and picks flash attention itself (defaults); lynx-edge's "
            "KV cache is in the model dtype.",
            "- B=1: llama-bench decodes from an empty context; lynx-edge after an 8-token prompt (≤ 72 "
-           "positions either way: attention is a small part of these steps).",
+           "positions either way: attention is a small part of these steps). Both time a run after an untimed run "
+           "of the same test (llama-bench's warm-up; lynx-edge's since session 29: before it, lynx-edge's timed "
+           "run came straight after llama.cpp's, with the caches holding llama.cpp's copy of the weights).",
            "- LYNX `on` changes which experts run (approximate routing); llama.cpp always runs exact top-k.",
            "- The GGUF files come from llama.cpp's own converter; the demo's byte-level BPE tokenizer is "
            "not in its pre-tokenizer hash list, so it is written as `gpt-2` (the same GPT-2 regex). "
