@@ -26,8 +26,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-GIB = 1 << 30
-
 
 def child(path: Path, threads: int, n: int, batch: int, n16: int, prompt: int, int4_act: str | None) -> dict:
     """One fresh process: load, then B=1 and B=batch decode → tok/s and memory."""
@@ -60,6 +58,7 @@ def child(path: Path, threads: int, n: int, batch: int, n16: int, prompt: int, i
 
 
 def run(args) -> dict:
+    import torch
     from oss_checkpoint import write_oss
     from vs_llamacpp import (CACHE, cpu_flags, llama_batched_retry, llama_tg, llamacpp_build,
                              llamacpp_source, to_gguf)
@@ -87,13 +86,11 @@ def run(args) -> dict:
               flush=True)
     med = statistics.median
     ours = {k: med(o[k] for o in rows["ours"]) for k in rows["ours"][0]}
-    import torch
-
     commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
     res = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "lynx_edge": commit,
-           "torch": torch.__version__, "machine": cpu_flags(), "threads": args.threads, "int4_act": args.int4_act or "default",
-           "layers": args.layers, "vocab": args.vocab,
+           "torch": torch.__version__, "machine": cpu_flags(), "threads": args.threads,
+           "int4_act": args.int4_act or "default", "layers": args.layers, "vocab": args.vocab,
            "checkpoint_bytes": sum(f.stat().st_size for f in path.glob("*.safetensors")),
            "gguf_bytes": gguf.stat().st_size, "rounds": rows, "ours": ours,
            "b1": {"llama": med(rows["llama_b1"]), "ours": ours["b1"], "ratio": ours["b1"] / med(rows["llama_b1"])}}
