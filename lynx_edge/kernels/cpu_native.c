@@ -1217,14 +1217,16 @@ static inline __m256 e8m0_half8(const uint8_t *sc) {
  * from the high), and the weights widen to int16 in place by shifts (a word's low byte: slli 8, srai 8;
  * its high byte: srai 8) instead of a cross-lane vpmovsxbw per 16. Each lane then holds one block's
  * products (each lane 8 of them, |12 * 32767| * 8 < 2^24: its conversion to fp32 exact), so one
- * conversion and one multiply-add with (d_g x4, d_g+1 x4) apply both blocks' scales.
+ * conversion and one multiply-add with (d_g x4, d_g+1 x4) apply both blocks' scales: the row's two
+ * e8m0 values from one permute of its eight, times the token's block scales, which mx_lanes lays out
+ * four times over once a layer (rebuilding them per row and token cost a fifth of a four-token step).
  * The activations must sit in that order: per pair of blocks, each plane's 32 int16 values as
  * [g: 0 2 .. 14 | g+1: 0 2 .. 14 | g: 1 3 .. 15 | g+1: 1 3 .. 15] (mx16_order after quant_q16; a last
  * unpaired block keeps its order and runs alone). Against the one-block step (vpmovsxbw, one scale
  * multiply-add per block) on an AMD EPYC Zen3 (benchmarks/results/mxfp4_pairs_s29.json): in cache
- * 1.57 -> 1.16 ns per block and token; a gpt-oss-20b layer from DRAM at one token 2.05 -> 2.21x the
- * fp32 rows' speed on one thread, 1.98 -> 2.32x on two (18 GB/s of codes); gpt-oss-20b at full size,
- * B = 1, two threads, 1.11x end to end. */
+ * 1.57 -> 1.16 ns per block and token; a gpt-oss-20b layer from DRAM, one thread, against the fp32
+ * rows' speed: 2.05 -> 2.37x at one token, 1.96 -> 2.29x at four, 1.67 -> 1.84x at sixteen (level
+ * with q8 at each); gpt-oss-20b at full size, B = 1, two threads, 1.11x end to end. */
 static const int MX_PAIR_IDX[4][8] = {{0, 0, 0, 0, 1, 1, 1, 1}, {2, 2, 2, 2, 3, 3, 3, 3}, {4, 4, 4, 4, 5, 5, 5, 5},
                                       {6, 6, 6, 6, 7, 7, 7, 7}};
 #endif
@@ -1249,8 +1251,14 @@ static void mx16_order(int16_t *x, long S, int h) {
 #endif
 }
 
+/* each block scale four times over, the lanes of its block in mxq_rows's pair step: out[4 i + l] = d[i]
+ * (per activation row, once a layer, so no row of weights rebuilds them per token) */
+static void mx_lanes(const float *d, long n, float *out) {
+    for (long i = 0; i < n; i++) out[4 * i] = out[4 * i + 1] = out[4 * i + 2] = out[4 * i + 3] = d[i];
+}
+
 /* acc[t] for one row of Kin/2 code bytes q and Kin/32 scale bytes sc against NT (1..4) tokens' int16
- * codes xe / xo (even / odd inputs, in mx16_order's order) with block scales d */
+ * codes xe / xo (even / odd inputs, in mx16_order's order) with block scales d (mx_lanes: d[t][4 g]) */
 static inline __attribute__((always_inline)) void mxq_rows(const uint8_t *q, const uint8_t *sc, int Kin,
                                                            const int16_t *const *xe, const int16_t *const *xo,
                                                            const float *const *d, const int NT, float *acc) {
@@ -1259,24 +1267,13 @@ static inline __attribute__((always_inline)) void mxq_rows(const uint8_t *q, con
 #if defined(__AVX2__) && defined(__FMA__)
     const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)MX_I8)), m4 = _mm256_set1_epi8(15);
     const float zero[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    float sx[4][32]; /* per token, eight blocks' 2^(s - 128) * d, each four times (a block's four lanes) */
-    __m256 tot[4], odd[4]; /* pairs of blocks alternate between two chains of multiply-adds */
-    for (t = 0; t < NT; t++) tot[t] = odd[t] = _mm256_setzero_ps();
+    __m256 tot[4]; /* one chain per token: its pairs' multiply-adds are 4+ cycles apart anyway */
+    for (t = 0; t < NT; t++) tot[t] = _mm256_setzero_ps();
     for (int g0 = 0; g0 < nb; g0 += 8) {
         const int gn = nb - g0 < 8 ? nb - g0 : 8;
-        if (gn == 8) {
-            const __m256 sv = e8m0_half8(sc + g0);
-            for (t = 0; t < NT; t++) {
-                const __m256 v = _mm256_mul_ps(sv, _mm256_loadu_ps(d[t] + g0));
-                for (int p = 0; p < 4; p++)
-                    _mm256_storeu_ps(sx[t] + 8 * p, _mm256_permutevar8x32_ps(v, _mm256_loadu_si256((const __m256i *)MX_PAIR_IDX[p])));
-            }
-        } else
-            for (int j = 0; j < gn; j++)
-                for (t = 0; t < NT; t++) {
-                    const float v = e8m0_half(sc[g0 + j]) * d[t][g0 + j];
-                    for (int l = 0; l < 4; l++) sx[t][4 * j + l] = v;
-                }
+        float es[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+        for (int j = 0; j < gn && gn < 8; j++) es[j] = e8m0_half(sc[g0 + j]);
+        const __m256 ev = gn == 8 ? e8m0_half8(sc + g0) : _mm256_loadu_ps(es); /* eight blocks' 2^(s - 128) */
         int j = 0;
         for (; j + 2 <= gn; j += 2) {
             const int g = g0 + j;
@@ -1286,13 +1283,14 @@ static inline __attribute__((always_inline)) void mxq_rows(const uint8_t *q, con
             const __m256i wh = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(b, 4), m4));
             const __m256i le = _mm256_srai_epi16(_mm256_slli_epi16(wl, 8), 8), lo = _mm256_srai_epi16(wl, 8);
             const __m256i he = _mm256_srai_epi16(_mm256_slli_epi16(wh, 8), 8), ho = _mm256_srai_epi16(wh, 8);
+            /* the pair's row scales, (2^(s_g - 128) x4, 2^(s_g+1 - 128) x4), met by each token's lanes */
+            const __m256 ex = _mm256_permutevar8x32_ps(ev, _mm256_loadu_si256((const __m256i *)MX_PAIR_IDX[j >> 1]));
             for (t = 0; t < NT; t++) {
                 const __m256i *ve = (const __m256i *)(xe[t] + 16 * g), *vo = (const __m256i *)(xo[t] + 16 * g);
                 const __m256i p = _mm256_add_epi32(
                     _mm256_add_epi32(_mm256_madd_epi16(le, _mm256_loadu_si256(ve)), _mm256_madd_epi16(lo, _mm256_loadu_si256(ve + 1))),
                     _mm256_add_epi32(_mm256_madd_epi16(he, _mm256_loadu_si256(vo)), _mm256_madd_epi16(ho, _mm256_loadu_si256(vo + 1))));
-                if (j & 2) odd[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_loadu_ps(sx[t] + 4 * j), odd[t]);
-                else tot[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_loadu_ps(sx[t] + 4 * j), tot[t]);
+                tot[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(ex, _mm256_loadu_ps(d[t] + 4 * g)), tot[t]);
             }
         }
         if (j < gn) { /* the row's last block, unpaired: its 16 even and 16 odd inputs in order */
@@ -1304,11 +1302,10 @@ static inline __attribute__((always_inline)) void mxq_rows(const uint8_t *q, con
             for (t = 0; t < NT; t++) {
                 const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(we, _mm256_loadu_si256((const __m256i *)(xe[t] + 16 * g))),
                                                    _mm256_madd_epi16(wo, _mm256_loadu_si256((const __m256i *)(xo[t] + 16 * g))));
-                tot[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(sx[t] + 4 * j), tot[t]);
+                tot[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(es[j] * d[t][4 * g]), tot[t]);
             }
         }
     }
-    for (t = 0; t < NT; t++) tot[t] = _mm256_add_ps(tot[t], odd[t]);
     reduce_256(tot, zero, NT, acc);
 #else
     for (t = 0; t < NT; t++) {
@@ -1316,19 +1313,19 @@ static inline __attribute__((always_inline)) void mxq_rows(const uint8_t *q, con
         for (int g = 0; g < nb; g++) {
             int p = 0;
             for (int j = 16 * g; j < 16 * g + 16; j++) p += MX_I8[q[j] & 15] * xe[t][j] + MX_I8[q[j] >> 4] * xo[t][j];
-            a += (float)p * (e8m0_half(sc[g]) * d[t][g]);
+            a += (float)p * (e8m0_half(sc[g]) * d[t][4 * g]);
         }
         acc[t] = a;
     }
 #endif
 }
 
-/* mxq_rows over n tokens (codes of stride ld, Kin / 32 block scales each from d0) */
+/* mxq_rows over n tokens (codes of stride ld, Kin / 8 scale lanes each from d0: mx_lanes) */
 static void mxq_slots(const uint8_t *q, const uint8_t *sc, int Kin, const int16_t *xe0, const int16_t *xo0,
                       const float *d0, long ld, int n, float *acc) {
     const int16_t *xe[4], *xo[4];
     const float *d[4];
-    const long nd = Kin / 32;
+    const long nd = Kin / 8;
     int t = 0;
     for (; t + 4 <= n; t += 4) {
         for (int i = 0; i < 4; i++) { xe[i] = xe0 + (t + i) * ld; xo[i] = xo0 + (t + i) * ld; d[i] = d0 + (t + i) * nd; }
@@ -1756,7 +1753,7 @@ static void gate_up_item(const void *arg, long item) {
                                   L->xz + (r0 + c) * (D / 32), m, h ? up : gate);
                 else if (L->xqe) { /* int16 activations */
                     const int16_t *qe = (const int16_t *)L->xqe + (r0 + c) * (D / 2), *qo = (const int16_t *)L->xqo + (r0 + c) * (D / 2);
-                    const float *xd = L->xd + (r0 + c) * (D / 32);
+                    const float *xd = L->xd + (r0 + c) * (D / 8); /* mx_lanes: four per block */
                     mxq_slots(gu + (long)i * (D / 2), gs + (long)i * (D / 32), D, qe, qo, xd, D / 2, m, gate);
                     mxq_slots(gu + (long)(I + i) * (D / 2), gs + (long)(I + i) * (D / 32), D, qe, qo, xd, D / 2, m, up);
                 } else {
@@ -1870,7 +1867,7 @@ static void down_item(const void *arg, long item) {
                     else if (L->fmt == FMT_MXFP4 && L->hqe)
                         mxq_slots(L->dn + (e * (long)D + d + r) * (I / 2), L->dns + (e * (long)D + d + r) * (I / 32), I,
                                   (const int16_t *)L->hqe + (r0 + c) * (I / 2), (const int16_t *)L->hqo + (r0 + c) * (I / 2),
-                                  L->hd + (r0 + c) * (I / 32), I / 2, m, acc + r * ROWS_LD);
+                                  L->hd + (r0 + c) * (I / 8), I / 2, m, acc + r * ROWS_LD);
                     else if (L->fmt == FMT_MXFP4)
                         mx_slots(L->dn + (e * (long)D + d + r) * (I / 2), L->dns + (e * (long)D + d + r) * (I / 32), I,
                                  L->he + (r0 + c) * (I / 2), L->ho + (r0 + c) * (I / 2), I / 2, m, acc + r * ROWS_LD);
@@ -1958,14 +1955,17 @@ int lynx_moe(int fmt, const float *x, const int64_t *ids, const float *w, const 
                          S * D * f4, S * I * f4, S * D * f4, defer ? S * I * f4 : 0, /* xe he y ue */
                          int4 ? (S * (D / G) + 1) * f4 : 0, int4 ? (S * (I / G) + 1) * f4 : 0, /* xsum hsum */
                          act_bytes(ax, S, D), act_bytes(ah, S, I),                      /* xq hq */
-                         act_floats(ax, S, D, G) * f4, act_floats(ah, S, I, G) * f4};   /* xd hd */
-    void *b[15];
-    uint8_t *mem = scratch(sz, 15, b);
+                         act_floats(ax, S, D, G) * f4, act_floats(ah, S, I, G) * f4,    /* xd hd */
+                         mx && ax == ACT_Q16 ? S * (D / 8) * f4 : 0, mx && ah == ACT_Q16 ? S * (I / 8) * f4 : 0}; /* mx_lanes */
+    void *b[17];
+    uint8_t *mem = scratch(sz, 17, b);
     if (!mem) return -1;
     int64_t *cnt = b[0], *fill = b[1], *order = b[2], *pos = b[3], *act = b[4];
     float *xe = b[5], *he = b[6], *y = b[7], *ue = b[8], *xsum = b[9], *hsum = b[10];
     void *xq = b[11], *hq = b[12];
     float *xd = b[13], *hd = b[14];
+    /* MXFP4 on int16 activations: mxq_rows reads the block scales four times over (mx_lanes) */
+    float *xds = mx && ax == ACT_Q16 ? b[15] : xd, *hds = mx && ah == ACT_Q16 ? b[16] : hd;
     memset(cnt, 0, (E + 1) * i8);
     float *xo = xe + S * (D / 2), *ho = he + S * (I / 2); /* int4: the odd halves after the even ones */
     /* plan: expert-major slot order (stable), active experts ascending */
@@ -1990,21 +1990,25 @@ int lynx_moe(int fmt, const float *x, const int64_t *ids, const float *w, const 
     if (mx && ax == ACT_Q8) quant_mx8(xe, xo, S, D, xq, xd, xd + S * Q8_DS(D)); /* the layer's xz */
     else if (ax) quant_act(ax, xe, xo, S, D, G, xq, xd);
     else if (int4) group_sums(xe, xo, S, D, G, xsum);
-    if (mx && ax == ACT_Q16) /* mxq_rows's pair order, both planes */
+    if (mx && ax == ACT_Q16) { /* mxq_rows's pair order, both planes, and its scales' lanes */
         for (int h = 0; h < 2; h++) mx16_order((int16_t *)xq + h * S * (D / 2), S, D / 2);
+        mx_lanes(xd, S * (D / 32), xds);
+    }
     layer_t L = {fmt, data, nbytes, offs, gu, dn, sym, G, D, I, T, K, ids, cnt, order, act, w, xe, xo, he, ho, y, ue,
                  xsum, hsum, gus, dns, gub, dnb, act_kind, limit, alpha,
                  ax ? xq : NULL, ax ? act_odd(ax, xq, S, D) : NULL, /* hq: written after the gate/up pass */
                  ah ? hq : NULL, ah ? act_odd(ah, hq, S, I) : NULL,
-                 xd, ax ? xd + S * ACT_DS(ax == ACT_Q16, D, G) : NULL, hd, ah ? hd + S * ACT_DS(ah == ACT_Q16, I, G) : NULL,
+                 xds, ax ? xd + S * ACT_DS(ax == ACT_Q16, D, G) : NULL, hds, ah ? hd + S * ACT_DS(ah == ACT_Q16, I, G) : NULL,
                  bn, bk, ax == ACT_Q16, ah == ACT_Q16, stream};
     parallel(gate_up_item, &L, A * ((I + ROW_BLOCK - 1) / ROW_BLOCK), nthreads);
     if (ue) lynx_silu_mul(he, ue, S * (long)I);
     if (mx && ah == ACT_Q8) quant_mx8(he, ho, S, I, hq, hd, hd + S * Q8_DS(I)); /* the layer's hz */
     else if (ah) quant_act(ah, he, ho, S, I, G, hq, hd);
     else if (int4) group_sums(he, ho, S, I, G, hsum);
-    if (mx && ah == ACT_Q16)
+    if (mx && ah == ACT_Q16) {
         for (int h = 0; h < 2; h++) mx16_order((int16_t *)hq + h * S * (I / 2), S, I / 2);
+        mx_lanes(hd, S * (I / 32), hds);
+    }
     parallel(down_item, &L, A * ((D + ROW_BLOCK - 1) / ROW_BLOCK), nthreads);
     /* combine: out[t] = sum over k in slot order (k = 0 first) */
     for (long r = 0; r < S; r++) pos[order[r]] = r;
