@@ -1257,6 +1257,13 @@ static void mx_lanes(const float *d, long n, float *out) {
     for (long i = 0; i < n; i++) out[4 * i] = out[4 * i + 1] = out[4 * i + 2] = out[4 * i + 3] = d[i];
 }
 
+/* S rows of quant_q16's output for mxq_rows: both planes of xq ([S, Kin/2] each) into mx16_order's
+ * order, the block scales d [S, Kin/32] four times over into lanes [S, Kin/8] */
+static void mxq_prepare(int16_t *xq, const float *d, long S, int Kin, float *lanes) {
+    for (int h = 0; h < 2; h++) mx16_order(xq + h * S * (Kin / 2), S, Kin / 2);
+    mx_lanes(d, S * (Kin / 32), lanes);
+}
+
 /* acc[t] for one row of Kin/2 code bytes q and Kin/32 scale bytes sc against NT (1..4) tokens' int16
  * codes xe / xo (even / odd inputs, in mx16_order's order) with block scales d (mx_lanes: d[t][4 g]) */
 static inline __attribute__((always_inline)) void mxq_rows(const uint8_t *q, const uint8_t *sc, int Kin,
@@ -1272,7 +1279,8 @@ static inline __attribute__((always_inline)) void mxq_rows(const uint8_t *q, con
     for (int g0 = 0; g0 < nb; g0 += 8) {
         const int gn = nb - g0 < 8 ? nb - g0 : 8;
         float es[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-        for (int j = 0; j < gn && gn < 8; j++) es[j] = e8m0_half(sc[g0 + j]);
+        if (gn < 8) /* the row's last, partial group (e8m0_half8 reads eight) */
+            for (int j = 0; j < gn; j++) es[j] = e8m0_half(sc[g0 + j]);
         const __m256 ev = gn == 8 ? e8m0_half8(sc + g0) : _mm256_loadu_ps(es); /* eight blocks' 2^(s - 128) */
         int j = 0;
         for (; j + 2 <= gn; j += 2) {
@@ -1990,10 +1998,7 @@ int lynx_moe(int fmt, const float *x, const int64_t *ids, const float *w, const 
     if (mx && ax == ACT_Q8) quant_mx8(xe, xo, S, D, xq, xd, xd + S * Q8_DS(D)); /* the layer's xz */
     else if (ax) quant_act(ax, xe, xo, S, D, G, xq, xd);
     else if (int4) group_sums(xe, xo, S, D, G, xsum);
-    if (mx && ax == ACT_Q16) { /* mxq_rows's pair order, both planes, and its scales' lanes */
-        for (int h = 0; h < 2; h++) mx16_order((int16_t *)xq + h * S * (D / 2), S, D / 2);
-        mx_lanes(xd, S * (D / 32), xds);
-    }
+    if (mx && ax == ACT_Q16) mxq_prepare(xq, xd, S, D, xds);
     layer_t L = {fmt, data, nbytes, offs, gu, dn, sym, G, D, I, T, K, ids, cnt, order, act, w, xe, xo, he, ho, y, ue,
                  xsum, hsum, gus, dns, gub, dnb, act_kind, limit, alpha,
                  ax ? xq : NULL, ax ? act_odd(ax, xq, S, D) : NULL, /* hq: written after the gate/up pass */
@@ -2005,10 +2010,7 @@ int lynx_moe(int fmt, const float *x, const int64_t *ids, const float *w, const 
     if (mx && ah == ACT_Q8) quant_mx8(he, ho, S, I, hq, hd, hd + S * Q8_DS(I)); /* the layer's hz */
     else if (ah) quant_act(ah, he, ho, S, I, G, hq, hd);
     else if (int4) group_sums(he, ho, S, I, G, hsum);
-    if (mx && ah == ACT_Q16) {
-        for (int h = 0; h < 2; h++) mx16_order((int16_t *)hq + h * S * (I / 2), S, I / 2);
-        mx_lanes(hd, S * (I / 32), hds);
-    }
+    if (mx && ah == ACT_Q16) mxq_prepare(hq, hd, S, I, hds);
     parallel(down_item, &L, A * ((D + ROW_BLOCK - 1) / ROW_BLOCK), nthreads);
     /* combine: out[t] = sum over k in slot order (k = 0 first) */
     for (long r = 0; r < S; r++) pos[order[r]] = r;
