@@ -27,18 +27,18 @@ def pad_experts(engine, inter: int) -> float:
         if not layer.is_moe:
             continue
         ex = layer.mlp.experts
-        E, I2, D = ex.gate_up.shape
+        gu0, dn0 = ex.weights()  # row-major
+        E, I2, D = gu0.shape
         I = I2 // 2
-        gu = torch.zeros(E, 2 * inter, D, dtype=ex.gate_up.dtype)
-        gu[:, :I], gu[:, inter : inter + I] = ex.gate_up[:, :I], ex.gate_up[:, I:]
-        dn = torch.zeros(E, D, inter, dtype=ex.down.dtype)
-        dn[:, :, :I] = ex.down
-        ex.gate_up = torch.nn.Parameter(gu, requires_grad=False)
-        ex.down = torch.nn.Parameter(dn, requires_grad=False)
+        gu = torch.zeros(E, 2 * inter, D, dtype=gu0.dtype)
+        gu[:, :I], gu[:, inter : inter + I] = gu0[:, :I], gu0[:, I:]
+        dn = torch.zeros(E, D, inter, dtype=dn0.dtype)
+        dn[:, :, :I] = dn0
+        ex.replace(gu, dn)
         total += gu.numel() * gu.element_size() + dn.numel() * dn.element_size()
     from lynx_edge.kernels import native
 
-    for layer in engine.model.layers:  # the builder's rule for the padded size (they now come from DRAM)
+    for layer in engine.model.layers:  # the builder's rule for the padded size (they now come from DRAM; packed rows)
         if layer.is_moe:
             layer.mlp.experts.streamed = native.streamed(total)
     return total / 1e9

@@ -348,9 +348,7 @@ def _backends(cfg: ModelConfig, dt, dev, int4: bool, group, sym, mixed, rt, act:
             from .quant.fp8 import Fp8MoEExperts
 
             return Fp8MoEExperts(E, D, I, fp8_block, dev)
-        stacked = StackedExperts(E, D, I, dt, dev)
-        stacked.streamed = streamed
-        return stacked
+        return StackedExperts(E, D, I, dt, dev, streamed=streamed, pack=True)
 
     return make
 

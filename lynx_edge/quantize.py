@@ -138,10 +138,10 @@ def quantize_model(src, out_dir, method: str = "gptq", group_size: int = 128, sy
                 x = _run_layer(layer, x, rope, family.cache_spec(cfg, i, x.shape[1]))
                 rows = cap.rows
                 x_in = [torch.cat(rows[e]) if e in rows else torch.empty(0, cfg.hidden_size) for e in range(ex.num_experts)]
-                packed = quantize_experts_gptq(ex.gate_up.data, ex.down.data, x_in, None, G, sym)
+                packed = quantize_experts_gptq(*ex.weights(), x_in, None, G, sym)
                 del rows, x_in, cap
             else:
-                packed = quantize_experts(ex.gate_up.data, ex.down.data, G, sym)
+                packed = quantize_experts(*ex.weights(), G, sym)
             tensors.update(expert_gptq_tensors(packed, i, naming))
         elif x is not None:
             x = _run_layer(layer, x, rope, family.cache_spec(cfg, i, x.shape[1]))

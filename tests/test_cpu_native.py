@@ -909,3 +909,87 @@ def test_int4_moe_tokens_alone_equal_their_batch(act):
     full = native.moe_int4(x, ids, w, *args, act=act)
     for t in range(T):
         assert torch.equal(native.moe_int4(x[t:t + 1], ids[t:t + 1], w[t:t + 1], *args, act=act), full[t:t + 1]), t
+
+
+def _packed_problem(dtype, seed=8):
+    """E=4 experts of D=136, I=40 (ROW_BLOCK blocks of 16 and a last of 8 rows: whole groups of 4);
+    12 tokens, top-2, putting 9, 7, 5 and 3 tokens on the experts (every tile the packed rows take)."""
+    g = torch.Generator().manual_seed(seed)
+    E, D, I, T = 4, 136, 40, 12
+    gu = (torch.randn(E, 2 * I, D, generator=g) / D**0.5).to(dtype)
+    dn = (torch.randn(E, D, I, generator=g) / I**0.5).to(dtype)
+    x = torch.randn(T, D, generator=g)
+    ids = torch.tensor([[0 if t < 9 else 3, 1 if t < 7 else 2] for t in range(T)])
+    w = torch.softmax(torch.randn(T, 2, generator=g), -1)
+    return x, ids, w, gu, dn
+
+
+@pytest.mark.skipif(native.pack_group() == 0, reason="this build reads no packed rows (the AVX-512 path)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_rows_equal_row_major_alone_and_in_batches(dtype):
+    """Experts in packed rows (native.pack_rows: gate_up, down or both) give the row-major kernel's
+    bits with 1-9 tokens on an expert (4-row tiles of 1-3 tokens; three at a time past that), and a
+    token alone equals itself in the batch (the same sums in the same order, only the addresses
+    change); the portable build reads the same layout through its scalar loop (test_other_isa_paths)."""
+    x, ids, w, gu, dn = _packed_problem(dtype)
+    ref = native.moe_dense(x, ids, w, gu, dn, True)
+    assert _rel(ref, moe_ref_loop(x, ids, w, gu.float(), dn.float())) < TOL_MOE
+    pgu, pdn = native.pack_rows(gu), native.pack_rows(dn)
+    for lay in ((True, True), (True, False), (False, True)):
+        args = (pgu if lay[0] else gu, pdn if lay[1] else dn, True, lay)
+        assert torch.equal(native.moe_dense(x, ids, w, *args), ref), lay
+    for t in (0, 8, 11):
+        assert torch.equal(native.moe_dense(x[t:t + 1], ids[t:t + 1], w[t:t + 1], pgu, pdn, True, (True, True)),
+                           ref[t:t + 1]), t
+
+
+@pytest.mark.skipif(native.pack_group() == 0, reason="this build reads no packed rows (the AVX-512 path)")
+def test_packed_rows_layout_and_bugs_are_caught():
+    """pack_rows's layout as documented (groups of 4 rows, inputs 8 at a time), unpack_rows its
+    inverse; row-major weights read as packed, or a layout with the group's rows in another order,
+    give other results; shapes the kernel does not take fail with one line."""
+    w = torch.arange(8 * 16, dtype=torch.float32).view(8, 16)  # value = 16 * row + input
+    p = native.pack_rows(w).reshape(-1)
+    assert p[:8].tolist() == list(range(8)) and p[8:16].tolist() == list(range(16, 24))  # row 0, then row 1
+    assert p[32:40].tolist() == list(range(8, 16)) and p[64].item() == 64  # row 0's 8.., then group 2
+    assert torch.equal(native.unpack_rows(native.pack_rows(w)), w)
+    x, ids, w, gu, dn = _packed_problem(torch.bfloat16)
+    ref = native.moe_dense(x, ids, w, gu, dn, True)
+    assert not torch.equal(native.moe_dense(x, ids, w, gu, dn, True, (True, True)), ref)
+    E, R, K = gu.shape
+    swapped = gu.reshape(E, R // 4, 4, K // 8, 8).transpose(-3, -2).flip(-2).reshape(gu.shape)  # rows of a group reversed
+    assert not torch.equal(native.moe_dense(x, ids, w, swapped, dn, True, (True, False)), ref)
+    with pytest.raises(ValueError, match="packed expert rows"):
+        native.moe_dense(x[:, :132], ids, w, gu[:, :, :132], dn[:, :132], True, (True, True))  # D % 8 != 0
+
+
+@pytest.mark.skipif(native.pack_group() == 0, reason="this build reads no packed rows (the AVX-512 path)")
+def test_stacked_experts_keep_streamed_bf16_in_packed_rows():
+    """StackedExperts built with pack=True and streamed: short bf16 rows load straight into packed
+    rows (load_part), read back row-major by weights(), and its forward at any batch (past
+    NATIVE_SLOTS too: only the native kernel reads packed rows) equals the row-major module's, bit
+    for bit; fp32 stays row-major (measured slower packed); setting streamed re-lays out in place."""
+    from lynx_edge.models import layers
+
+    x, ids, w, gu, dn = _packed_problem(torch.bfloat16)
+    E, two_i, D = gu.shape
+    I = two_i // 2
+    mods = {}
+    for pack in (True, False):
+        m = layers.StackedExperts(E, D, I, torch.bfloat16, "cpu", streamed=True, pack=pack)
+        for e in range(E):
+            m.load_part(e, "gate", gu[e, :I])
+            m.load_part(e, "up", gu[e, I:])
+            m.load_part(e, "down", dn[e])
+        mods[pack] = m
+    assert mods[True].packed_rows == (True, True) and mods[False].packed_rows == (False, False)
+    assert torch.equal(mods[True].gate_up.data, native.pack_rows(gu)) and torch.equal(mods[True].down.data, native.pack_rows(dn))
+    assert all(torch.equal(a, b) for a, b in zip(mods[True].weights(), (gu, dn)))
+    big = torch.arange(layers.NATIVE_SLOTS + 8) % E  # past NATIVE_SLOTS one-route slots
+    xb = torch.randn(big.numel(), D).bfloat16()
+    for xx, ii, ww in ((x.bfloat16(), ids, w), (xb, big.view(-1, 1), torch.ones(big.numel(), 1))):
+        assert torch.equal(mods[True](xx, ii, ww), mods[False](xx, ii, ww))
+    mods[True].streamed = False  # from cache: row-major again, same weights
+    assert mods[True].packed_rows == (False, False) and torch.equal(mods[True].gate_up.data, gu)
+    f32 = layers.StackedExperts(E, D, I, torch.float32, "cpu", streamed=True, pack=True)
+    assert f32.packed_rows == (False, False)

@@ -229,16 +229,26 @@ def test_int4_activations_default_to_q16_where_vectorised(q3, monkeypatch):
 @pytest.mark.parametrize("llc", [1 << 10, 1 << 40])
 def test_expert_read_order_follows_the_cache_rule(q3, llc, monkeypatch):
     """The builder marks 16-bit experts streamed when all layers' experts outgrow the last-level
-    cache (native.streamed); the flag reaches the layer's native plan and the module path, and the
-    logits are the same bits either way (the read order changes, not the sums)."""
+    cache (native.streamed), and keeps streamed bf16 experts of short rows in packed rows
+    (native.pack_choice); the flag and the layout reach the layer's native plan and the module path,
+    and the logits are the same bits either way (the read order changes, not the sums)."""
     monkeypatch.setattr(native, "llc_bytes", lambda: llc)
     eng = Engine.from_pretrained(q3, device="cpu", dtype="bfloat16", max_num_seqs=3)
     moe = [layer.mlp.experts for layer in eng.model.layers]
-    assert all(ex.streamed is (llc == 1 << 10) for ex in moe)
+    streamed = llc == 1 << 10
+    rows = [ex.weights() for ex in moe]
+    assert all(ex.streamed is streamed for ex in moe)
+    packs = native.pack_group() > 0 and streamed  # the q3 test model's I and D are multiples of 8
+    assert all(ex.packed_rows == (packs, packs) for ex in moe)
+    if packs:
+        assert not torch.equal(moe[0].gate_up.data, rows[0][0])  # the parameters hold the packed layout
     got = _decode(eng, 3)
-    assert all(nl.moe_plan.stream == int(llc == 1 << 10) for nl in (layer._native for layer in eng.model.layers))
-    for ex in moe:
-        ex.streamed = not ex.streamed
+    bits = int(streamed) | (native.MOE_GU_PACKED | native.MOE_DN_PACKED if packs else 0)
+    assert all(nl.moe_plan.stream == bits for nl in (layer._native for layer in eng.model.layers))
+    for ex, (gu, dn) in zip(moe, rows):
+        ex.streamed = not ex.streamed  # re-laid out in place
+        assert ex.packed_rows == (not packs and native.pack_group() > 0,) * 2
+        assert torch.equal(ex.weights()[0], gu) and torch.equal(ex.weights()[1], dn)
     monkeypatch.setattr(native_layer, "NATIVE_LAYERS", False)  # the module path, the other order
     assert torch.equal(_decode(eng, 3), got)
 

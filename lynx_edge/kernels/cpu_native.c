@@ -867,6 +867,32 @@ enum { FMT_INT4 = 0, FMT_F32 = 1, FMT_BF16 = 2, FMT_MXFP4 = 3, FMT_FP8 = 4, FMT_
 #ifndef ROW_WHOLE_BF16_AVX2
 #define ROW_WHOLE_BF16_AVX2 512
 #endif
+/* Packed rows (ROWS_PACKED, the `stream` mode of 16/32-bit experts that come from DRAM): a matrix's
+ * rows in groups of PK_ROWS (4), each group's inputs interleaved 8 at a time — row 0's inputs 0..7,
+ * row 1's 0..7, .., row 3's, then row 0's 8..15 — so a tile of four rows (or two, then the other
+ * two from cache) reads its bytes in address order, one stream the hardware prefetcher follows,
+ * where row-major tiles walk four streams a row apart (short rows) or each row whole with one
+ * latency-bound accumulator. The same multiply-adds in the same order: bit-equal to row-major.
+ * Needs rows % 4 == 0 and inputs % 8 == 0 (native.packable); not on the AVX-512 path, whose
+ * 16-wide loads would span two slots (lynx_pack_rows says where). Which matrices are packed, and
+ * the figures: native.pack_choice. */
+#define ROWS_PACKED 2
+#define MOE_GU_PACKED 2 /* lynx_moe's stream bits: gate_up / down hold packed rows */
+#define MOE_DN_PACKED 4
+#define PK_ROWS 4
+/* the byte offset of row r's input j from its group's first row (r may run past the group) */
+#define PK_OFF(r, j, Kin, ES) \
+    ((((long)((r) / PK_ROWS) * PK_ROWS * (Kin)) + ((r) % PK_ROWS) * 8 + ((long)((j) >> 3) * 8 * PK_ROWS) + ((j) & 7)) * (ES))
+#ifndef PK_PREFETCH
+#define PK_PREFETCH TILE_PREFETCH /* bytes ahead in the packed stream */
+#endif
+#if defined(__AVX512F__)
+#define PACK_OK 0
+#else
+#define PACK_OK 1
+#endif
+/* the rows per group of the packed rows this build reads; 0: none (AVX-512) */
+int lynx_pack_rows(void) { return PACK_OK ? PK_ROWS : 0; }
 #define DT_PRAGMA(x) _Pragma(#x)
 /* dense_tile's vector macros: DT_N accumulators of DT_VL lanes, one weight vector of row r at input
  * jj widened to fp32 (DT_WAT: fp32 loads, int8 codes convert, bf16 widens by a shift), runs of
@@ -884,9 +910,9 @@ enum { FMT_INT4 = 0, FMT_F32 = 1, FMT_BF16 = 2, FMT_MXFP4 = 3, FMT_FP8 = 4, FMT_
 #define DT_UNROLL_RUN DT_PRAGMA(GCC unroll 4)
 #define DT_WHOLE_F32 0
 #define DT_WHOLE_BF16 0
-#define DT_WAT(r, jj) (FMT == FMT_F32 ? _mm512_loadu_ps(WF(r) + (jj)) \
-                : FMT == FMT_I8 ? _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(WI(r) + (jj))))) \
-                : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(WB(r) + (jj)))), 16)))
+#define DT_WAT(r, jj) (FMT == FMT_F32 ? _mm512_loadu_ps((const float *)WP(r, jj)) \
+                : FMT == FMT_I8 ? _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)WP(r, jj)))) \
+                : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)WP(r, jj))), 16)))
 #elif defined(__AVX2__) && defined(__FMA__)
 #define DT_N 8
 #define DT_A 12
@@ -900,9 +926,9 @@ enum { FMT_INT4 = 0, FMT_F32 = 1, FMT_BF16 = 2, FMT_MXFP4 = 3, FMT_FP8 = 4, FMT_
 #define DT_UNROLL_RUN DT_PRAGMA(GCC unroll 8)
 #define DT_WHOLE_F32 ROW_WHOLE_F32_AVX2
 #define DT_WHOLE_BF16 ROW_WHOLE_BF16_AVX2
-#define DT_WAT(r, jj) (FMT == FMT_F32 ? _mm256_loadu_ps(WF(r) + (jj)) \
-                : FMT == FMT_I8 ? _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(WI(r) + (jj))))) \
-                : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(WB(r) + (jj)))), 16)))
+#define DT_WAT(r, jj) (FMT == FMT_F32 ? _mm256_loadu_ps((const float *)WP(r, jj)) \
+                : FMT == FMT_I8 ? _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)WP(r, jj)))) \
+                : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)WP(r, jj))), 16)))
 #else
 #define DT_N 16
 #define DT_A 16
@@ -913,11 +939,11 @@ static inline __attribute__((always_inline)) void dense_tile(const uint8_t *w, c
                                                              float *acc, const long ald, const int STREAM) {
     int t, r, j = 0;
     float out[DT_A];
+    const int PK = STREAM == ROWS_PACKED; /* w: the tile's first row's slot in packed rows (PK_OFF) */
     (void)STREAM; /* only the AVX2 fp32 rows read it */
-#define WF(r) ((const float *)(w + (r) * rs))
-#define WB(r) ((const uint16_t *)(w + (r) * rs))
-#define WI(r) ((const int8_t *)(w + (r) * rs))
-#define WS(r, j) (FMT == FMT_F32 ? WF(r)[j] : FMT == FMT_I8 ? (float)WI(r)[j] : bf16_f(WB(r)[j])) /* one weight */
+#define WP(r, j) (w + (PK ? PK_OFF(r, j, Kin, ES) : (long)(r) * rs + (long)(j) * ES)) /* row r's input j */
+#define WS(r, j) (FMT == FMT_F32 ? *(const float *)WP(r, j) : FMT == FMT_I8 ? (float)*(const int8_t *)WP(r, j) \
+                  : bf16_f(*(const uint16_t *)WP(r, j))) /* one weight */
     const long ES = FMT == FMT_F32 ? 4 : FMT == FMT_BF16 ? 2 : 1; /* bytes per weight */
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
     /* one accumulator per row x token over the inputs' VL-wide vectors in order, then sum_lanes's
@@ -926,8 +952,9 @@ static inline __attribute__((always_inline)) void dense_tile(const uint8_t *w, c
      * AVX2 paths are one body over the vector macros (DT_V*) defined before this function. */
     DT_VEC a[DT_A];
     for (t = 0; t < DT_A; t++) a[t] = DT_VZERO();
-    const long pf = tile_ahead(R * rs, TILE_PREFETCH); /* each row prefetches its place in a later tile */
-    if (STREAM && ((NT == 1 && FMT == FMT_F32 && Kin <= DT_WHOLE_F32) || (FMT == FMT_BF16 && NT <= 3 && Kin <= DT_WHOLE_BF16))) {
+    /* each row prefetches its place in a later tile; packed rows are one stream, read in address order */
+    const long pf = PK ? PK_PREFETCH : tile_ahead(R * rs, TILE_PREFETCH);
+    if (STREAM == 1 && ((NT == 1 && FMT == FMT_F32 && Kin <= DT_WHOLE_F32) || (FMT == FMT_BF16 && NT <= 3 && Kin <= DT_WHOLE_BF16))) {
         /* short streamed rows: each row whole, for all NT tokens */
 #pragma GCC unroll 16
         for (r = 0; r < R; r++) /* unrolled: a[r] a register; j ends where the interleaved loop would */
@@ -936,7 +963,7 @@ static inline __attribute__((always_inline)) void dense_tile(const uint8_t *w, c
                 const DT_VEC wv = DT_WAT(r, j);
                 for (t = 0; t < NT; t++) a[r * NT + t] = DT_VFMA(wv, DT_VLOAD(x[t] + j), a[r * NT + t]);
             }
-    } else if (NT == 1 && FMT == FMT_BF16 && DT_RUN > 0 && Kin >= ROW_RUN_MIN_K) { /* bf16, one token: a run of each row in turn */
+    } else if (!PK && NT == 1 && FMT == FMT_BF16 && DT_RUN > 0 && Kin >= ROW_RUN_MIN_K) { /* bf16, one token: a run of each row in turn */
         /* whole runs only, with constant trip counts, so the rows' accumulators stay in registers;
          * the interleaved loop below goes on from the first input no run covered */
         for (; j + DT_RUN <= Kin; j += DT_RUN)
@@ -953,7 +980,7 @@ static inline __attribute__((always_inline)) void dense_tile(const uint8_t *w, c
         DT_VEC xv[DT_TOK];
         for (t = 0; t < NT; t++) xv[t] = DT_VLOAD(x[t] + j);
         for (r = 0; r < R; r++) {
-            if (((j * ES) & 63) == 0) _mm_prefetch((const char *)(w + r * rs) + (long)j * ES + pf, PF_HINT);
+            if (PK ? ((uintptr_t)WP(r, j) & 63) == 0 : ((j * ES) & 63) == 0) _mm_prefetch((const char *)WP(r, j) + pf, PF_HINT);
             const DT_VEC wv = DT_WAT(r, j);
             for (t = 0; t < NT; t++) a[r * NT + t] = DT_VFMA(wv, xv[t], a[r * NT + t]);
         }
@@ -984,9 +1011,7 @@ static inline __attribute__((always_inline)) void dense_tile(const uint8_t *w, c
             for (t = 0; t < NT; t++) acc[r * ald + t] += wj * x[t][j];
         }
     (void)ES;
-#undef WF
-#undef WB
-#undef WI
+#undef WP
 #undef WS
 }
 
@@ -1021,6 +1046,11 @@ static inline __attribute__((always_inline)) void dense_tile_m(const uint8_t *w,
 static inline __attribute__((always_inline)) void dense_tiles(const uint8_t *w, long rs, const int FMT, int Kin, int R,
                                                               const float *x0, long ld, int n, float *acc,
                                                               const int STREAM) {
+    /* a tile's first row r: row-major, or its slot in packed rows (tiles never straddle a group of
+     * PK_ROWS: ROW_BLOCK and the tiles of 4 and 2 rows keep to them; wider ones start on one) */
+    const long ES = FMT == FMT_F32 ? 4 : FMT == FMT_BF16 ? 2 : 1;
+    const int PKD = STREAM == ROWS_PACKED ? ROWS_PACKED : 0;
+#define TB(r) (w + (PKD ? PK_OFF(r, 0, Kin, ES) : (long)(r) * rs))
     const float *x[DT_TOK];
     const int wide = Kin < 1024;
     for (int i = 0; i < n && i < 4; i++) x[i] = x0 + i * ld;
@@ -1028,13 +1058,38 @@ static inline __attribute__((always_inline)) void dense_tiles(const uint8_t *w, 
         const int RT = n == 1 ? 4 : n == 2 ? (wide ? DT_N / 2 : 4) : (wide || DT_N == 8 ? 4 : 2);
         for (int r = 0; r < R;) {
             const int one = R - r < RT;
-            if (one) dense_tile_m(w + r * rs, rs, FMT, Kin, 1, x, n, acc + r * ROWS_LD, STREAM);
-            else if (n == 1) dense_tile(w + r * rs, rs, FMT, Kin, 4, x, 1, acc + r * ROWS_LD, ROWS_LD, STREAM);
-            else if (n == 2 && wide) dense_tile(w + r * rs, rs, FMT, Kin, DT_N / 2, x, 2, acc + r * ROWS_LD, ROWS_LD, STREAM);
-            else if (n == 2) dense_tile(w + r * rs, rs, FMT, Kin, 4, x, 2, acc + r * ROWS_LD, ROWS_LD, STREAM);
-            else if (RT == 4) dense_tile(w + r * rs, rs, FMT, Kin, 4, x, 3, acc + r * ROWS_LD, ROWS_LD, STREAM);
-            else dense_tile(w + r * rs, rs, FMT, Kin, 2, x, 3, acc + r * ROWS_LD, ROWS_LD, STREAM);
+            if (one) dense_tile_m(TB(r), rs, FMT, Kin, 1, x, n, acc + r * ROWS_LD, STREAM);
+            else if (n == 1) dense_tile(TB(r), rs, FMT, Kin, 4, x, 1, acc + r * ROWS_LD, ROWS_LD, STREAM);
+            else if (n == 2 && wide) dense_tile(TB(r), rs, FMT, Kin, DT_N / 2, x, 2, acc + r * ROWS_LD, ROWS_LD, STREAM);
+            else if (n == 2) dense_tile(TB(r), rs, FMT, Kin, 4, x, 2, acc + r * ROWS_LD, ROWS_LD, STREAM);
+            else if (RT == 4) dense_tile(TB(r), rs, FMT, Kin, 4, x, 3, acc + r * ROWS_LD, ROWS_LD, STREAM);
+            else dense_tile(TB(r), rs, FMT, Kin, 2, x, 3, acc + r * ROWS_LD, ROWS_LD, STREAM);
             r += one ? 1 : RT;
+        }
+        return;
+    }
+    if (PKD) { /* packed: each group of four rows serves the tokens three at a time (4 x 3 tiles, four as
+                * 3 + 1), from cache after the first three */
+        for (int r = 0; r < R;) {
+            if (R - r < 4) { /* a last partial group (R % 4: not from lynx_moe) row by row */
+                for (int t = 0; t < n; t += 4) {
+                    const int m = n - t < 4 ? n - t : 4;
+                    for (int i = 0; i < m; i++) x[i] = x0 + (t + i) * ld;
+                    dense_tile_m(TB(r), rs, FMT, Kin, 1, x, m, acc + r * ROWS_LD + t, PKD);
+                }
+                r++;
+                continue;
+            }
+            for (int t = 0; t < n;) {
+                const int m = n - t > 3 ? 3 : n - t;
+                for (int i = 0; i < m; i++) x[i] = x0 + (t + i) * ld;
+                float *a = acc + r * ROWS_LD + t;
+                if (m == 3) dense_tile(TB(r), rs, FMT, Kin, 4, x, 3, a, ROWS_LD, PKD);
+                else if (m == 2) dense_tile(TB(r), rs, FMT, Kin, 4, x, 2, a, ROWS_LD, PKD);
+                else dense_tile(TB(r), rs, FMT, Kin, 4, x, 1, a, ROWS_LD, PKD);
+                t += m;
+            }
+            r += 4;
         }
         return;
     }
@@ -1048,19 +1103,20 @@ static inline __attribute__((always_inline)) void dense_tiles(const uint8_t *w, 
             float *a = acc + r * ROWS_LD + t;
             /* not streamed: the group of four before has brought these rows into cache, where
              * the whole-row loop reads slower (Mixtral-shaped bf16 experts at B = 16: 0.92x) */
-            if (one) dense_tile_m(w + r * rs, rs, FMT, Kin, 1, x, m, a, 0);
-            else if (wide) dense_tile_m(w + r * rs, rs, FMT, Kin, DT_N / 4, x, m, a, 0);
-            else dense_tile_m(w + r * rs, rs, FMT, Kin, 2, x, m, a, 0);
+            if (one) dense_tile_m(TB(r), rs, FMT, Kin, 1, x, m, a, 0);
+            else if (wide) dense_tile_m(TB(r), rs, FMT, Kin, DT_N / 4, x, m, a, 0);
+            else dense_tile_m(TB(r), rs, FMT, Kin, 2, x, m, a, 0);
         }
 #if DT_TOK > 4
         if (n4 < n) { /* the last five tokens in one tile (RT is 2 here) */
             for (int i = 0; i < 5; i++) x[i] = x0 + (n4 + i) * ld;
-            if (one) dense_tile(w + r * rs, rs, FMT, Kin, 1, x, 5, acc + r * ROWS_LD + n4, ROWS_LD, STREAM);
-            else dense_tile(w + r * rs, rs, FMT, Kin, 2, x, 5, acc + r * ROWS_LD + n4, ROWS_LD, STREAM);
+            if (one) dense_tile(TB(r), rs, FMT, Kin, 1, x, 5, acc + r * ROWS_LD + n4, ROWS_LD, STREAM);
+            else dense_tile(TB(r), rs, FMT, Kin, 2, x, 5, acc + r * ROWS_LD + n4, ROWS_LD, STREAM);
         }
 #endif
         r += one ? 1 : RT;
     }
+#undef TB
 }
 static __attribute__((noinline)) void dense_f32(const uint8_t *w, long rs, int Kin, int R, const float *x0, long ld,
                                                 int n, float *acc) {
@@ -1078,6 +1134,14 @@ static __attribute__((noinline)) void dense_bf16_stream(const uint8_t *w, long r
                                                         long ld, int n, float *acc) {
     dense_tiles(w, rs, FMT_BF16, Kin, R, x0, ld, n, acc, 1);
 }
+static __attribute__((noinline)) void dense_f32_packed(const uint8_t *w, long rs, int Kin, int R, const float *x0,
+                                                       long ld, int n, float *acc) {
+    dense_tiles(w, rs, FMT_F32, Kin, R, x0, ld, n, acc, ROWS_PACKED);
+}
+static __attribute__((noinline)) void dense_bf16_packed(const uint8_t *w, long rs, int Kin, int R, const float *x0,
+                                                        long ld, int n, float *acc) {
+    dense_tiles(w, rs, FMT_BF16, Kin, R, x0, ld, n, acc, ROWS_PACKED);
+}
 static __attribute__((noinline)) void dense_i8(const uint8_t *w, long rs, int Kin, int R, const float *x0, long ld,
                                                int n, float *acc) {
     dense_tiles(w, rs, FMT_I8, Kin, R, x0, ld, n, acc, 0);
@@ -1086,10 +1150,13 @@ static __attribute__((noinline)) void dense_i8(const uint8_t *w, long rs, int Ki
 /* acc[r * ROWS_LD + t] for R (1..ROW_BLOCK) adjacent rows (stride rs bytes) and n tokens (rows x0 + t*ld).
  * stream: rows that come from DRAM at each use (the experts: a step reads a few of many) rather than
  * from cache (projections, the head, the KV cache of a small model): only such fp32 rows take the
- * whole-row loop (ROW_WHOLE_F32_AVX2), which streams DRAM faster but runs cache-resident rows slower. */
+ * whole-row loop (ROW_WHOLE_F32_AVX2), which streams DRAM faster but runs cache-resident rows slower;
+ * ROWS_PACKED: w is the first row's slot in packed rows (fp32 or bf16). */
 static void dense_block(const uint8_t *w, long rs, int fmt, int Kin, int R, const float *x0, long ld, int n,
                         float *acc, int stream) {
-    if (fmt == FMT_F32 && stream) dense_f32_stream(w, rs, Kin, R, x0, ld, n, acc);
+    if (stream == ROWS_PACKED && fmt == FMT_F32) dense_f32_packed(w, rs, Kin, R, x0, ld, n, acc);
+    else if (stream == ROWS_PACKED) dense_bf16_packed(w, rs, Kin, R, x0, ld, n, acc);
+    else if (fmt == FMT_F32 && stream) dense_f32_stream(w, rs, Kin, R, x0, ld, n, acc);
     else if (fmt == FMT_F32) dense_f32(w, rs, Kin, R, x0, ld, n, acc);
     else if (fmt == FMT_I8) dense_i8(w, rs, Kin, R, x0, ld, n, acc);
     else if (stream) dense_bf16_stream(w, rs, Kin, R, x0, ld, n, acc);
@@ -1797,8 +1864,9 @@ static void gate_up_item(const void *arg, long item) {
             for (int64_t c = 0; c < n; c += ROWS_LD) { /* slots of this expert, 64 at a time */
                 const int m = (int)(n - c < ROWS_LD ? n - c : ROWS_LD);
                 const float *x = L->xe + (r0 + c) * D;
-                dense_block(gu + (long)i * D * es, (long)D * es, L->fmt, D, R, x, D, m, gate4, L->stream);
-                dense_block(gu + (long)(I + i) * D * es, (long)D * es, L->fmt, D, R, x, D, m, up4, L->stream);
+                const int mode = L->stream & MOE_GU_PACKED ? ROWS_PACKED : L->stream & 1;
+                dense_block(gu + (long)i * D * es, (long)D * es, L->fmt, D, R, x, D, m, gate4, mode);
+                dense_block(gu + (long)(I + i) * D * es, (long)D * es, L->fmt, D, R, x, D, m, up4, mode);
                 for (int t = 0; t < m; t++) /* token by token (see linear_item) */
                     for (int r = 0; r < R; r++)
                         put_h(L, e, i + r, L->he + (r0 + c + t) * I + i + r, gate4[r * ROWS_LD + t], up4[r * ROWS_LD + t]);
@@ -1865,7 +1933,7 @@ static void down_item(const void *arg, long item) {
                           L->hsum + (r0 + c) * (I / L->G), m, acc);
             else if (L->fmt == FMT_F32 || L->fmt == FMT_BF16)
                 dense_block(L->dn + (e * (long)D * I + (long)d * I) * es, (long)I * es, L->fmt, I, R,
-                            L->he + (r0 + c) * I, I, m, acc, L->stream);
+                            L->he + (r0 + c) * I, I, m, acc, L->stream & MOE_DN_PACKED ? ROWS_PACKED : L->stream & 1);
             else
                 for (int r = 0; r < R; r++) {
                     if (L->fmt == FMT_MXFP4 && L->hqe && !L->hq16)
@@ -1942,15 +2010,20 @@ static uint8_t *scratch(const size_t *sz, int n, void **out) {
  * gub [E, 2I] / dnb [E, D] fp32 biases or NULL; act_kind 1: gpt-oss's clamped SwiGLU.
  * amode: the INT4 rows' activations, ACT_F32 / ACT_Q8 / ACT_Q16 (each side falls back to fp32 where
  * its mode does not take the shape: act_for); MXFP4 rows take either integer mode (mxq_rows, mx8_rows).
- * stream: the 16/32-bit experts come from DRAM at each use (they outgrow the last-level cache; the
- * caller decides, native.streamed): their short rows are read whole (dense_block).
- * Returns 0; -1 when out of memory; -3 for an expert id outside [0, E). */
+ * stream: bit 0, the 16/32-bit experts come from DRAM at each use (they outgrow the last-level cache;
+ * the caller decides, native.streamed): their short rows are read whole (dense_block); MOE_GU_PACKED /
+ * MOE_DN_PACKED: gate_up / down hold packed rows (ROWS_PACKED; rows whole groups of PK_ROWS: I and D
+ * multiples of 4, inputs of 8).
+ * Returns 0; -1 when out of memory; -3 for an expert id outside [0, E); -4 for packed rows this
+ * build does not read (lynx_pack_rows). */
 int lynx_moe(int fmt, const float *x, const int64_t *ids, const float *w, const int32_t *perm, const uint8_t *data,
              long E, long nbytes, const long *offs, const uint8_t *gu, const uint8_t *dn, int sym, int G, int D, int I,
              int T, int K, float *out, int nthreads, const uint8_t *gus, const uint8_t *dns, const float *gub,
              const float *dnb, int act_kind, float limit, float alpha, int amode, int bn, int bk, int stream) {
     const long S = (long)T * K;
     const int dense = fmt == FMT_F32 || fmt == FMT_BF16 || fmt == FMT_FP8, int4 = fmt == FMT_INT4, mx = fmt == FMT_MXFP4;
+    if ((stream & (MOE_GU_PACKED | MOE_DN_PACKED)) && (!PACK_OK || (fmt != FMT_F32 && fmt != FMT_BF16) || I % PK_ROWS
+                                                       || D % PK_ROWS || I % 8 || D % 8)) return -4;
     /* the INT4 rows' activation mode on each side (ACT_*: fp32, int8, int16); MXFP4 rows take int16
      * (mxq_rows) or int8 (mx8_rows) activations in its blocks of 32, else fp32 */
     if (mx) G = 32;

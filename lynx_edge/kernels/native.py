@@ -235,6 +235,54 @@ def streamed(expert_bytes: int) -> bool:
     llc = llc_bytes()
     return llc is None or expert_bytes > llc
 _FMT = {torch.float32: FMT_F32, torch.bfloat16: FMT_BF16}
+MOE_GU_PACKED, MOE_DN_PACKED = 2, 4  # lynx_moe's stream bits: gate_up / down hold packed rows
+PACK_W = 8  # packed rows: groups of pack_group() rows, their inputs interleaved 8 at a time
+PACK_MAX_K = 1024  # pack_choice: bf16 rows of at most this many inputs (measured there)
+
+
+def packable(rows: int, inputs: int) -> bool:
+    """Whether this build's kernels read a [rows, inputs] fp32/bf16 expert matrix in packed rows
+    (cpu_native.c, ROWS_PACKED: rows whole groups of 4, inputs of 8; not the AVX-512 build)."""
+    g = pack_group()
+    return g > 0 and rows % g == 0 and inputs % PACK_W == 0 and inputs <= PACK_MAX_K
+
+
+def pack_choice(gate_up: torch.Tensor, down: torch.Tensor) -> tuple[bool, bool]:
+    """Which of a layer's stacked experts (gate_up [E, 2I, D], down [E, D, I], streamed from DRAM) to
+    keep in packed rows: bf16 matrices whose rows have at most PACK_MAX_K inputs, where this build
+    reads them. One thread on an AMD EPYC Zen3, bf16 experts from DRAM, packed / row-major
+    (benchmarks/expert_rows.py --packed, results/packed_rows_s30.json): rows of 256-1024 inputs
+    1.07-1.34x at one to three tokens an expert, 1.05-1.15x at six, 0.84-0.96x at four (a 4 x 3
+    tile and a 4 x 1 from cache where row-major runs 2 x 4); 2048-input gate/up rows 0.94-0.97x and
+    1408-input down rows ~1.0x (already streamed well row-major), hence the bound; fp32 rows
+    0.83-0.96x at one token (two cache lines a step), so never."""
+    if gate_up.dtype != torch.bfloat16 or down.dtype != torch.bfloat16:
+        return False, False
+    E, two_i, D = gate_up.shape
+    I = two_i // 2
+    return packable(I, D), packable(D, I)
+
+
+def pack_group() -> int:
+    """Rows per group of this build's packed rows; 0 where its kernels read none."""
+    fn = getattr(lib(), "lynx_pack_rows", None)  # an older build (benchmarks' A/B bases) has none
+    return int(fn()) if fn is not None else 0
+
+
+def pack_rows(w: torch.Tensor) -> torch.Tensor:
+    """w [..., R, K] row-major → the same shape in packed rows: each group of 4 rows' inputs
+    interleaved 8 at a time (row 0's 0..7, row 1's 0..7, .., row 3's, then row 0's 8..15), so a tile of
+    four rows reads its bytes in address order. A new contiguous tensor."""
+    *lead, R, K = w.shape
+    g = pack_group()
+    return w.reshape(*lead, R // g, g, K // PACK_W, PACK_W).transpose(-3, -2).reshape(w.shape)
+
+
+def unpack_rows(w: torch.Tensor) -> torch.Tensor:
+    """pack_rows's inverse: packed rows [..., R, K] → row-major (a new contiguous tensor)."""
+    *lead, R, K = w.shape
+    g = pack_group()
+    return w.reshape(*lead, R // g, K // PACK_W, g, PACK_W).transpose(-3, -2).reshape(w.shape)
 
 
 def dense_ok(*ws: torch.Tensor) -> bool:
@@ -256,7 +304,7 @@ def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _call_moe(fmt, x, ids, w, perm, data, E, nbytes, offs, gu, dn, sym, G, D, I, oss=(None, None, None, None, 0, 0.0, 0.0),
-              act: int = 0, blocks: tuple[int, int] = (0, 0), stream: bool = True) -> torch.Tensor:
+              act: int = 0, blocks: tuple[int, int] = (0, 0), stream: int = 1) -> torch.Tensor:
     so = lib()
     x32, ids64, w32 = _as(x, torch.float32), _as(ids, torch.int64), _as(w, torch.float32)
     T, K = ids64.shape
@@ -276,6 +324,9 @@ def _check_moe(rc: int, ids64: torch.Tensor, E: int) -> None:
     if rc == -3:
         bad = ids64[(ids64 < 0) | (ids64 >= E)]
         raise IndexError(f"expert id {int(bad[0])} out of range for {E} experts")
+    if rc == -4:
+        raise ValueError("packed expert rows need an fp32/bf16 layer with I and D multiples of 8, on a build "
+                         "whose kernels read them (lynx_pack_rows)")
     if rc != 0:
         raise MemoryError("the native MoE kernel could not allocate its scratch buffers")
 
@@ -292,14 +343,16 @@ def moe_int4(x, ids, weights, data: torch.Tensor, offs, sym: bool, G: int, D: in
     return out
 
 
-def moe_dense(x, ids, weights, gate_up: torch.Tensor, down: torch.Tensor, stream: bool = True) -> torch.Tensor:
+def moe_dense(x, ids, weights, gate_up: torch.Tensor, down: torch.Tensor, stream: bool = True,
+              packed: tuple[bool, bool] = (False, False)) -> torch.Tensor:
     """moe_ref's result over stacked fp32/bf16 experts gate_up [E, 2I, D], down [E, D, I], read in
     place → [T, D] in x's dtype; products and sums in fp32 (h = silu(gate)·up stays fp32).
     stream: the experts come from DRAM at each use (see streamed): the same sums, read in the order
-    that streams fastest."""
+    that streams fastest. packed: gate_up's / down's rows are in pack_rows's layout (the same sums)."""
     E, two_i, D = gate_up.shape
+    mode = int(stream) | (MOE_GU_PACKED if packed[0] else 0) | (MOE_DN_PACKED if packed[1] else 0)
     out = _call_moe(_FMT[gate_up.dtype], x, ids, weights, None, None, E, gate_up.element_size(), None,
-                    gate_up.data_ptr(), down.data_ptr(), 0, 0, D, two_i // 2, stream=stream)
+                    gate_up.data_ptr(), down.data_ptr(), 0, 0, D, two_i // 2, stream=mode)
     return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 

@@ -414,13 +414,16 @@ class DenseMLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-def cpu_moe(x, ids, weights, gate_up, down, stream: bool = True):
+def cpu_moe(x, ids, weights, gate_up, down, stream: bool = True, packed: tuple[bool, bool] = (False, False)):
     """Resident experts on a CPU: the native kernel (one call, each active expert's rows read once,
     fp32 sums) at decode-sized batches, and for bf16 experts at any batch where the CPU has no
     native bf16 math or the experts are small; past NATIVE_SLOTS slots moe_ref's grouped GEMM (fp32,
     or bf16 on a CPU with native bf16 for experts of GROUPED_BF16_MIN weights per projection and
     more: it rounds gate, up and h to bf16 as transformers' bf16 experts do). stream: the experts
-    come from DRAM at each use (native.streamed)."""
+    come from DRAM at each use (native.streamed). packed: gate_up / down in native.pack_rows's layout,
+    which only the native kernel reads (at every batch)."""
+    if packed[0] or packed[1]:
+        return native.moe_dense(x, ids, weights, gate_up, down, stream, packed)
     big = ids.numel() > NATIVE_SLOTS and (gate_up.dtype != torch.bfloat16 or (
         x.dtype == torch.bfloat16 and down[0].numel() >= GROUPED_BF16_MIN and cpu_bf16()))
     if not big and native.dense_ok(gate_up, down):
@@ -446,21 +449,59 @@ class StackedExperts(nn.Module):
     On CUDA (with Triton) the grouped GEMM kernel runs, elsewhere its torch reference.
     `streamed`: on a CPU, whether the experts come from DRAM at each step (the builder sets it from
     all layers' bytes against the last-level cache: native.streamed); the native kernel picks its
-    read order by it.
+    read order by it, and where the builder allows (`pack`) the layout: streamed bf16 matrices of short
+    rows are kept in packed rows (native.pack_choice), which only the native kernel reads — `weights()`
+    gives them row-major. Setting `streamed` re-lays them out in place.
     """
 
-    def __init__(self, E: int, D: int, inter: int, dtype, device):
+    def __init__(self, E: int, D: int, inter: int, dtype, device, streamed: bool = True, pack: bool = False):
         super().__init__()
         self.num_experts, self.hidden, self.inter = E, D, inter
         self.gate_up = _param(E, 2 * inter, D, dtype=dtype, device=device)  # [E, 2I, D]
         self.down = _param(E, D, inter, dtype=dtype, device=device)  # [E, D, I]
         self._fn = fused_moe if torch.device(device).type == "cuda" else cpu_moe  # fused_moe: Triton or its ref
-        self.streamed = True
+        self._pack = pack and self._fn is cpu_moe
+        self._streamed = streamed
+        self.packed_rows = self._layout(streamed)  # (gate_up, down) in packed rows; the tensors are empty yet
+
+    def _layout(self, streamed: bool) -> tuple[bool, bool]:
+        if not (self._pack and streamed):
+            return False, False
+        return native.pack_choice(self.gate_up, self.down)
+
+    @property
+    def streamed(self) -> bool:
+        return self._streamed
+
+    @streamed.setter
+    def streamed(self, on: bool) -> None:
+        gu, dn = self.weights()
+        self._streamed = on
+        self.packed_rows = self._layout(on)
+        self.replace(gu, dn)
+
+    def weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up [E, 2I, D], down [E, D, I]) row-major: the parameters, or copies where packed."""
+        gu, dn = self.gate_up.data, self.down.data
+        return (native.unpack_rows(gu) if self.packed_rows[0] else gu), (native.unpack_rows(dn) if self.packed_rows[1] else dn)
+
+    def replace(self, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+        """New row-major weights (any E, I), put in this module's layout."""
+        self.num_experts, self.inter = gate_up.shape[0], gate_up.shape[1] // 2
+        self.gate_up = nn.Parameter(gate_up, requires_grad=False)
+        self.down = nn.Parameter(down, requires_grad=False)
+        self.packed_rows = self._layout(self._streamed)
+        if self.packed_rows[0]:
+            self.gate_up.data = native.pack_rows(gate_up)
+        if self.packed_rows[1]:
+            self.down.data = native.pack_rows(down)
 
     def load_part(self, e: int, part: str, w: torch.Tensor) -> None:
         I = self.inter
         dst = self.down.data[e] if part == "down" else self.gate_up.data[e, : I] if part == "gate" \
             else self.gate_up.data[e, I:]
+        if self.packed_rows[part == "down"]:  # one strided copy into the packed layout (I % 4 == 0: gate, up whole groups)
+            w = native.pack_rows(w)
         dst.copy_(w)
 
     def load_quant_part(self, e: int, part: str, ql) -> None:
@@ -469,7 +510,7 @@ class StackedExperts(nn.Module):
 
     def forward(self, x, ids, weights):
         if self._fn is cpu_moe:
-            return cpu_moe(x, ids, weights, self.gate_up, self.down, self.streamed)
+            return cpu_moe(x, ids, weights, self.gate_up, self.down, self._streamed, self.packed_rows)
         return self._fn(x, ids, weights, self.gate_up, self.down)
 
 

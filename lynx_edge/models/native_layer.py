@@ -292,7 +292,8 @@ def _moe_plan(experts, keep: list, dt) -> tuple[native.MoeLayer | None, int]:
         E, two_i, D = experts.gate_up.shape
         plan = native.MoeLayer(native._FMT[experts.gate_up.dtype], None, E, experts.gate_up.element_size(), None, None,
                                experts.gate_up.data_ptr(), experts.down.data_ptr(), 0, 0, D, two_i // 2, 0,
-                               stream=int(experts.streamed))
+                               stream=int(experts.streamed) | (native.MOE_GU_PACKED if experts.packed_rows[0] else 0)
+                               | (native.MOE_DN_PACKED if experts.packed_rows[1] else 0))
         return plan, (NATIVE_SLOTS if experts.gate_up.dtype == torch.float32 else 1 << 30)
     packed = getattr(experts, "packed", None)
     layout = getattr(packed, "layout", None)

@@ -264,7 +264,7 @@ def attach_offload(model, options: OffloadOptions | None = None, profile=None) -
         if own:
             block.experts.export_to(OffloadedExperts(rt, i))  # every expert through the store sink
         else:
-            rt.store.put(i, block.experts.gate_up.data, block.experts.down.data)
+            rt.store.put(i, *block.experts.weights())  # row-major (resident CPU experts may be packed)
         block.experts = torch.nn.Identity()  # frees this layer's resident experts before the next one
     if dev != model.device:
         model.to(dev)
