@@ -38,22 +38,21 @@ def main() -> None:
 
     threads = set_threads(a.threads, explicit=True)
     from lynx_edge import Engine
-    from lynx_edge.bench import cpu_isa
-    from lynx_edge.eval import load_sequences
+    from lynx_edge.bench import cpu_isa, synthetic_prompts
     from lynx_edge.kernels import native
     from lynx_edge.models.layers import StackedExperts
     from native_ab import append_run, paired
 
     batches = [int(b) for b in a.batch.split(",")]
     eng = Engine.from_pretrained(a.model, device="cpu", dtype="bfloat16", record_routing=True)
-    prompts = load_sequences(eng, num_seqs=max(batches), seq_len=a.prompt)
+    prompts = synthetic_prompts(eng, max(batches), a.prompt)  # held-out text where the model has it
     if a.pad:
         from lynx_cpu import pad_experts
 
         pad_experts(eng, a.pad)
     experts = [layer.mlp.experts for layer in eng.model.layers
                if layer.is_moe and type(layer.mlp.experts) is StackedExperts]
-    if not experts or not any(native.pack_choice(ex.gate_up, ex.down)) or not experts[0].streamed:
+    if not experts or not any(native.pack_choice(experts[0].gate_up, experts[0].down)) or not experts[0].streamed:
         sys.exit("packed_rows: this model's experts are not streamed bf16 ones of short rows (native.pack_choice)")
 
     def layout(packed: bool) -> None:
