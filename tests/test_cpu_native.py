@@ -953,6 +953,10 @@ def test_packed_rows_layout_and_bugs_are_caught():
     assert p[:8].tolist() == list(range(8)) and p[8:16].tolist() == list(range(16, 24))  # row 0, then row 1
     assert p[32:40].tolist() == list(range(8, 16)) and p[64].item() == 64  # row 0's 8.., then group 2
     assert torch.equal(native.unpack_rows(native.pack_rows(w)), w)
+    for src in (w.bfloat16(), w.t().contiguous().t().bfloat16()):  # the native copy; a strided source: torch's
+        dst = torch.empty(8, 16, dtype=torch.bfloat16)
+        native.pack_into(dst, src)
+        assert torch.equal(dst, native.pack_rows(w.bfloat16()))
     x, ids, w, gu, dn = _packed_problem(torch.bfloat16)
     ref = native.moe_dense(x, ids, w, gu, dn, True)
     assert not torch.equal(native.moe_dense(x, ids, w, gu, dn, True, (True, True)), ref)

@@ -135,6 +135,9 @@ def lib() -> ctypes.CDLL | None:
     so.lynx_moe.argtypes = [i, p, p, p, p, p, L, L, p, p, p, i, i, i, i, i, i, p, i, p, p, p, p, i, ctypes.c_float,
                             ctypes.c_float, i, i, i, i]
     so.lynx_moe.restype = i
+    if hasattr(so, "lynx_pack_copy"):  # an older build (benchmarks' A/B bases) has none
+        so.lynx_pack_copy.argtypes = [p, p, L, L, i]
+        so.lynx_pack_copy.restype = None
     so.lynx_linear.argtypes = [i, p, p, p, i, i, i, p, i]
     so.lynx_linear.restype = None
     so.lynx_linear_int8.argtypes = [p, p, p, p, i, i, i, p, i, i]
@@ -276,6 +279,17 @@ def pack_rows(w: torch.Tensor) -> torch.Tensor:
     *lead, R, K = w.shape
     g = pack_group()
     return w.reshape(*lead, R // g, g, K // PACK_W, PACK_W).transpose(-3, -2).reshape(w.shape)
+
+
+def pack_into(dst: torch.Tensor, w: torch.Tensor) -> None:
+    """dst [R, K] (contiguous) ← pack_rows(w), row-major w [R, K], in one strided copy (a load sink:
+    no packed temporary)."""
+    R, K = w.shape
+    g = pack_group()
+    if w.dtype == dst.dtype and w.is_contiguous() and dst.is_contiguous() and w.device.type == "cpu":
+        lib().lynx_pack_copy(dst.data_ptr(), w.data_ptr(), R, K, w.element_size())  # memcpy-speed
+        return
+    dst.view(R // g, K // PACK_W, g, PACK_W).copy_(w.reshape(R // g, g, K // PACK_W, PACK_W).transpose(1, 2))
 
 
 def unpack_rows(w: torch.Tensor) -> torch.Tensor:

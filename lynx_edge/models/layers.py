@@ -500,9 +500,10 @@ class StackedExperts(nn.Module):
         I = self.inter
         dst = self.down.data[e] if part == "down" else self.gate_up.data[e, : I] if part == "gate" \
             else self.gate_up.data[e, I:]
-        if self.packed_rows[part == "down"]:  # one strided copy into the packed layout (I % 4 == 0: gate, up whole groups)
-            w = native.pack_rows(w)
-        dst.copy_(w)
+        if self.packed_rows[part == "down"]:  # the packed layout (I % 4 == 0: gate, up whole groups)
+            native.pack_into(dst, w)
+        else:
+            dst.copy_(w)
 
     def load_quant_part(self, e: int, part: str, ql) -> None:
         # a 4-bit expert in a layer kept 16-bit (a mixed layer): exact dequantisation
