@@ -965,6 +965,12 @@ def test_packed_rows_layout_and_bugs_are_caught():
     assert not torch.equal(native.moe_dense(x, ids, w, swapped, dn, True, (True, False)), ref)
     with pytest.raises(ValueError, match="packed expert rows"):
         native.moe_dense(x[:, :132], ids, w, gu[:, :, :132], dn[:, :132], True, (True, True))  # D % 8 != 0
+    # each matrix is checked on its own: gate/up packed where I % 8 != 0 (down, whose inputs are I, not)
+    gu12 = torch.cat([gu[:, :12], gu[:, 40:52]], 1).contiguous()
+    dn12 = dn[:, :, :12].contiguous()
+    assert native.packable(12, 136) and not native.packable(136, 12)
+    assert torch.equal(native.moe_dense(x, ids, w, native.pack_rows(gu12), dn12, True, (True, False)),
+                       native.moe_dense(x, ids, w, gu12, dn12, True))
 
 
 @pytest.mark.skipif(native.pack_group() == 0, reason="this build reads no packed rows (the AVX-512 path)")

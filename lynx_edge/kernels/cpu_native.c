@@ -950,7 +950,7 @@ static inline __attribute__((always_inline)) void dense_tile(const uint8_t *w, c
     int t, r, j = 0;
     float out[DT_A];
     const int PK = STREAM == ROWS_PACKED; /* w: the tile's first row's slot in packed rows (PK_OFF) */
-    (void)STREAM; /* only the AVX2 fp32 rows read it */
+    (void)STREAM; /* the vector paths' whole-row loops and PK read it */
 #define WP(r, j) (w + (PK ? PK_OFF(r, j, Kin, ES) : (long)(r) * rs + (long)(j) * ES)) /* row r's input j */
 #define WS(r, j) (FMT == FMT_F32 ? *(const float *)WP(r, j) : FMT == FMT_I8 ? (float)*(const int8_t *)WP(r, j) \
                   : bf16_f(*(const uint16_t *)WP(r, j))) /* one weight */
@@ -2022,8 +2022,8 @@ static uint8_t *scratch(const size_t *sz, int n, void **out) {
  * its mode does not take the shape: act_for); MXFP4 rows take either integer mode (mxq_rows, mx8_rows).
  * stream: bit 0, the 16/32-bit experts come from DRAM at each use (they outgrow the last-level cache;
  * the caller decides, native.streamed): their short rows are read whole (dense_block); MOE_GU_PACKED /
- * MOE_DN_PACKED: gate_up / down hold packed rows (ROWS_PACKED; rows whole groups of PK_ROWS: I and D
- * multiples of 4, inputs of 8).
+ * MOE_DN_PACKED: gate_up / down hold packed rows (ROWS_PACKED: its rows whole groups of PK_ROWS, its
+ * inputs a multiple of 8).
  * Returns 0; -1 when out of memory; -3 for an expert id outside [0, E); -4 for packed rows this
  * build does not read (lynx_pack_rows). */
 int lynx_moe(int fmt, const float *x, const int64_t *ids, const float *w, const int32_t *perm, const uint8_t *data,
@@ -2032,8 +2032,9 @@ int lynx_moe(int fmt, const float *x, const int64_t *ids, const float *w, const 
              const float *dnb, int act_kind, float limit, float alpha, int amode, int bn, int bk, int stream) {
     const long S = (long)T * K;
     const int dense = fmt == FMT_F32 || fmt == FMT_BF16 || fmt == FMT_FP8, int4 = fmt == FMT_INT4, mx = fmt == FMT_MXFP4;
-    if ((stream & (MOE_GU_PACKED | MOE_DN_PACKED)) && (!PACK_OK || (fmt != FMT_F32 && fmt != FMT_BF16) || I % PK_ROWS
-                                                       || D % PK_ROWS || I % 8 || D % 8)) return -4;
+    if ((stream & (MOE_GU_PACKED | MOE_DN_PACKED)) && (!PACK_OK || (fmt != FMT_F32 && fmt != FMT_BF16)
+                                                       || ((stream & MOE_GU_PACKED) && (I % PK_ROWS || D % 8))
+                                                       || ((stream & MOE_DN_PACKED) && (D % PK_ROWS || I % 8)))) return -4;
     /* the INT4 rows' activation mode on each side (ACT_*: fp32, int8, int16); MXFP4 rows take int16
      * (mxq_rows) or int8 (mx8_rows) activations in its blocks of 32, else fp32 */
     if (mx) G = 32;

@@ -254,11 +254,13 @@ def pack_choice(gate_up: torch.Tensor, down: torch.Tensor) -> tuple[bool, bool]:
     """Which of a layer's stacked experts (gate_up [E, 2I, D], down [E, D, I], streamed from DRAM) to
     keep in packed rows: bf16 matrices whose rows have at most PACK_MAX_K inputs, where this build
     reads them. One thread on an AMD EPYC Zen3, bf16 experts from DRAM, packed / row-major
-    (benchmarks/expert_rows.py --packed, results/packed_rows_s30.json): rows of 256-1024 inputs
-    1.07-1.34x at one to three tokens an expert, 1.05-1.15x at six, 0.84-0.96x at four (a 4 x 3
-    tile and a 4 x 1 from cache where row-major runs 2 x 4); 2048-input gate/up rows 0.94-0.97x and
-    1408-input down rows ~1.0x (already streamed well row-major), hence the bound; fp32 rows
-    0.83-0.96x at one token (two cache lines a step), so never."""
+    (`python benchmarks/expert_rows.py --base HEAD --packed`, results/packed_rows_s30_experts.json):
+    one matrix of an expert packed (256-input gate/up rows, 512-1024-input down rows) 1.05-1.25x at
+    one to three tokens an expert, 0.97-1.02x at four (a 4 x 3 tile, then a 4 x 1 from cache, where
+    row-major runs 2 x 4), 1.02-1.05x at six; both matrices of 1024 x 768 experts 1.23-1.34x at one
+    to three, 0.92x at four. Not packed: 2048-input gate/up rows (0.94-0.97x) and 1408-input down
+    rows (~1.0x), which row-major tiles already stream well, and fp32 rows (0.83-0.96x at one token:
+    a step of four rows spans two cache lines). End to end: results/packed_rows_s30.json."""
     if gate_up.dtype != torch.bfloat16 or down.dtype != torch.bfloat16:
         return False, False
     E, two_i, D = gate_up.shape
