@@ -253,6 +253,25 @@ def test_expert_read_order_follows_the_cache_rule(q3, llc, monkeypatch):
     assert torch.equal(_decode(eng, 3), got)
 
 
+def test_offload_of_packed_experts_moves_them_row_major(q3, monkeypatch):
+    """attach_offload on a model whose streamed bf16 experts sit in packed rows moves them into the
+    host store row-major (StackedExperts.weights): the same store bytes and logits as from a model
+    built row-major."""
+    from lynx_edge.offload import OffloadOptions, attach_offload
+
+    if native.pack_group() == 0:
+        pytest.skip("this build reads no packed rows (the AVX-512 path)")
+    got = {}
+    for llc in (1 << 10, 1 << 40):  # streamed (packed) / from cache (row-major)
+        monkeypatch.setattr(native, "llc_bytes", lambda llc=llc: llc)
+        eng = Engine.from_pretrained(q3, device="cpu", dtype="bfloat16", max_num_seqs=2)
+        assert eng.model.layers[0].mlp.experts.packed_rows == ((True, True) if llc == 1 << 10 else (False, False))
+        rt = attach_offload(eng.model, OffloadOptions(profile="cpu-only", expert_slots=4, cpu_compute="never"))
+        got[llc] = (rt.store.layers[0].clone(), _decode(eng, 2, 3))
+    assert torch.equal(got[1 << 10][0], got[1 << 40][0])  # the store's bytes of layer 0's experts
+    assert torch.equal(got[1 << 10][1], got[1 << 40][1])
+
+
 def test_last_level_cache_is_read_from_sysfs(tmp_path):
     for index, size in ((2, "512K"), (3, "32768K")):
         (tmp_path / f"index{index}").mkdir()
