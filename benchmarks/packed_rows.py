@@ -15,6 +15,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,6 +33,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=24, help="decode tokens per round")
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--prefill", type=int, default=512, help="also time one prompt of this many tokens (0: skip)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/packed_rows.json"))
     a = ap.parse_args()
     from lynx_edge.threads import set_threads
@@ -92,6 +94,23 @@ def main() -> None:
             for p in ("row_major", "packed"):
                 row[f"lynx_speedup_{p}"] = round(paired(ms[(p, "off")], ms[(p, a.lynx)])["median"], 3)
         run["rows"].append(row)
+        print(json.dumps(row), flush=True)
+    if a.prefill:  # prefill: many tokens an expert, where packed rows run 4 x 3 tiles (row-major 2 x 4)
+        prompt = synthetic_prompts(eng, 1, a.prefill, seed=1)
+        s = {"row_major": [], "packed": []}
+        for r in range(a.rounds + 1):
+            for p in (("row_major", "packed") if r % 2 == 0 else ("packed", "row_major")):
+                layout(p == "packed")
+                eng.set_lynx("off")
+                t0 = time.perf_counter()
+                for _ in eng.stream_batch(prompt, max_new_tokens=1, ignore_eos=True):
+                    pass
+                if r:
+                    s[p].append(time.perf_counter() - t0)
+        row = {"prefill_tokens": a.prefill, "row_major_tok_s": round(a.prefill / statistics.median(s["row_major"]), 1),
+               "packed_tok_s": round(a.prefill / statistics.median(s["packed"]), 1),
+               "speedup": {k: round(v, 3) for k, v in paired(s["row_major"], s["packed"]).items()}}
+        run["prefill"] = row
         print(json.dumps(row), flush=True)
     append_run(Path(a.out), run)
 
