@@ -49,6 +49,7 @@ class LoadOptions:
     int4_attn: bool = False  # CPU: a 16-bit checkpoint's attention / dense projections INT4 too (RTN at load)
     int8_head: bool = False  # CPU: the output head int8 with row scales (quant/int8.py; approximate)
     huge_pages: bool = False  # CPU: weights on 2 MiB transparent huge pages (hugepages.py; slower load)
+    repack: bool = True  # CPU: streamed bf16 experts of short rows in packed rows (native.pack_choice)
     allow_pickle: bool = False
     ctx: int = 4096  # for the offload plan's KV share
     batch: int = 1  # KV rows the caller will allocate (serve: --max-num-seqs), for the plans' KV share
@@ -184,7 +185,7 @@ def load_model(model_dir: Path, cfg: ModelConfig, opts: LoadOptions, progress: P
     rt = None
     if opts.offload:
         rt = _offload_runtime(cfg, opts, dt, dev, name, group, sym, mixed, store_block, act)
-    experts = _backends(cfg, dt, dev, int4, group, sym, mixed, rt, act, fp8_block)
+    experts = _backends(cfg, dt, dev, int4, group, sym, mixed, rt, act, fp8_block, opts.repack)
     model = MoEForCausalLM(cfg, dt, dev, experts=experts)
     if qc is not None:
         placement.packed_linears = _keep_linears_packed(model, ckpt, family, dev, act, qc)
@@ -323,7 +324,7 @@ def _check_memory(cfg: ModelConfig, opts: LoadOptions, dev, dt, qc, file_bytes: 
 
 
 def _backends(cfg: ModelConfig, dt, dev, int4: bool, group, sym, mixed, rt, act: str | None = None,
-              fp8_block: tuple[int, int] | None = None):
+              fp8_block: tuple[int, int] | None = None, repack: bool = True):
     """layer → its expert backend (a load sink), chosen once here."""
     D, I, E = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
     own = getattr(FAMILIES[cfg.model_type], "experts", None)  # a family with its own expert math (gpt-oss)
@@ -348,7 +349,7 @@ def _backends(cfg: ModelConfig, dt, dev, int4: bool, group, sym, mixed, rt, act:
             from .quant.fp8 import Fp8MoEExperts
 
             return Fp8MoEExperts(E, D, I, fp8_block, dev)
-        return StackedExperts(E, D, I, dt, dev, streamed=streamed, pack=True)
+        return StackedExperts(E, D, I, dt, dev, streamed=streamed, pack=repack)
 
     return make
 

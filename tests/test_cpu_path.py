@@ -249,7 +249,8 @@ def test_bad_lynx_value_fails_before_the_model_loads(cmd, tmp_path):
 def test_boolean_options_are_plain_flags():
     """No flag shows a type (typer 0.2x prints `<bool>` beside every flag, --help too) or a --no- twin,
     in any command's help, except chat's --raw/--no-raw, whose default follows the model (raw for the
-    demo), so both switches exist; options that take a value keep theirs."""
+    demo), so both switches exist, and --no-repack, a flag of its own (llama.cpp's name; no --repack
+    twin); options that take a value keep theirs."""
     from lynx_edge.cli.main import app
 
     cmds = [c.name or c.callback.__name__ for c in app.registered_commands]
@@ -257,7 +258,8 @@ def test_boolean_options_are_plain_flags():
     for cmd in [[]] + [[c] for c in cmds]:
         r = CliRunner().invoke(app, [*cmd, "--help"], env={"COLUMNS": "200"})
         assert r.exit_code == 0 and "--help" in r.stdout, (cmd, r.output)
-        bad = [ln for ln in r.stdout.splitlines() if "<bool>" in ln or "--no-" in ln.replace("--no-raw", "")]
+        bad = [ln for ln in r.stdout.splitlines()
+               if "<bool>" in ln or "--no-" in ln.replace("--no-raw", "").replace("--no-repack", "") or "--repack" in ln]
         assert not bad, (cmd, bad)
         if cmd in (["chat"], ["bench"], ["info"]):
             assert any("--int4 " in ln for ln in r.stdout.splitlines()), cmd

@@ -253,6 +253,22 @@ def test_expert_read_order_follows_the_cache_rule(q3, llc, monkeypatch):
     assert torch.equal(_decode(eng, 3), got)
 
 
+def test_no_repack_keeps_streamed_experts_row_major(q3, monkeypatch):
+    """repack=False (the CLI's --no-repack, llama.cpp's flag) keeps streamed bf16 experts row-major:
+    the same logits as packed (the same sums)."""
+    from lynx_edge.cli.common import engine_options
+
+    assert engine_options(no_repack=True)["repack"] is False and "repack" not in engine_options()
+    monkeypatch.setattr(native, "llc_bytes", lambda: 1 << 10)
+    got = {}
+    for repack in (True, False):
+        eng = Engine.from_pretrained(q3, device="cpu", dtype="bfloat16", max_num_seqs=2, repack=repack)
+        ex = eng.model.layers[0].mlp.experts
+        assert ex.streamed and ex.packed_rows == ((native.pack_group() > 0 and repack),) * 2
+        got[repack] = _decode(eng, 2, 3)
+    assert torch.equal(got[True], got[False])
+
+
 def test_offload_of_packed_experts_moves_them_row_major(q3, monkeypatch):
     """attach_offload on a model whose streamed bf16 experts sit in packed rows moves them into the
     host store row-major (StackedExperts.weights): the same store bytes and logits as from a model

@@ -21,6 +21,9 @@ Int4Attn = Annotated[bool, typer.Option("--int4-attn", help="CPU: attention and 
                                          "too, quantized at load (RTN; approximate, like llama.cpp's Q4_0)")]
 Int8Head = Annotated[bool, typer.Option("--int8-head", help="CPU: the output head int8 with a scale per "
                                         "row, quantized at load (half of bf16's bytes per token; approximate)")]
+NoRepack = Annotated[bool, typer.Option("--no-repack", help="CPU: keep bf16 experts row-major (by default those "
+                                        "streamed from memory with short rows are repacked: faster decode, "
+                                        "prefill ~5% slower)")]
 
 
 class Int4ActChoice(str, Enum):
