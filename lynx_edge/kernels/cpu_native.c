@@ -895,13 +895,18 @@ enum { FMT_INT4 = 0, FMT_F32 = 1, FMT_BF16 = 2, FMT_MXFP4 = 3, FMT_FP8 = 4, FMT_
 int lynx_pack_rows(void) { return PACK_OK ? PK_ROWS : 0; }
 /* dst <- src [R, K] (es bytes a weight, R % PK_ROWS == 0, K % 8 == 0) in packed rows: each group's
  * rows read in step, written in address order (the loader's sink; a permuted torch copy ran ~2 GB/s) */
-void lynx_pack_copy(uint8_t *dst, const uint8_t *src, long R, long K, int es) {
+void lynx_pack_copy(uint8_t *dst, const uint8_t *src, long R, long K, int es, int nthreads) {
     const long cw = 8L * es, rb = K * es;
+#if defined(_OPENMP)
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && R * rb >= (1L << 20))
+#endif
     for (long g = 0; g < R / PK_ROWS; g++) {
         const uint8_t *s = src + g * PK_ROWS * rb;
+        uint8_t *d = dst + g * PK_ROWS * rb;
         for (long c = 0; c < K / 8; c++)
-            for (int r = 0; r < PK_ROWS; r++, dst += cw) memcpy(dst, s + r * rb + c * cw, cw);
+            for (int r = 0; r < PK_ROWS; r++, d += cw) memcpy(d, s + r * rb + c * cw, cw);
     }
+    (void)nthreads;
 }
 #define DT_PRAGMA(x) _Pragma(#x)
 /* dense_tile's vector macros: DT_N accumulators of DT_VL lanes, one weight vector of row r at input

@@ -136,7 +136,7 @@ def lib() -> ctypes.CDLL | None:
                             ctypes.c_float, i, i, i, i]
     so.lynx_moe.restype = i
     if hasattr(so, "lynx_pack_copy"):  # an older build (benchmarks' A/B bases) has none
-        so.lynx_pack_copy.argtypes = [p, p, L, L, i]
+        so.lynx_pack_copy.argtypes = [p, p, L, L, i, i]
         so.lynx_pack_copy.restype = None
     so.lynx_linear.argtypes = [i, p, p, p, i, i, i, p, i]
     so.lynx_linear.restype = None
@@ -289,7 +289,7 @@ def pack_into(dst: torch.Tensor, w: torch.Tensor) -> None:
     R, K = w.shape
     g = pack_group()
     if w.dtype == dst.dtype and w.is_contiguous() and dst.is_contiguous() and w.device.type == "cpu":
-        lib().lynx_pack_copy(dst.data_ptr(), w.data_ptr(), R, K, w.element_size())  # memcpy-speed
+        lib().lynx_pack_copy(dst.data_ptr(), w.data_ptr(), R, K, w.element_size(), torch.get_num_threads())
         return
     dst.view(R // g, K // PACK_W, g, PACK_W).copy_(w.reshape(R // g, g, K // PACK_W, PACK_W).transpose(1, 2))
 
