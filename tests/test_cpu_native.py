@@ -957,6 +957,14 @@ def test_packed_rows_layout_and_bugs_are_caught():
         dst = torch.empty(8, 16, dtype=torch.bfloat16)
         native.pack_into(dst, src)
         assert torch.equal(dst, native.pack_rows(w.bfloat16()))
+    big = torch.randn(512, 1024).bfloat16()  # 1 MB: the native copy splits its groups over two threads
+    dst, threads = torch.empty_like(big), torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        native.pack_into(dst, big)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(dst, native.pack_rows(big))
     x, ids, w, gu, dn = _packed_problem(torch.bfloat16)
     ref = native.moe_dense(x, ids, w, gu, dn, True)
     assert not torch.equal(native.moe_dense(x, ids, w, gu, dn, True, (True, True)), ref)
