@@ -59,8 +59,7 @@ def main() -> None:
 
     def layout(packed: bool) -> None:
         for ex in experts:
-            ex._pack = packed
-            ex.streamed = ex.streamed  # re-laid out in place
+            ex.relayout(ex.streamed, pack=packed)
 
     layout(True)
     lay = experts[0].packed_rows

@@ -1085,16 +1085,7 @@ static inline __attribute__((always_inline)) void dense_tiles(const uint8_t *w, 
     }
     if (PKD) { /* packed: each group of four rows serves the tokens three at a time (4 x 3 tiles, four as
                 * 3 + 1), from cache after the first three */
-        for (int r = 0; r < R;) {
-            if (R - r < 4) { /* a last partial group (R % 4: not from lynx_moe) row by row */
-                for (int t = 0; t < n; t += 4) {
-                    const int m = n - t < 4 ? n - t : 4;
-                    for (int i = 0; i < m; i++) x[i] = x0 + (t + i) * ld;
-                    dense_tile_m(TB(r), rs, FMT, Kin, 1, x, m, acc + r * ROWS_LD + t, PKD);
-                }
-                r++;
-                continue;
-            }
+        for (int r = 0; r < R; r += PK_ROWS) { /* R whole groups: lynx_moe takes no other packed shape */
             for (int t = 0; t < n;) {
                 const int m = n - t > 3 ? 3 : n - t;
                 for (int i = 0; i < m; i++) x[i] = x0 + (t + i) * ld;
@@ -1104,7 +1095,6 @@ static inline __attribute__((always_inline)) void dense_tiles(const uint8_t *w, 
                 else dense_tile(TB(r), rs, FMT, Kin, 4, x, 1, a, ROWS_LD, PKD);
                 t += m;
             }
-            r += 4;
         }
         return;
     }

@@ -244,8 +244,9 @@ PACK_MAX_K = 1024  # pack_choice: bf16 rows of at most this many inputs (measure
 
 
 def packable(rows: int, inputs: int) -> bool:
-    """Whether this build's kernels read a [rows, inputs] fp32/bf16 expert matrix in packed rows
-    (cpu_native.c, ROWS_PACKED: rows whole groups of 4, inputs of 8; not the AVX-512 build)."""
+    """Whether a [rows, inputs] fp32/bf16 expert matrix may be packed: this build's kernels read it
+    (cpu_native.c, ROWS_PACKED: rows whole groups of 4, inputs of 8; not the AVX-512 build) and its
+    rows are short enough to gain (≤ PACK_MAX_K inputs, the measured bound)."""
     g = pack_group()
     return g > 0 and rows % g == 0 and inputs % PACK_W == 0 and inputs <= PACK_MAX_K
 
@@ -284,14 +285,13 @@ def pack_rows(w: torch.Tensor) -> torch.Tensor:
 
 
 def pack_into(dst: torch.Tensor, w: torch.Tensor) -> None:
-    """dst [R, K] (contiguous) ← pack_rows(w), row-major w [R, K], in one strided copy (a load sink:
-    no packed temporary)."""
+    """dst [R, K] (contiguous) ← pack_rows(w), row-major w [R, K]: the native copy on torch's threads
+    (a load sink: no packed temporary), or pack_rows then a copy for a strided / other-dtype w."""
     R, K = w.shape
-    g = pack_group()
     if w.dtype == dst.dtype and w.is_contiguous() and dst.is_contiguous() and w.device.type == "cpu":
         lib().lynx_pack_copy(dst.data_ptr(), w.data_ptr(), R, K, w.element_size(), torch.get_num_threads())
         return
-    dst.view(R // g, K // PACK_W, g, PACK_W).copy_(w.reshape(R // g, g, K // PACK_W, PACK_W).transpose(1, 2))
+    dst.copy_(pack_rows(w))
 
 
 def unpack_rows(w: torch.Tensor) -> torch.Tensor:

@@ -451,7 +451,7 @@ class StackedExperts(nn.Module):
     all layers' bytes against the last-level cache: native.streamed); the native kernel picks its
     read order by it, and where the builder allows (`pack`) the layout: streamed bf16 matrices of short
     rows are kept in packed rows (native.pack_choice), which only the native kernel reads — `weights()`
-    gives them row-major. Setting `streamed` re-lays them out in place.
+    gives them row-major. Setting `streamed` (or `relayout`) re-lays them out in place.
     """
 
     def __init__(self, E: int, D: int, inter: int, dtype, device, streamed: bool = True, pack: bool = False):
@@ -475,9 +475,15 @@ class StackedExperts(nn.Module):
 
     @streamed.setter
     def streamed(self, on: bool) -> None:
+        self.relayout(on)
+
+    def relayout(self, streamed: bool, pack: bool | None = None) -> None:
+        """The weights re-laid out in place for `streamed` (and whether this module may pack, where
+        given: the builder's `pack`)."""
         gu, dn = self.weights()
-        self._streamed = on
-        self.packed_rows = self._layout(on)
+        self._streamed = streamed
+        if pack is not None:
+            self._pack = pack and self._fn is cpu_moe
         self.replace(gu, dn)
 
     def weights(self) -> tuple[torch.Tensor, torch.Tensor]:
