@@ -155,6 +155,9 @@ class EngineCore:
             stats.clear()
         ready = [r for r in self.running if r.last is not None]
         chunks = self._plan_chunks() if ready and self.mixed_steps else []
+        cap = self.kv.max_chunk  # a window layer's ring: a longer chunk runs as its own prefill forward
+        if cap is not None and any(n > cap for _, n in chunks):
+            chunks = []
         self._steps = 0
         if ready:
             t = time.perf_counter()
@@ -453,8 +456,8 @@ def _check_kv_fits(engine: Engine, rows: int) -> int:
 
     kv = engine.kv
     if kv is not None and kv.batch >= rows:
-        return KVCache.bytes_needed(engine.cfg, kv.batch, kv.ctx, kv.dtype)
-    need = KVCache.bytes_needed(engine.cfg, rows, engine.ctx, engine.model.dtype)
+        return KVCache.bytes_needed(engine.cfg, kv.batch, kv.ctx, kv.dtype, kv.swa_full)
+    need = KVCache.bytes_needed(engine.cfg, rows, engine.ctx, engine.model.dtype, engine.config.swa_full)
     dev = torch.device(engine.model.device)
     if dev.type == "cuda":
         free = torch.cuda.mem_get_info(dev)[0]

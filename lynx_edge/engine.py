@@ -60,6 +60,9 @@ class EngineConfig:
     # kernels (native.pack_choice: decode 1.05-1.2x, a long prompt's prefill 0.94-0.96x); False keeps
     # them row-major (llama.cpp's --no-repack)
     repack: bool = True
+    # sliding-window layers keep a ring of window + 64 positions of K/V, not the context (kv_cache.py;
+    # llama.cpp's SWA cache); True keeps the full context (--swa-full)
+    swa_full: bool = False
     threads: int | None = None  # torch CPU threads, set once at build (None: lynx_edge.threads default)
     # greedy decode steps per call (vLLM's multi-step scheduling; core.EngineCore._burst): with the
     # whole model in one native CPU call, up to this many steps run with no Python between them,
@@ -239,7 +242,8 @@ class Engine:
     def _cache(self, batch: int) -> KVCache:
         if self.kv is None or self.kv.batch < batch:
             self.kv = None  # free the old one first
-            self.kv = KVCache(self.cfg, batch, self.ctx, self.model.dtype, self.model.device)
+            self.kv = KVCache(self.cfg, batch, self.ctx, self.model.dtype, self.model.device,
+                              swa_full=self.config.swa_full)
             self.ctx = self.kv.ctx  # may have fallen back to a shorter context
             self._session = []
         return self.kv
@@ -282,6 +286,8 @@ class Engine:
                 start += 1
             if stateful and start < len(sess):
                 start = 0  # the state holds all of the session: reuse only a prompt that extends it, else recompute
+            if start < len(sess) and not core.kv.can_rewind(len(sess), start):
+                start = 0  # a window layer's ring no longer holds the positions before `start`: recompute
         self._reused = start
         seeds = sp.seed if isinstance(sp.seed, (list, tuple)) else [sp.seed] * len(prompts)
         for b, p in enumerate(prompts):

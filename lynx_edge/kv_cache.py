@@ -7,6 +7,18 @@ fixed size per row, whatever the context, in its own dtype when it names one. Ro
 sequence b, and `lengths[b]` says how many positions of it are filled. Positions are per
 sequence, so rows of different lengths decode together without padding the prompts.
 
+A sliding-window attention layer (gpt-oss's every other layer, Qwen2-MoE's with use_sliding_window)
+only ever reads its last `window` positions, so by default its K/V is a ring of R = window + slack
+positions instead of ctx (llama.cpp's SWA cache; `swa_full=True`, `--swa-full`, keeps the full one):
+[Bmax, Hkv, 2R, hd], position p written at slots p mod R and p mod R + R. Then a token's window,
+positions p - window + 1 .. p, is always the 2R buffer's contiguous slots from (p - window + 1) mod R
+in position order, so every reader (the native decode kernel, SDPA) takes the same rows in the same
+order as from the full cache: the same sums. The cost of the ring: a row can be cut back (a chat
+turn's prefix reused) by at most slack + 1 positions (`can_rewind`), and at most slack + 1 tokens of
+one row may be written by one forward before they are read (a mixed step's prompt chunk: core.py);
+a prefill of any length reads the window before it and writes its own last R (layers.Attention).
+Its bytes: gpt-oss-20b at ctx 4096 keeps 384 positions in its 12 sliding layers instead of 4096.
+
 A state cannot be truncated: a row's state always summarises every token the row has run. A state
 layer reads a row whose forward starts at position 0 as zeros (a new sequence), and `reset`
 zeroes state rows too. What reuses a cached prefix (Engine's chat turns) checks `stateful`.
@@ -22,12 +34,42 @@ from .config import ModelConfig
 from .models.state import State
 
 
-def layer_specs(cfg: ModelConfig, ctx: int) -> list[tuple[tuple[int, ...], ...]]:
-    """Per layer, the shapes (per batch row) of its cache tensors, as its family says."""
+RING_SLACK = 64  # ring positions past the window: how far a row can be cut back, how many tokens one forward writes
+
+
+class RingKV(tuple):
+    """A sliding-window layer's (K, V) kept as a ring of `period` positions (module docstring)."""
+
+    period: int
+
+    def __new__(cls, tensors, period: int):
+        self = super().__new__(cls, tensors)
+        self.period = period
+        return self
+
+
+def ring_period(window: int | None, ctx: int, swa_full: bool = False, slack: int = RING_SLACK) -> int:
+    """Positions in a window layer's ring (0: the full ctx, when there is no window, the caller
+    keeps the full cache, or the ring's 2R slots would not be fewer than ctx)."""
+    if swa_full or not window:
+        return 0
+    R = window + slack
+    return R if 2 * R < ctx else 0
+
+
+def layer_specs(cfg: ModelConfig, ctx: int, swa_full: bool = False, slack: int = RING_SLACK
+                ) -> list[tuple[tuple[tuple[int, ...], ...], int]]:
+    """Per layer, (the shapes per batch row of its cache tensors, as its family says; its ring
+    period, 0 for none)."""
     from .models.transformer import family_of
 
     family = family_of(cfg)
-    return [family.cache_spec(cfg, i, ctx) for i in range(cfg.num_layers)]
+    windows = cfg.sliding_windows or (None,) * cfg.num_layers
+    out = []
+    for i in range(cfg.num_layers):
+        R = ring_period(windows[i], ctx, swa_full, slack)
+        out.append((family.cache_spec(cfg, i, 2 * R if R else ctx), R))
+    return out
 
 
 def _dtype(shape, dtype: torch.dtype) -> torch.dtype:
@@ -35,16 +77,19 @@ def _dtype(shape, dtype: torch.dtype) -> torch.dtype:
 
 
 class KVCache:
-    def __init__(self, cfg: ModelConfig, batch: int, ctx: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, cfg: ModelConfig, batch: int, ctx: int, dtype: torch.dtype, device: torch.device,
+                 swa_full: bool = False, slack: int = RING_SLACK):
         self.batch, self.dtype, self.device = batch, dtype, device
-        self.ctx = ctx
+        self.ctx, self.swa_full, self.slack = ctx, swa_full, slack
         while True:
             try:
-                specs = layer_specs(cfg, self.ctx)
-                self.layers = [
-                    tuple(torch.zeros((batch, *shape), dtype=_dtype(shape, dtype), device=device) for shape in spec)
-                    for spec in specs
-                ]
+                got = layer_specs(cfg, self.ctx, swa_full, slack)
+                specs = [spec for spec, _ in got]
+                self.rings = [R for _, R in got]
+                self.layers = []
+                for spec, R in got:
+                    ts = tuple(torch.zeros((batch, *shape), dtype=_dtype(shape, dtype), device=device) for shape in spec)
+                    self.layers.append(RingKV(ts, R) if R else ts)
                 break
             except torch.OutOfMemoryError:
                 if self.ctx <= 256:
@@ -56,18 +101,32 @@ class KVCache:
         self._states = [t for layer, spec in zip(self.layers, specs) for t, s in zip(layer, spec)
                         if isinstance(s, State)]
         self.lengths = [0] * batch
+        self._windows = cfg.sliding_windows or (None,) * cfg.num_layers
 
     @property
     def stateful(self) -> bool:
         """Some layer keeps a sequence state: a cached prefix can be continued, never truncated."""
         return bool(self._states)
 
+    def can_rewind(self, length: int, to: int) -> bool:
+        """Whether a row that holds `length` positions can be cut back to `to` and continued: a
+        ring keeps only its last R positions, and position `to` needs the window before it."""
+        return all(not R or length <= R or length - to <= R - (window or 0) + 1
+                   for R, window in zip(self.rings, self._windows))
+
+    @property
+    def max_chunk(self) -> int | None:
+        """The most tokens of one row a forward may write before reading them (a mixed step's
+        packed prompt chunk: all its K/V first): slack + 1 with a ring, else None (no limit)."""
+        return self.slack + 1 if any(self.rings) else None
+
     @staticmethod
-    def bytes_needed(cfg: ModelConfig, batch: int, ctx: int, dtype: torch.dtype) -> int:
-        """Bytes of the cache for `batch` rows × `ctx` positions: K/V grow with ctx, states are
-        counted once per row (bytes_needed(…, ctx=0) is the state alone)."""
+    def bytes_needed(cfg: ModelConfig, batch: int, ctx: int, dtype: torch.dtype, swa_full: bool = False) -> int:
+        """Bytes of the cache for `batch` rows × `ctx` positions: K/V grow with ctx (a window
+        layer's ring does not), states are counted once per row (bytes_needed(…, ctx=0) is the
+        state alone)."""
         total = 0
-        for spec in layer_specs(cfg, ctx):
+        for spec, _ in layer_specs(cfg, ctx, swa_full):
             for shape in spec:
                 total += math.prod(shape) * torch.empty((), dtype=_dtype(shape, dtype)).element_size()
         return batch * total

@@ -69,7 +69,8 @@ def prefill_rows(model, kv: KVCache, rows: list[int], chunks: list[list[int]], s
             keep_l += range(b * T + pad, (b + 1) * T)
         positions = torch.tensor(pos, device=dev)  # [B, T]
         kv_len = max(max(p) for p in pos) + 1
-        ab = AttnBatch(positions=positions, rows=_rows(rows, dev), kv_len=kv_len)
+        ends = torch.tensor([s + n for s, n in zip(starts, lens)], device=dev)  # a window layer's ring skips pads
+        ab = AttnBatch(positions=positions, rows=_rows(rows, dev), kv_len=kv_len, ends=ends)
         input_ids, keep = torch.tensor(ids, device=dev), torch.tensor(keep_l, device=dev)
     model.routing.begin_step(False)
     logits = model(input_ids, ab, kv.layers, torch.zeros(B * T, dtype=torch.bool, device=dev))  # [B, V]

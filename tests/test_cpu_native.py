@@ -496,6 +496,45 @@ def test_bad_ids_and_rows_raise_without_writing():
     assert not kc.any() and not vc.any()
 
 
+@pytest.mark.parametrize("hd", [16, 12])  # vector rows (hd % 8 == 0) and the scalar loop
+@pytest.mark.parametrize("cdt", [torch.float32, torch.bfloat16])
+def test_attn_ring_matches_full_cache(hd, cdt):
+    """A window layer's ring (kv_cache.py: R positions, each at slots p % R and p % R + R) gives the
+    full cache's outputs bit for bit: three rows that start at different steps run 40 positions past
+    a window of 5 in a ring of 7 (its slots wrap five times), with sinks and q/k norms — and the ring
+    slot of the position that just left the window is poisoned (NaN) each step, so a read past the
+    window shows. Bug cases: the window's oldest slot poisoned, a window past the ring refused."""
+    if native.lib() is None:
+        pytest.skip("native kernels not built")
+    g = torch.Generator().manual_seed(hd)
+    H, Hkv, W, R, steps, starts = 4, 2, 5, 7, 40, (0, 3, 11)
+    qn, kn = torch.rand(hd, generator=g) + 0.5, torch.rand(hd, generator=g) + 0.5
+    sinks = torch.randn(H, generator=g)
+    full = [torch.zeros(3, Hkv, steps, hd, dtype=cdt) for _ in range(2)]
+    ring = [torch.zeros(3, Hkv, 2 * R, hd, dtype=cdt) for _ in range(2)]
+    for t in range(steps):
+        live = [b for b in range(3) if t >= starts[b]]
+        rows = torch.tensor(live)
+        pos = torch.tensor([t - starts[b] for b in live])
+        qkv = torch.randn(len(live), (H + 2 * Hkv) * hd, generator=g)
+        cs, sn = torch.rand(len(live), hd, generator=g), torch.rand(len(live), hd, generator=g)
+        args = (qkv, H, Hkv, hd, qn, kn, 1e-6, cs, sn, pos, rows)
+        want = native.attn_decode(*args, *full, W, sinks)
+        got = native.attn_decode(*args, *ring, W, sinks, R)
+        assert want is not None and torch.equal(got, want), t
+        for b, p in zip(live, pos.tolist()):
+            if p >= W - 1:  # position p - W + 1 is not in the next step's window: poison its slots
+                for c in ring:
+                    c[b, :, (p - W + 1) % R] = float("nan")
+                    c[b, :, (p - W + 1) % R + R] = float("nan")
+    bad = [c.clone() for c in ring]
+    p = int(pos[-1])
+    for c in bad:  # the oldest position of this step's window
+        c[live[-1], :, (p - W + 1) % R] = 7.0
+    assert not torch.equal(native.attn_decode(*args, *bad, W, sinks, R), got)
+    assert native.attn_decode(*args, *ring, R + 1, sinks, R) is None  # a window the ring cannot hold
+
+
 def test_long_batches_run_in_bounded_chunks(monkeypatch):
     """Past MAX_SLOTS token-expert slots the layer runs in token chunks (bounded scratch): the same
     result as one call, to fp32 rounding."""

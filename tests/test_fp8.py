@@ -61,12 +61,14 @@ def float_reference(src: Path, dst: Path) -> Path:
 
 def _engine(path: Path, **kw):
     from lynx_edge import Engine
+    from lynx_edge.engine import EngineConfig
     from lynx_edge.build import LoadOptions, load_model
     from lynx_edge.config import ModelConfig
 
     cfg = ModelConfig.from_file(path / "config.json")
     eng = Engine.__new__(Engine)
     eng.model, eng.cfg, eng.kv, eng.ctx = load_model(path, cfg, LoadOptions(device="cpu", dtype="float32", **kw)), cfg, None, 256
+    eng.config = EngineConfig()
     eng._session = []
     return eng
 

@@ -202,12 +202,93 @@ def test_decode_attention_runs_native_with_sinks(ckpt, monkeypatch):
     monkeypatch.setattr(native, "attn_decode", spy)
     toks, got = greedy_logits(eng, ids, n=6)
     assert len(sinks) == 6 * len(eng.model.layers) and all(s is not None and s.dtype == torch.float32 for s in sinks)
-    monkeypatch.setattr(native, "attn_decode", lambda *a: real(*a[:14], None))
+    monkeypatch.setattr(native, "attn_decode", lambda *a: real(*a[:14], None, *a[15:]))
     assert (greedy_logits(eng, ids, n=6)[1] - got).abs().max() > 1e-3  # the sinks matter here
     monkeypatch.setattr(Attention, "_decode_native", lambda self, x, ab, kv: None)  # the torch path
     want_toks, want = greedy_logits(eng, ids, n=6)
     assert toks == want_toks
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+# the sliding-window ring (kv_cache.py) ----------------------------------------------------------------
+def _ids_of(eng, prompt, n, **kw) -> list[int]:
+    return [t for c in eng.stream(prompt, max_new_tokens=n, do_sample=False, ignore_eos=True, **kw) for t in c.token_ids]
+
+
+def test_sliding_layers_keep_a_ring_equal_to_the_full_cache(ckpt, monkeypatch):
+    """At ctx 512 the window-8 layers keep a ring of 72 positions (144 slots, not 512): a 100-token
+    prompt and 120 greedy steps (the ring wraps twice) give the full cache's (swa_full) tokens and
+    logits bit for bit on the native decode path, and within 1e-5 on the torch path (SDPA over the
+    window's keys rather than all keys under a mask: observed 3.9e-6); a prompt prefilled in chunks
+    of 30 (each reads the window before it from the ring) gives the full cache's chunked logits."""
+    from conftest import greedy_logits
+    from lynx_edge.kv_cache import KVCache
+    from lynx_edge.models.layers import Attention
+    from lynx_edge.step import prefill
+
+    ring = Engine.from_pretrained(ckpt, device="cpu", dtype=torch.float32, ctx_size=512)
+    full = Engine.from_pretrained(ckpt, device="cpu", dtype=torch.float32, ctx_size=512, swa_full=True)
+    kv = ring._cache(1)
+    assert kv.rings == [72, 0, 72, 0] and kv.layers[0][0].shape[2] == 144 and full._cache(1).rings == [0] * 4
+    need = [KVCache.bytes_needed(ring.cfg, 4, 512, torch.float32, swa_full=f) for f in (False, True)]
+    assert need[0] == need[1] * (144 + 512) // (2 * 512)
+    ids = prompt_ids(100)
+    got, want = greedy_logits(ring, ids, n=120), greedy_logits(full, ids, n=120)
+    assert got[0] == want[0] and torch.equal(got[1], want[1])
+    monkeypatch.setattr(Attention, "_decode_native", lambda self, x, ab, kv: None)  # the torch path
+    t_got, t_want = greedy_logits(ring, ids, n=120), greedy_logits(full, ids, n=120)
+    assert t_got[0] == t_want[0] == want[0]
+    torch.testing.assert_close(t_got[1], t_want[1], atol=1e-5, rtol=1e-5)
+    chunked = []
+    for eng in (ring, full):
+        kv = eng._cache(1)
+        chunked.append(torch.cat([prefill(eng.model, kv, 0, ids[s:s + 30], s, logits_for="all")[0]
+                                  for s in range(0, 100, 30)]))
+    torch.testing.assert_close(chunked[0], chunked[1], atol=1e-5, rtol=1e-5)
+    assert int(chunked[0][-1].argmax()) == want[0][0]
+
+
+def test_ring_batches_chat_turns_and_mixed_steps(ckpt):
+    """With the ring: prompts of 300, 400 and 5 tokens (the first two prefilled together, 100 pads
+    in the shorter row: more than the ring's slack, so a pad written would overwrite its window)
+    and 100 steps each = each alone = the full cache; a chat turn that cuts the
+    cached conversation back by more than the slack recomputes it, one that cuts 3 tokens reuses the
+    rest, both giving a fresh engine's tokens; a server's prompt chunks ride in decode steps (mixed)
+    only up to the ring's slack + 1 tokens, and give the tokens of each prompt alone."""
+    from lynx_edge.core import EngineCore
+
+    ring = Engine.from_pretrained(ckpt, device="cpu", dtype=torch.float32, ctx_size=512)
+    full = Engine.from_pretrained(ckpt, device="cpu", dtype=torch.float32, ctx_size=512, swa_full=True)
+    prompts = [prompt_ids(n, seed=n) for n in (300, 400, 5)]
+    alone = [_ids_of(full, p, 100) for p in prompts]
+    batch = [[] for _ in prompts]
+    for c in ring.stream_batch(prompts, max_new_tokens=100, do_sample=False, ignore_eos=True):
+        batch[c.index] += c.token_ids
+    assert batch == alone == [_ids_of(ring, p, 100) for p in prompts]
+    prompts = [prompt_ids(n, seed=n) for n in (90, 150)]
+    alone = [_ids_of(full, p, 60) for p in prompts]
+    first = _ids_of(ring, prompts[1], 40)  # the session: 150 + 39 tokens in the cache
+    session = prompts[1] + first[:-1]
+    for cut, reused in ((100, 0), (3, len(session) - 3)):
+        turn = session[:len(session) - cut] + prompt_ids(20, seed=cut)
+        _ids_of(ring, prompts[1], 40)
+        got = _ids_of(ring, turn, 30)
+        assert ring._reused == reused and got == _ids_of(full, turn, 30)
+    for budget, chunks in ((16, {(True, 16), (True, 6)}), (100, {(False, 100), (True, 50)})):
+        core = EngineCore(ring, max_num_seqs=2, prefill_budget=budget, mixed_steps=True)
+        out, seen = {"a": [], "b": []}, set()
+        core.add_request(prompts[0], ring.sampling_params(max_new_tokens=60, ignore_eos=True, do_sample=False), "a")
+        for step in range(400):
+            if step == 10:
+                core.add_request(prompts[1], ring.sampling_params(max_new_tokens=30, ignore_eos=True, do_sample=False), "b")
+            if step > 10 and not core.has_work():
+                break
+            for o in core.step():
+                out[o.request_id] += o.token_ids
+            if step >= 10 and core.last_step["prefill_tokens"]:
+                seen.add((core.last_step["mixed"], core.last_step["prefill_tokens"]))
+        assert seen == chunks  # 100 tokens of one row > the slack + 1 (65): a prefill forward of their own
+        assert out == {"a": alone[0], "b": alone[1][:30]}
 
 
 # MXFP4: the format, a published-layout checkpoint, the Triton kernel -----------------------------------

@@ -19,6 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from lynx_edge import Engine
+from lynx_edge.engine import EngineConfig
 from lynx_edge.config import ConfigError
 from lynx_edge.quant.experts import Int4MoEExperts
 from lynx_edge.quant.formats import linear_from_checkpoint, read_quant_config
@@ -96,6 +97,7 @@ def _engine(path: Path, **kw) -> Engine:
 
     eng = Engine.__new__(Engine)
     eng.model, eng.cfg, eng.kv, eng.ctx = model, cfg, None, 256
+    eng.config = EngineConfig()
     eng._session = []
     return eng
 

@@ -39,7 +39,8 @@ def lynx_mode(text: str) -> str:
 
 def engine_options(lynx: str = "off", offload: bool = False, int4: bool = False, profile: str | None = None,
                    ctx_size: int | None = None, record_routing: bool = True, int4_act=None,
-                   int4_attn: bool = False, int8_head: bool = False, no_repack: bool = False) -> dict:
+                   int4_attn: bool = False, int8_head: bool = False, no_repack: bool = False,
+                   swa_full: bool = False) -> dict:
     """Options → Engine.from_pretrained keywords; offload/int4/profile only where this build's
     EngineConfig has them (an `offload` field typed OffloadOptions gets the profile inside)."""
     from ..engine import EngineConfig
@@ -62,6 +63,8 @@ def engine_options(lynx: str = "off", offload: bool = False, int4: bool = False,
         opts["int8_head"] = True
     if no_repack:
         opts["repack"] = False
+    if swa_full:
+        opts["swa_full"] = True
     if as_options:
         from ..offload import OffloadOptions
 

@@ -24,6 +24,9 @@ Int8Head = Annotated[bool, typer.Option("--int8-head", help="CPU: the output hea
 NoRepack = Annotated[bool, typer.Option("--no-repack", help="CPU: keep bf16 experts row-major (by default those "
                                         "streamed from memory with short rows are repacked: faster decode, "
                                         "prefill ~5% slower)")]
+SwaFull = Annotated[bool, typer.Option("--swa-full", help="keep the full-context KV of sliding-window layers "
+                                       "(by default a ring of window + 64 positions: gpt-oss's KV about halves, "
+                                       "but a chat turn that rewrites the past recomputes the conversation)")]
 
 
 class Int4ActChoice(str, Enum):

@@ -9,7 +9,7 @@ import typer
 from .. import hugepages
 from . import ui
 from .common import CliError, engine_options, load_engine
-from .options import (ChatTemplateKwargs, CtxSize, Device, Dtype, Int4, Int4Act, Int4Attn, Int8Head, NoRepack, Lynx, Model, Offload, Profile,
+from .options import (ChatTemplateKwargs, CtxSize, Device, Dtype, Int4, Int4Act, Int4Attn, Int8Head, NoRepack, SwaFull, Lynx, Model, Offload, Profile,
                       parse_json_object)
 
 _DEFAULT = "[default: the model's generation_config.json, else OpenAI's]"
@@ -45,6 +45,7 @@ def serve(
     int4_attn: Int4Attn = False,
     int8_head: Int8Head = False,
     no_repack: NoRepack = False,
+    swa_full: SwaFull = False,
     profile: Profile = None,
     dtype: Dtype = None,
     device: Device = None,
@@ -61,7 +62,7 @@ def serve(
     if temp is not None:
         defaults["do_sample"] = temp > 0  # --temp 0: greedy
     opts = engine_options(lynx=lynx, offload=offload, int4=int4, profile=profile, ctx_size=ctx_size, int4_act=int4_act,
-                          int4_attn=int4_attn, int8_head=int8_head, no_repack=no_repack)
+                          int4_attn=int4_attn, int8_head=int8_head, no_repack=no_repack, swa_full=swa_full)
     # the memory plan (and --offload's expert slots) count the KV cache of max_num_seqs rows
     # a server decodes for hours: its CPU weights go on huge pages, slower to load, faster to stream
     # (hugepages.py; $LYNX_EDGE_THP=0 turns them off)

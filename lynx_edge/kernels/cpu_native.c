@@ -2549,6 +2549,7 @@ typedef struct {
     float *scores; /* [B Hkv, Lmax G] scratch */
     long Lmax;
     const float *sinks; /* [H] learned sink logits (gpt-oss: one more softmax logit per head, no value), or NULL */
+    long ring; /* > 0: the cache is a window layer's ring, S = 2 ring: position p at slots p % ring and + ring */
 } attn_t;
 
 /* sum of v[j]^2, j < n, in 16 interleaved partial sums (lane l takes j = l mod 16; the tail after
@@ -2614,8 +2615,11 @@ static void kv_write(const attn_t *A, int b, int g) {
     float kv[MAX_HD];
     memcpy(kv, row + (long)(A->H + g) * hd, hd * sizeof(float));
     norm_rope(kv, hd, A->kn, A->eps, cs, sn, A->rd);
-    store_row(A->kc + (base + A->pos[b]) * hd * es, A->cfmt, kv, hd);
-    store_row(A->vc + (base + A->pos[b]) * hd * es, A->cfmt, row + (long)(A->H + A->Hkv + g) * hd, hd);
+    const long at = A->ring ? A->pos[b] % A->ring : A->pos[b];
+    for (long s = at; s < A->S; s += A->ring ? A->ring : A->S) { /* a ring keeps each position twice */
+        store_row(A->kc + (base + s) * hd * es, A->cfmt, kv, hd);
+        store_row(A->vc + (base + s) * hd * es, A->cfmt, row + (long)(A->H + A->Hkv + g) * hd, hd);
+    }
 }
 
 /* the largest of v[0..n), NaNs passed over (as `v[s] > m ? v[s] : m` from -inf would: vmaxps(v, m)
@@ -2791,6 +2795,8 @@ static void attn_item(const void *arg, long item) {
     const long lo = A->window > 0 && p - A->window + 1 > 0 ? p - A->window + 1 : 0, L = p - lo + 1;
     const float *row = A->qkv + b * width, *cs = A->cos + (long)b * A->rd, *sn = A->sin + (long)b * A->rd;
     const long base = ((long)A->rows[b] * A->Hkv + g) * A->S; /* this (row, kv head)'s [S, hd] */
+    /* the window's keys from slot s0 on, in position order (a ring's: contiguous from lo % ring, kv_cache.py) */
+    const long s0 = A->ring ? lo % A->ring : lo;
     uint8_t *kc = A->kc + base * hd * es, *vc = A->vc + base * hd * es;
     float q[MAX_GROUP * MAX_HD], o[MAX_GROUP * MAX_HD], vr[4 * MAX_HD], acc[4 * ROWS_LD];
     /* the group's queries, normed, rotated and scaled (this step's keys are already cached) */
@@ -2802,12 +2808,12 @@ static void attn_item(const void *arg, long item) {
     }
     float *sc = A->scores + item * A->Lmax * G; /* scores [G, L]: q head i's at sc + i * L */
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-    if (hd % PVW == 0) qk_vec(kc + lo * hd * es, A->cfmt, hd, L, q, G, sc);
+    if (hd % PVW == 0) qk_vec(kc + s0 * hd * es, A->cfmt, hd, L, q, G, sc);
     else
 #endif
     for (long s = 0; s < L; s += 4) { /* four keys at a time (adjacent rows of the cache) */
         const int R = L - s < 4 ? (int)(L - s) : 4;
-        dense_block(kc + (lo + s) * hd * es, hd * es, A->cfmt, hd, R, q, hd, G, acc, 0);
+        dense_block(kc + (s0 + s) * hd * es, hd * es, A->cfmt, hd, R, q, hd, G, acc, 0);
         for (int r = 0; r < R; r++)
             for (int i = 0; i < G; i++) sc[i * L + s + r] = acc[r * ROWS_LD + i];
     }
@@ -2822,7 +2828,7 @@ static void attn_item(const void *arg, long item) {
     float *dst = A->out + (long)b * A->H * hd + (long)g * G * hd; /* the group's G heads, hd each */
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
     if (hd % PVW == 0) {
-        pv_vec(vc + lo * hd * es, A->cfmt, hd, L, sc, G, dst);
+        pv_vec(vc + s0 * hd * es, A->cfmt, hd, L, sc, G, dst);
         return;
     }
 #endif
@@ -2834,9 +2840,9 @@ static void attn_item(const void *arg, long item) {
         const float *v[4];
         for (int r = 0; r < R; r++) {
             if (A->cfmt == FMT_F32)
-                v[r] = (const float *)(vc + (lo + s + r) * hd * es);
+                v[r] = (const float *)(vc + (s0 + s + r) * hd * es);
             else {
-                load_row(vc + (lo + s + r) * hd * es, A->cfmt, vr + r * hd, hd);
+                load_row(vc + (s0 + s + r) * hd * es, A->cfmt, vr + r * hd, hd);
                 v[r] = vr + r * hd;
             }
         }
@@ -2869,18 +2875,19 @@ static void attn_item(const void *arg, long item) {
 int lynx_attn_decode(const float *qkv, int B, int H, int Hkv, int hd, int rd, const float *qn, const float *kn,
                      float eps, float scale, const float *cos, const float *sin, const int64_t *pos,
                      const int64_t *rows, uint8_t *kc, uint8_t *vc, int cfmt, long Bmax, long S, int window,
-                     float *out, int nthreads, const float *sinks) {
+                     float *out, int nthreads, const float *sinks, int ring) {
     if (hd > MAX_HD || H % Hkv != 0 || H / Hkv > MAX_GROUP || rd > hd || rd % 2) return -1;
+    if (ring && (window <= 0 || window > ring || S != 2L * ring)) return -1;
     long Lmax = 1;
     for (int b = 0; b < B; b++) {
-        if (pos[b] < 0 || pos[b] >= S || rows[b] < 0 || rows[b] >= Bmax) return -1;
+        if (pos[b] < 0 || (!ring && pos[b] >= S) || rows[b] < 0 || rows[b] >= Bmax) return -1;
         Lmax = pos[b] + 1 > Lmax ? pos[b] + 1 : Lmax;
     }
     if (window > 0 && Lmax > window) Lmax = window;
     float *scores = malloc((size_t)B * H * Lmax * sizeof(float));
     if (!scores) return -2;
     attn_t A = {qkv, B, H, Hkv, hd, rd, window, cfmt, qn, kn, eps, scale, cos, sin, pos, rows, kc, vc, S, out,
-                scores, Lmax, sinks};
+                scores, Lmax, sinks, ring};
     /* every key and value first: tokens of one row in one call (a mixed step's prompt chunk) attend
      * to each other's, whichever thread runs them */
     for (int b = 0; b < B; b++)
@@ -3017,7 +3024,7 @@ int lynx_layer_attn(const attn_layer_t *L, const uint8_t *x, int B, const float 
     if ((rc = lin_run(&L->qkv, hf, B, q, nthreads)) != 0) { rc = -2; goto done; }
     if (bf) round_bf16(q, (long)B * nq);
     rc = lynx_attn_decode(q, B, L->H, L->Hkv, L->hd, L->rd, L->qn, L->kn, L->eps_qk, L->scale, cos, sin, pos, rows,
-                          kc, vc, cfmt, Bmax, S, L->window, a, nthreads, NULL);
+                          kc, vc, cfmt, Bmax, S, L->window, a, nthreads, NULL, 0);
     if (rc != 0) goto done;
     if (bf) round_bf16(a, (long)B * na);
     if (lin_run(&L->o, a, B, o, nthreads) != 0) { rc = -2; goto done; }

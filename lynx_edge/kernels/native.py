@@ -155,7 +155,7 @@ def lib() -> ctypes.CDLL | None:
     so.lynx_dequant_int4.argtypes = [p, p, p, i, i, i, p, i]
     so.lynx_dequant_int4.restype = None
     f = ctypes.c_float
-    so.lynx_attn_decode.argtypes = [p, i, i, i, i, i, p, p, f, f, p, p, p, p, p, p, i, L, L, i, p, i, p]
+    so.lynx_attn_decode.argtypes = [p, i, i, i, i, i, p, p, f, f, p, p, p, p, p, p, i, L, L, i, p, i, p, i]
     so.lynx_attn_decode.restype = i
     so.lynx_rmsnorm.argtypes = [i, p, p, f, L, i, p, i]
     so.lynx_rmsnorm.restype = i
@@ -516,12 +516,14 @@ def dequant_int4(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
 def attn_decode(qkv: torch.Tensor, H: int, Hkv: int, hd: int, q_norm: torch.Tensor | None,
                 k_norm: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
                 rows: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, window: int | None,
-                sinks: torch.Tensor | None = None) -> torch.Tensor | None:
+                sinks: torch.Tensor | None = None, ring: int = 0) -> torch.Tensor | None:
     """One decode token per row: qkv [B, (H + 2·Hkv)·hd] (the fused projection's output) → the
     attention output [B, H·hd] fp32, K/V written into the caches [Bmax, Hkv, S, hd] (fp32 or bf16)
     at rows[b], position pos[b]; q/k RMSNorm weights [hd] (or None), RoPE cos/sin [B, rd] over the
     first rd dims, scale 1/√hd, keys pos − window + 1 .. pos; sinks [H] fp32: one more logit per head
-    in each softmax, without a value (gpt-oss). None: a shape the kernel does not take."""
+    in each softmax, without a value (gpt-oss); ring R > 0: the caches are a window layer's ring
+    (kv_cache.py: S = 2R, position p at slots p mod R and p mod R + R). None: a shape the kernel
+    does not take."""
     B = qkv.shape[0]
     q32 = _as(qkv, torch.float32)
     qn = None if q_norm is None else _as(q_norm, torch.float32)
@@ -533,7 +535,8 @@ def attn_decode(qkv: torch.Tensor, H: int, Hkv: int, hd: int, q_norm: torch.Tens
                                 None if kn is None else kn.data_ptr(), eps, hd ** -0.5, c32.data_ptr(),
                                 s32.data_ptr(), p64.data_ptr(), r64.data_ptr(), k_cache.data_ptr(),
                                 v_cache.data_ptr(), _FMT[k_cache.dtype], k_cache.shape[0], k_cache.shape[2], window or 0,
-                                out.data_ptr(), torch.get_num_threads(), None if sinks is None else sinks.data_ptr())
+                                out.data_ptr(), torch.get_num_threads(), None if sinks is None else sinks.data_ptr(),
+                                ring)
     if rc == -2:
         raise MemoryError("the native attention kernel could not allocate its scores buffer")
     return out if rc == 0 else None

@@ -90,9 +90,9 @@ class SinkAttention(Attention):
         """The sinks for the native decode kernel (the softmax below, one step per row): fp32 [H]."""
         return _fp32_once(self, "_sinks32", self.sinks)[0]
 
-    def sdpa(self, q, keys, vals, ab, T: int) -> torch.Tensor:
+    def sdpa(self, q, keys, vals, ab, T: int, attn: tuple | None = None) -> torch.Tensor:
         # q [B, H, T, hd], keys/vals [B, Hkv, S, hd] → [B, H, T, hd]
-        mask, causal = self.attend(ab, T)
+        mask, causal = attn if attn is not None else self.attend(ab, T)
         if causal:  # the no-mask fast path of a fresh prefill: plain causal over these T keys
             mask = ab.mask(None)
         B, S, G = q.shape[0], keys.shape[2], self.H // self.Hkv

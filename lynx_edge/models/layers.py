@@ -230,6 +230,9 @@ class AttnBatch:
     # every row's tokens at positions start..start+T-1 (a host int; None: rows differ). Lets the
     # KV write be a slice copy and decode / fresh prefill skip the mask (see Attention.attend).
     start: int | None = None
+    # [B] each row's end (its last real token's position + 1) when rows are padded (step.prefill_rows):
+    # a window layer's ring keeps only real tokens (a pad would overwrite a position still in the window)
+    ends: torch.Tensor | None = None
 
     def native_step(self) -> tuple:
         """(rows int64 [B], positions int64 [B], cos, sin fp32 [B, rd]) of a decode step, for the
@@ -323,10 +326,15 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = _rotate(q, ab.cos, ab.sin), _rotate(k, ab.cos, ab.sin)
         k_cache, v_cache = kv  # [Bmax, Hkv, S, hd]
-        _write_kv(k_cache, v_cache, k, v, ab)
-        keys = k_cache[ab.rows, :, : ab.kv_len]  # [B, Hkv, kv_len, hd]
-        vals = v_cache[ab.rows, :, : ab.kv_len]
-        out = self.sdpa(q, keys, vals, ab, T)  # [B, H, T, hd]
+        ring = getattr(kv, "period", 0)
+        if ring:  # a window layer's ring (kv_cache.py): its own write and read
+            keys, vals, attn = _ring_kv(k_cache, v_cache, k, v, ab, ring, self.window)
+            out = self.sdpa(q, keys, vals, ab, T, attn)
+        else:
+            _write_kv(k_cache, v_cache, k, v, ab)
+            keys = k_cache[ab.rows, :, : ab.kv_len]  # [B, Hkv, kv_len, hd]
+            vals = v_cache[ab.rows, :, : ab.kv_len]
+            out = self.sdpa(q, keys, vals, ab, T)  # [B, H, T, hd]
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.H * self.hd))
 
     _native_decode: bool | None = None  # None: not decided yet; False: this layer always runs torch
@@ -360,7 +368,7 @@ class Attention(nn.Module):
         out = native.attn_decode(qkv, self.H, self.Hkv, self.hd, self.q_norm.weight if head else None,
                                  self.k_norm.weight if head else None, self.q_norm.eps if head else 0.0,
                                  step[2], step[3], step[1], step[0], k_cache, v_cache, self.window,
-                                 self.native_sinks())
+                                 self.native_sinks(), getattr(kv, "period", 0))
         if out is None:
             return None
         return self.o_proj(out.to(x.dtype).view(B, 1, self.H * self.hd))
@@ -370,8 +378,10 @@ class Attention(nn.Module):
         native decode those logits here, [H] fp32; None: plain softmax."""
         return None
 
-    def sdpa(self, q, keys, vals, ab: AttnBatch, T: int) -> torch.Tensor:
-        mask, causal = self.attend(ab, T)
+    def sdpa(self, q, keys, vals, ab: AttnBatch, T: int, attn: tuple | None = None) -> torch.Tensor:
+        """q [B, H, T, hd] over keys/vals [B, Hkv, S, hd] → [B, H, T, hd]; attn: (mask, is_causal)
+        when the caller made them (a ring's), else attend's."""
+        mask, causal = attn if attn is not None else self.attend(ab, T)
         return F.scaled_dot_product_attention(
             q, keys, vals, attn_mask=mask, is_causal=causal, enable_gqa=self.H != self.Hkv
         )
@@ -401,6 +411,59 @@ def _write_kv(k_cache, v_cache, k, v, ab: AttnBatch) -> None:
     ri = rows[:, None].expand(B, T)  # [B, T]
     k_cache[ri, :, ab.positions] = k.transpose(1, 2)  # [B, T, Hkv, hd]
     v_cache[ri, :, ab.positions] = v.transpose(1, 2)
+
+
+def _ring_kv(k_cache, v_cache, k, v, ab: AttnBatch, R: int, W: int) -> tuple:
+    """A window-W layer's ring of R positions (kv_cache.py: position p at slots p mod R and
+    p mod R + R of [Bmax, Hkv, 2R, hd]): write this forward's k, v [B, Hkv, T, hd] and give what
+    its queries attend over → (keys, vals [B, Hkv, L, hd], (mask [B, 1, T, L] bool or None, causal)).
+    T == 1 (decode; a mixed step's prompt tokens, one per row): written first, then each row's
+    window read as the ring's contiguous slots in position order, as a full cache's rows are read.
+    T > 1 (a prefill chunk, at most W before it in the ring): the W - 1 positions before each row's
+    first token read from the ring and joined with the chunk's own k, v; then the chunk's last R
+    real tokens written (a pad, past its row's end, never: ab.ends)."""
+    B, _, T, _ = k.shape
+    dev = k.device
+    rows = torch.arange(ab.rows.start, ab.rows.stop, device=dev) if isinstance(ab.rows, slice) else ab.rows
+    if T == 1:
+        pos = ab.positions.reshape(B)
+        for off in (0, R):  # both copies of each position
+            slot = pos % R + off
+            k_cache[rows, :, slot] = k[:, :, 0]  # [B, Hkv, hd]
+            v_cache[rows, :, slot] = v[:, :, 0]
+        if ab.start is not None:  # every row at one position: one slice of the ring
+            lo = max(0, ab.start - W + 1)
+            a, L = lo % R, ab.start - lo + 1
+            return k_cache[ab.rows, :, a : a + L], v_cache[ab.rows, :, a : a + L], (None, False)
+        L = min(W, ab.kv_len)  # the longest row's window
+        lo = (pos - W + 1).clamp(min=0)
+        j = torch.arange(L, device=dev)
+        idx = (lo % R)[:, None] + j  # [B, L] < 2R
+        mask = (j < (pos - lo + 1)[:, None])[:, None, None]  # [B, 1, 1, L]
+        return (k_cache[rows[:, None], :, idx].transpose(1, 2), v_cache[rows[:, None], :, idx].transpose(1, 2),
+                (mask, False))
+    pos = ab.positions  # [B, T]
+    if ab.start == 0:  # a fresh prompt: nothing before it
+        keys, vals = k, v
+        attn = (None, True) if T <= W else (ab.mask(W), False)
+    else:
+        first = pos.min(dim=1).values  # [B] each row's first real token (pads sit past its end)
+        j = torch.arange(W - 1, device=dev)
+        before = first[:, None] - (W - 1) + j  # [B, W-1] positions, < 0 where the row has fewer
+        idx = ((first - (W - 1)) % R)[:, None] + j
+        keys = torch.cat([k_cache[rows[:, None], :, idx].transpose(1, 2), k], dim=2)  # [B, Hkv, W-1+T, hd]
+        vals = torch.cat([v_cache[rows[:, None], :, idx].transpose(1, 2), v], dim=2)
+        kpos = torch.cat([before, pos], dim=1)[:, None, :]  # [B, 1, W-1+T]
+        qpos = pos[:, :, None]  # [B, T, 1]
+        attn = (((kpos >= 0) & (kpos <= qpos) & (kpos > qpos - W))[:, None], False)  # [B, 1, T, W-1+T]
+    ends = ab.ends if ab.ends is not None else pos.max(dim=1).values + 1
+    keep = (pos < ends[:, None]) & (pos >= ends[:, None] - R)  # [B, T]: the real tokens the ring keeps
+    b, t = keep.nonzero(as_tuple=True)
+    for off in (0, R):
+        slot = pos[b, t] % R + off
+        k_cache[rows[b], :, slot] = k[b, :, t]  # [N, Hkv, hd]
+        v_cache[rows[b], :, slot] = v[b, :, t]
+    return keys, vals, attn
 
 
 class DenseMLP(nn.Module):

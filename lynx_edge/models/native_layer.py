@@ -94,7 +94,7 @@ class NativeLayer:
     def takes(self, x: torch.Tensor, ab: AttnBatch, kv) -> bool:
         """Whether the layer calls take this step: x [B, 1, D], its batch and this layer's cache."""
         k_cache, v_cache = kv
-        return not (x.shape[0] > self.max_rows or (ab.cos is None and ab.rope is None)
+        return not (x.shape[0] > self.max_rows or (ab.cos is None and ab.rope is None) or getattr(kv, "period", 0)
                     or k_cache.dtype != v_cache.dtype or k_cache.dtype not in NATIVE_ROWS
                     or not (k_cache.is_contiguous() and v_cache.is_contiguous()) or not x.is_contiguous())
 
