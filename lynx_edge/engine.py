@@ -286,8 +286,8 @@ class Engine:
                 start += 1
             if stateful and start < len(sess):
                 start = 0  # the state holds all of the session: reuse only a prompt that extends it, else recompute
-            if start < len(sess) and not core.kv.can_rewind(len(sess), start):
-                start = 0  # a window layer's ring no longer holds the positions before `start`: recompute
+            if start < len(sess):  # a window layer's ring may no longer hold the positions before `start`
+                start = core.kv.rewind(0, len(sess), start)
         self._reused = start
         seeds = sp.seed if isinstance(sp.seed, (list, tuple)) else [sp.seed] * len(prompts)
         for b, p in enumerate(prompts):
@@ -313,6 +313,8 @@ class Engine:
                 self._t_prefill = self._t_first - t0
                 # a state advances with every decode step: its session is recorded only when the answer ends
                 self._session = list(prompts[0]) if reuse and not stateful else []
+                # the rings as the prompt left them: the next turn may cut back to about here (kv_cache.py)
+                core.kv.snapshot(0 if self._session else None, len(self._session))
             else:
                 self._n_decode += core.last_step["decode_steps"]
             for i, o in enumerate(outs):

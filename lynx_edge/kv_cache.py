@@ -14,7 +14,7 @@ positions instead of ctx (llama.cpp's SWA cache; `swa_full=True`, `--swa-full`, 
 positions p - window + 1 .. p, is always the 2R buffer's contiguous slots from (p - window + 1) mod R
 in position order, so every reader (the native decode kernel, SDPA) takes the same rows in the same
 order as from the full cache: the same sums. The cost of the ring: a row can be cut back (a chat
-turn's prefix reused) by at most slack + 1 positions (`can_rewind`), and at most slack + 1 tokens of
+turn's prefix reused) by at most slack + 1 positions, or to about where a snapshot was kept (`rewind`), and at most slack + 1 tokens of
 one row may be written by one forward before they are read (a mixed step's prompt chunk: core.py);
 a prefill of any length reads the window before it and writes its own last R (layers.Attention).
 Its bytes: gpt-oss-20b at ctx 4096 keeps 384 positions in its 12 sliding layers instead of 4096.
@@ -102,17 +102,46 @@ class KVCache:
                         if isinstance(s, State)]
         self.lengths = [0] * batch
         self._windows = cfg.sliding_windows or (None,) * cfg.num_layers
+        self._snap = None  # (row, length, per layer (K, V) of the row's ring or None): snapshot()
 
     @property
     def stateful(self) -> bool:
         """Some layer keeps a sequence state: a cached prefix can be continued, never truncated."""
         return bool(self._states)
 
-    def can_rewind(self, length: int, to: int) -> bool:
-        """Whether a row that holds `length` positions can be cut back to `to` and continued: a
-        ring keeps only its last R positions, and position `to` needs the window before it."""
+    def _holds(self, length: int, to: int) -> bool:
+        """Whether rings that hold a row's first `length` positions can continue it at `to`: a ring
+        keeps only its last R positions, and position `to` needs the window before it."""
         return all(not R or length <= R or length - to <= R - (window or 0) + 1
                    for R, window in zip(self.rings, self._windows))
+
+    def snapshot(self, row: int | None, length: int = 0) -> None:
+        """Keep a copy of the row's rings as they are after its first `length` positions (a chat
+        turn's prompt: Engine), so a later turn that cuts the conversation back to about there —
+        Harmony drops an earlier answer's reasoning — continues from it rather than recomputing the
+        whole conversation (llama.cpp's SWA checkpoints). None: forget it. Nothing without rings."""
+        self._snap = None
+        if row is not None and any(self.rings):
+            self._snap = (row, length, [(kv[0][row].clone(), kv[1][row].clone()) if R else None
+                                        for kv, R in zip(self.layers, self.rings)])
+
+    def rewind(self, row: int, length: int, to: int) -> int:
+        """A row holding `length` positions (a cached conversation) is to continue at `to` ≤ length:
+        → where it can continue, `to` or less (its snapshot's length, its rings copied back), 0 when
+        the rings no longer hold the window before any of them (then the row is recomputed)."""
+        if self._holds(length, to):
+            return to
+        snap = getattr(self, "_snap", None)
+        if snap is None or snap[0] != row:
+            return 0
+        at = min(to, snap[1])
+        if not self._holds(snap[1], at):
+            return 0
+        for kv, saved in zip(self.layers, snap[2]):
+            if saved is not None:
+                kv[0][row].copy_(saved[0])
+                kv[1][row].copy_(saved[1])
+        return at
 
     @property
     def max_chunk(self) -> int | None:

@@ -251,9 +251,9 @@ def test_sliding_layers_keep_a_ring_equal_to_the_full_cache(ckpt, monkeypatch):
 def test_ring_batches_chat_turns_and_mixed_steps(ckpt):
     """With the ring: prompts of 300, 400 and 5 tokens (the first two prefilled together, 100 pads
     in the shorter row: more than the ring's slack, so a pad written would overwrite its window)
-    and 100 steps each = each alone = the full cache; a chat turn that cuts the
-    cached conversation back by more than the slack recomputes it, one that cuts 3 tokens reuses the
-    rest, both giving a fresh engine's tokens; a server's prompt chunks ride in decode steps (mixed)
+    and 100 steps each = each alone = the full cache; a chat turn that cuts the cached conversation
+    back 3 tokens reuses the rest, one that cuts back to just after its prompt continues from the
+    prompt's snapshot, one that cuts further recomputes it, all giving the full cache's tokens; a server's prompt chunks ride in decode steps (mixed)
     only up to the ring's slack + 1 tokens, and give the tokens of each prompt alone."""
     from lynx_edge.core import EngineCore
 
@@ -267,11 +267,14 @@ def test_ring_batches_chat_turns_and_mixed_steps(ckpt):
     assert batch == alone == [_ids_of(ring, p, 100) for p in prompts]
     prompts = [prompt_ids(n, seed=n) for n in (90, 150)]
     alone = [_ids_of(full, p, 60) for p in prompts]
-    first = _ids_of(ring, prompts[1], 40)  # the session: 150 + 39 tokens in the cache
+    first = _ids_of(ring, prompts[1], 120)  # the session: 150 + 119 tokens in the cache
     session = prompts[1] + first[:-1]
-    for cut, reused in ((100, 0), (3, len(session) - 3)):
-        turn = session[:len(session) - cut] + prompt_ids(20, seed=cut)
-        _ids_of(ring, prompts[1], 40)
+    # kept: 3 tokens cut (the rings still hold the window), the answer after its first token cut (as
+    # Harmony drops an earlier answer's reasoning: the prompt's snapshot, its last position rerun),
+    # 20 tokens left (more than the slack before the snapshot: all recomputed)
+    for keep, reused in ((len(session) - 3, len(session) - 3), (151, 150), (20, 0)):
+        turn = session[:keep] + prompt_ids(20, seed=keep)
+        _ids_of(ring, prompts[1], 120)
         got = _ids_of(ring, turn, 30)
         assert ring._reused == reused and got == _ids_of(full, turn, 30)
     for budget, chunks in ((16, {(True, 16), (True, 6)}), (100, {(False, 100), (True, 50)})):

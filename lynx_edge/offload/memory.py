@@ -18,7 +18,7 @@ import psutil
 import torch
 
 from ..config import ConfigError, ModelConfig
-from ..kv_cache import KVCache
+from ..kv_cache import KVCache, layer_specs
 from ..quant.fp8 import Fp8MoEExperts
 from ..quant.fp8 import experts_fit as fp8_experts_fit
 from .options import OffloadOptions
@@ -323,6 +323,9 @@ def build(cfg: ModelConfig, *, device, dtype, offload, int4, quant, ctx, batch, 
     state = batch * KVCache.state_bytes(cfg, dtype)  # linear-attention / conv state: per row, not per token
     kv_name = f"KV cache (B={batch}, ctx={ctx})" if not state else \
         f"KV cache + sequence state (B={batch}, ctx={ctx}; state {_gib(state)})"
+    rings = [R for _, R in layer_specs(cfg, ctx) if R]
+    if rings:  # sliding-window layers keep a ring, not the context (kv_cache.py; --swa-full: all of it)
+        kv_name = kv_name[:-1] + f"; {len(rings)} sliding-window layers keep a ring of {rings[0]} positions)"
     fixed = {"non-expert weights": ne, kv_name: kv}
     host_parts: dict[str, int] = {}
     if dev == "cuda":
