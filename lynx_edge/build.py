@@ -53,6 +53,7 @@ class LoadOptions:
     allow_pickle: bool = False
     ctx: int = 4096  # for the offload plan's KV share
     batch: int = 1  # KV rows the caller will allocate (serve: --max-num-seqs), for the plans' KV share
+    swa_full: bool = False  # the sliding-window layers' KV the caller will allocate: full (True) or a ring
     offload_options: dict | None = None  # OffloadOptions fields (budget, slots, policy, profile…)
 
 
@@ -317,7 +318,8 @@ def _check_memory(cfg: ModelConfig, opts: LoadOptions, dev, dt, qc, file_bytes: 
     from .offload.memory import plan_memory
 
     extra = {k: v for k, v in (opts.offload_options or {}).items() if k != "profile"}
-    oo = OffloadOptions(device=str(dev), ctx=opts.ctx, batch=opts.batch, int4_group=opts.int4_group, **extra)
+    oo = OffloadOptions(device=str(dev), ctx=opts.ctx, batch=opts.batch, swa_full=opts.swa_full,
+                        int4_group=opts.int4_group, **extra)
     plan = plan_memory(cfg, device=dev.type, dtype=dt, offload=opts.offload, int4=opts.int4, quant=qc,
                        ctx=opts.ctx, batch=opts.batch, opts=oo, file_bytes=file_bytes)
     plan.check()
@@ -363,7 +365,7 @@ def _offload_runtime(cfg, opts: LoadOptions, dt, dev, name, group, sym, mixed, f
         warnings.warn(f"layers {list(mixed)} of this 4-bit checkpoint keep some experts 16-bit; offloaded "
                       "as INT4 they are RTN-quantised (approximate)", RuntimeWarning, stacklevel=3)
     extra = dict(opts.offload_options or {})
-    oo = OffloadOptions(device=str(dev), ctx=opts.ctx, batch=opts.batch,
+    oo = OffloadOptions(device=str(dev), ctx=opts.ctx, batch=opts.batch, swa_full=opts.swa_full,
                         expert_format=name if name in ("int4", "fp8") else "auto", int4_group=group or 128, **extra)
     # 4-bit host experts computed on the CPU (INT4, MXFP4) run the engine's int4_act
     fmt = store_format(cfg, oo.expert_format, dt, group or 128, sym if sym is not None else True, fp8_block, act)

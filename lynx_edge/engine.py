@@ -125,6 +125,7 @@ class Engine:
         opts = LoadOptions(device=device, dtype=dtype, offload=config.offload, int4=config.int4,
                            int4_group=config.int4_group, int4_act=config.int4_act, int4_attn=config.int4_attn,
                            int8_head=config.int8_head, huge_pages=huge_pages, repack=config.repack,
+                           swa_full=config.swa_full,
                            allow_pickle=config.allow_pickle,
                            ctx=config.ctx_size or min(cfg.max_position_embeddings, 4096), batch=config.max_num_seqs,
                            offload_options=offload)

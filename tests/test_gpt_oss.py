@@ -524,6 +524,22 @@ def test_info_on_the_real_config():
     assert fmt == "mxfp4" and nb == 3 * D * I * 17 // 32 + (2 * I + D) * 2
 
 
+def test_memory_plan_counts_the_ring_or_the_full_kv():
+    """The real config at ctx 4096, B=16, bf16: 12 full layers of 4096 positions and 12 sliding
+    (window 128) layers of a ring of 192 (384 slots) — or, with --swa-full, 24 full layers."""
+    from lynx_edge.offload import OffloadOptions
+    from lynx_edge.offload.memory import plan_memory
+
+    cfg = ModelConfig.from_file(REAL / "config.json")
+    per_pos = 16 * 2 * 8 * 64 * 2  # B × (K, V) × Hkv × hd × bf16
+    for swa_full, want in ((False, 12 * 4096 + 12 * 384), (True, 24 * 4096)):
+        plan = plan_memory(cfg, device="cpu", dtype=torch.bfloat16, offload=False, int4=False, ctx=4096, batch=16,
+                           opts=OffloadOptions(swa_full=swa_full))
+        kv = {k: v for r in plan.resources for k, v in r.parts.items() if k.startswith("KV cache")}
+        assert list(kv.values()) == [per_pos * want], kv
+        assert ("ring of 192" in next(iter(kv))) != swa_full
+
+
 # Harmony chat template, stop ids ------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tok_dir(tmp_path_factory) -> Path:

@@ -312,7 +312,8 @@ def build(cfg: ModelConfig, *, device, dtype, offload, int4, quant, ctx, batch, 
     ckpt_elem = DTYPES.get(str(cfg.torch_dtype).replace("torch.", ""), torch.bfloat16).itemsize
     layer16 = E * 3 * D * I * ckpt_elem  # one layer's experts as they stream from a float checkpoint
     ne = non_expert_bytes(cfg, elem)  # a 4-bit checkpoint's quantized non-expert linears: dequantized
-    kv = KVCache.bytes_needed(cfg, batch, ctx, dtype)
+    swa_full = opts.swa_full
+    kv = KVCache.bytes_needed(cfg, batch, ctx, dtype, swa_full)
     if fp8:
         mode = "fp8" + ("+int4" if int4 else "") + ("+offload" if offload else "")
     else:
@@ -323,7 +324,7 @@ def build(cfg: ModelConfig, *, device, dtype, offload, int4, quant, ctx, batch, 
     state = batch * KVCache.state_bytes(cfg, dtype)  # linear-attention / conv state: per row, not per token
     kv_name = f"KV cache (B={batch}, ctx={ctx})" if not state else \
         f"KV cache + sequence state (B={batch}, ctx={ctx}; state {_gib(state)})"
-    rings = [R for _, R in layer_specs(cfg, ctx) if R]
+    rings = [R for _, R in layer_specs(cfg, ctx, swa_full) if R]
     if rings:  # sliding-window layers keep a ring, not the context (kv_cache.py; --swa-full: all of it)
         kv_name = kv_name[:-1] + f"; {len(rings)} sliding-window layers keep a ring of {rings[0]} positions)"
     fixed = {"non-expert weights": ne, kv_name: kv}

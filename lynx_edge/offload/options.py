@@ -29,6 +29,7 @@ class OffloadOptions:
     int4_group: int = 128
     batch: int = 1  # KV cache the caller will allocate, for the plan
     ctx: int = 4096
+    swa_full: bool = False  # sliding-window layers' KV: the full context (True) or a ring (kv_cache.py), for the plan
     reserve_gib: float | None = None  # workspace kept free on the device; None: the profile's
 
     def __post_init__(self) -> None:

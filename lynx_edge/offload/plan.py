@@ -150,7 +150,7 @@ def make_plan(cfg: ModelConfig, opts: OffloadOptions | None = None, dtype: torch
     elem = torch.empty((), dtype=dtype).element_size()
     layers, E = len(cfg.moe_layer_ids), cfg.num_experts
     total = layers * E
-    kv = KVCache.bytes_needed(cfg, opts.batch, opts.ctx, dtype)
+    kv = KVCache.bytes_needed(cfg, opts.batch, opts.ctx, dtype, opts.swa_full)
     fixed = non_expert_bytes(cfg, elem)
     reserve = int((opts.reserve_gib if opts.reserve_gib is not None else prof.reserve_gib) * GIB)
     scratch = opts.scratch_slots if opts.scratch_slots is not None else cfg.top_k
