@@ -538,6 +538,13 @@ def test_memory_plan_counts_the_ring_or_the_full_kv():
         kv = {k: v for r in plan.resources for k, v in r.parts.items() if k.startswith("KV cache")}
         assert list(kv.values()) == [per_pos * want], kv
         assert ("ring of 192" in next(iter(kv))) != swa_full
+    from typer.testing import CliRunner
+
+    from lynx_edge.cli.main import app
+    for flag, want in (([], 12 * 4096 + 12 * 384), (["--swa-full"], 24 * 4096)):  # what info shows
+        r = CliRunner().invoke(app, ["info", str(REAL), "-c", "4096", "-b", "16", "--dtype", "bfloat16", "-o", "json", *flag])
+        parts = json.loads(r.stdout)["memory"]["resources"][0]["parts"]
+        assert [v for k, v in parts.items() if k.startswith("KV cache")] == [per_pos * want]
 
 
 # Harmony chat template, stop ids ------------------------------------------------------------------------

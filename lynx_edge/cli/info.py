@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from . import ui
-from .options import Device, Dtype, Int4, Model, Offload, Profile, TableJson
+from .options import Device, Dtype, Int4, Model, Offload, Profile, SwaFull, TableJson
 
 
 def info(
@@ -23,6 +23,7 @@ def info(
     batch: Annotated[int, typer.Option("--batch-size", "-b", help="sequences the KV cache is planned for")] = 1,
     ctx_size: Annotated[Optional[int], typer.Option("--ctx-size", "-c", help="context the KV cache is planned for "
                                                     "(default: min(4096, max_position_embeddings))")] = None,
+    swa_full: SwaFull = False,
     output: Annotated[TableJson, typer.Option("--output", "-o", help="table | json")] = TableJson.table,
 ) -> None:
     """Show a model's config, parameter counts and memory plan without loading weights."""
@@ -38,7 +39,7 @@ def info(
     file_bytes = checkpoint_bytes(where)
     dt = choose_dtype(dtype, dev, cfg, file_bytes)
     ctx = ctx_size if ctx_size is not None else min(4096, cfg.max_position_embeddings)
-    opts = OffloadOptions(gpu_budget_gib=gpu_budget, batch=batch, ctx=ctx)
+    opts = OffloadOptions(gpu_budget_gib=gpu_budget, batch=batch, ctx=ctx, swa_full=swa_full)
     plan = plan_memory(cfg, device=dev, dtype=dt, offload=offload, int4=int4, quant=quant, ctx=ctx, batch=batch,
                        opts=opts, profile=prof, file_bytes=file_bytes)
     expert_fmt = None if quant is None else "fp8" if quant.method == "fp8" else "int4"
