@@ -210,6 +210,44 @@ def test_decode_attention_runs_native_with_sinks(ckpt, monkeypatch):
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sink_attention_flash_path_equals_the_chunked_softmax(ckpt, monkeypatch, dtype):
+    """On a CPU the sink attention runs torch's flash kernel and scales each row by sigmoid(L - sink)
+    (L: its scores' log-sum-exp): the same as the explicit softmax over [scores, sink] (the path a GPU
+    runs) for a fresh causal prefill, a window mask, and rows at different positions; within 2e-6
+    in fp32 (observed ~1e-6), one bf16 rounding in bf16. Bug case: the sink with the wrong sign."""
+    from lynx_edge.models import gpt_oss
+    from lynx_edge.models.layers import AttnBatch
+
+    if gpt_oss._FLASH_CPU is None:
+        pytest.skip("this torch has no CPU flash attention op")
+    eng = Engine.from_pretrained(ckpt, device="cpu", dtype=dtype)
+    attn = next(m for m in eng.model.modules() if isinstance(m, gpt_oss.SinkAttention))
+    g = torch.Generator().manual_seed(3)
+    H, Hkv, hd = attn.H, attn.Hkv, attn.hd
+    B, T, S = 2, 12, 20
+    q = torch.randn(B, H, T, hd, generator=g).to(dtype)
+    k, v = (torch.randn(B, Hkv, S, hd, generator=g).to(dtype) for _ in range(2))
+    fresh = AttnBatch(positions=torch.arange(S - T, S)[None].expand(B, T), rows=slice(0, B), kv_len=S, start=S - T)
+    ragged = AttnBatch(positions=torch.stack([torch.arange(S - T, S), torch.arange(3, 3 + T)]), rows=slice(0, B),
+                       kv_len=S)
+    cases = [(q[..., :T, :], k[:, :, :T], v[:, :, :T], (None, True)), (q, k, v, (fresh.mask(5), False)),
+             (q, k, v, (ragged.mask(None), False)), (q, k, v, (ragged.mask(5), False))]
+    for qq, kk, vv, att in cases:
+        got = attn.sdpa(qq, kk, vv, None, qq.shape[2], att)
+        with monkeypatch.context() as m:
+            m.setattr(gpt_oss, "_FLASH_CPU", None)
+            want = attn.sdpa(qq.float(), kk.float(), vv.float(),
+                             AttnBatch(positions=torch.arange(qq.shape[2])[None], rows=slice(0, 1),
+                                       kv_len=qq.shape[2], start=0), qq.shape[2], att)
+        tol = 2e-6 if dtype == torch.float32 else 8e-3
+        assert got.dtype == dtype and (got.float() - want).abs().max() < tol * want.abs().max()
+    with monkeypatch.context() as m:
+        m.setattr(attn, "native_sinks", lambda: -attn.sinks.float())
+        bad = attn.sdpa(q, k, v, None, T, cases[1][3])
+    assert (bad.float() - attn.sdpa(q, k, v, None, T, cases[1][3]).float()).abs().max() > 1e-2
+
+
 # the sliding-window ring (kv_cache.py) ----------------------------------------------------------------
 def _ids_of(eng, prompt, n, **kw) -> list[int]:
     return [t for c in eng.stream(prompt, max_new_tokens=n, do_sample=False, ignore_eos=True, **kw) for t in c.token_ids]
