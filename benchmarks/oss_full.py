@@ -9,6 +9,8 @@ only one copy is resident at a time. Rounds alternate the two tools; medians are
 child also records load seconds and the peak anonymous / file-backed memory of load and serving.
 
     python benchmarks/oss_full.py --threads 2 -r 3 --out benchmarks/results/oss_full_s29.json
+With --prefill P it times prompt processing instead: llama-bench -p P -n 0 against lynx-edge's prefill
+of one P-token prompt (after an untimed 64-token one), tok/s.
 Needs ~28 GB of disk (checkpoint + GGUF, cached under ~/.cache/lynx-edge/llamacpp/models) and the
 llama.cpp build of vs_llamacpp.py (built on first use).
 """
@@ -27,12 +29,25 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def child(path: Path, threads: int, n: int, batch: int, n16: int, prompt: int, int4_act: str | None) -> dict:
-    """One fresh process: load, then B=1 and B=batch decode → tok/s and memory."""
+def child(path: Path, threads: int, n: int, batch: int, n16: int, prompt: int, int4_act: str | None,
+          prefill: int = 0) -> dict:
+    """One fresh process: load, then B=1 and B=batch decode → tok/s and memory (prefill > 0: that
+    many prompt tokens' prefill → tok/s instead)."""
     from lynx_edge import Engine
     from lynx_edge.bench import measure, synthetic_prompts
     from lynx_edge.rss import RssWatch
     from lynx_edge.threads import set_threads
+
+    if prefill:
+        from lynx_edge.step import prefill as run_prefill
+
+        eng = Engine.from_pretrained(path, device="cpu", threads=threads, int4_act=int4_act)
+        set_threads(threads, explicit=True)
+        ids, kv = synthetic_prompts(eng, 1, prefill)[0], eng._cache(1)
+        run_prefill(eng.model, kv, 0, ids[:64], 0)  # untimed (llama-bench's warm-up)
+        t0 = time.perf_counter()
+        run_prefill(eng.model, kv, 0, ids, 0)
+        return {"pp": prefill / (time.perf_counter() - t0)}
 
     t0 = time.perf_counter()
     with RssWatch() as load:
@@ -69,6 +84,8 @@ def run(args) -> dict:
     bins = llamacpp_build(src, 2)
     path = write_oss(work / f"oss{args.layers}-v{args.vocab}", args.layers, args.vocab)
     gguf = to_gguf(src, path, work / f"oss{args.layers}-v{args.vocab}-mxfp4.gguf", "bf16")
+    if args.prefill:
+        return run_prefill(args, bins, path, gguf)
     rows = {"llama_b1": [], "llama_bB": [], "ours": []}
     for r in range(args.rounds):
         rows["llama_b1"].append(llama_tg(bins, gguf, args.threads, args.n)["tok_s"])
@@ -101,6 +118,37 @@ def run(args) -> dict:
     return res
 
 
+def run_prefill(args, bins: Path, path: Path, gguf: Path) -> dict:
+    """Prompt processing, llama-bench pp and lynx-edge's prefill alternating round by round → medians."""
+    import torch
+    from vs_llamacpp import cpu_flags, sh
+
+    rows = {"llama_pp": [], "ours_pp": []}
+    for r in range(args.rounds):
+        for tool in (("llama", "ours") if r % 2 == 0 else ("ours", "llama")):
+            if tool == "llama":
+                out = sh([bins / "llama-bench", "-m", gguf, "-p", args.prefill, "-n", 0, "-t", args.threads, "-r", 1,
+                          "-o", "json"])
+                rows["llama_pp"].append(float(json.loads(out)[0]["avg_ts"]))
+            else:
+                cmd = [sys.executable, __file__, "--child", str(path), "--threads", str(args.threads), "--prefill",
+                       str(args.prefill)] + (["--int4-act", args.int4_act] if args.int4_act else [])
+                res = subprocess.run(cmd, capture_output=True, text=True)
+                if res.returncode != 0:
+                    raise RuntimeError(f"the lynx-edge child failed: {res.stderr[-2000:]}")
+                rows["ours_pp"].append(json.loads(res.stdout.strip().splitlines()[-1])["pp"])
+        print(f"round {r + 1}: pp{args.prefill} llama.cpp {rows['llama_pp'][-1]:.2f} tok/s, lynx-edge "
+              f"{rows['ours_pp'][-1]:.2f}", flush=True)
+    med = statistics.median
+    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
+    ll, us = med(rows["llama_pp"]), med(rows["ours_pp"])
+    return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "lynx_edge": commit,
+            "torch": torch.__version__, "machine": cpu_flags(), "threads": args.threads,
+            "int4_act": args.int4_act or "default", "layers": args.layers, "vocab": args.vocab,
+            "rounds": rows, "pp": {"tokens": args.prefill, "llama": ll, "ours": us, "ratio": us / ll}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=24)
@@ -113,15 +161,17 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=16, help="prompt tokens per sequence at --batch")
     ap.add_argument("--int4-act", help="lynx-edge's MXFP4 activations: q16 (the AVX2 default), q8 (llama.cpp's "
                     "MXFP4 x Q8_0 scheme) or f32")
+    ap.add_argument("--prefill", type=int, default=0, help="time the prefill of this many prompt tokens instead")
     ap.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     if args.child is not None:
-        print(json.dumps(child(args.child, args.threads, args.n, args.batch, args.n16, args.prompt, args.int4_act)))
+        print(json.dumps(child(args.child, args.threads, args.n, args.batch, args.n16, args.prompt, args.int4_act,
+                               args.prefill)))
         return
     res = run(args)
     text = json.dumps(res, indent=1)
-    print(json.dumps({k: res[k] for k in ("b1", "bB", "ours") if k in res}, indent=1))
+    print(json.dumps({k: res[k] for k in ("b1", "bB", "ours", "pp") if k in res}, indent=1))
     if args.out:
         args.out.write_text(text + "\n")
 
