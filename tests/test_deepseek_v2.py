@@ -261,6 +261,46 @@ def test_absorbed_equals_expanded_decode(models):
     torch.testing.assert_close(runs["absorbed"], runs["expanded"], atol=1e-6, rtol=0)  # observed 2.1e-7
 
 
+def test_absorbed_bf16_on_a_cpu_keeps_fp32_products():
+    """A bf16 MLA layer's absorbed decode (the fp32 copy of kv_b per head, the flash kernel over whole
+    latent rows) against the same layer in fp32: within a few bf16 roundings of the output (observed
+    4.7e-3 of its scale: bf16 roundings of the projections, q_lat and the output), three rows at unequal
+    positions. The fp32 copy follows the weight when it is written in place."""
+    from lynx_edge.models.deepseek_v2 import MLAttention
+    from lynx_edge.models.layers import AttnBatch
+
+    cfg = ModelConfig.from_file(REAL / "config.json")
+    width = cfg.arch.kv_lora_rank + cfg.arch.qk_rope_head_dim
+    g = torch.Generator().manual_seed(0)
+    layers = {}
+    for dt in (torch.float32, torch.bfloat16):
+        torch.manual_seed(0)
+        m = MLAttention(cfg, 1, dt, torch.device("cpu"))
+        m.mode = "absorbed"
+        layers[dt] = m
+    with torch.no_grad():
+        for (n, p32), (_, p16) in zip(layers[torch.float32].named_parameters(), layers[torch.bfloat16].named_parameters()):
+            w = torch.rand(p32.shape, generator=g) * 0.5 + 0.75 if "norm" in n else \
+                torch.randn(p32.shape, generator=g) * p32.shape[-1] ** -0.5
+            p16.copy_(w)
+            p32.copy_(p16.float())  # the same (bf16-representable) weights
+    cache = torch.randn(3, 40, width, generator=g)
+    x = torch.randn(3, 1, cfg.hidden_size, generator=g)
+    pos = torch.tensor([[39], [20], [7]])
+    outs = {}
+    for dt, m in layers.items():
+        ab = AttnBatch(positions=pos, rows=slice(0, 3), kv_len=40)
+        with torch.inference_mode():
+            outs[dt] = m(x.to(dt), ab, (cache.to(dt).clone(),)).float()
+    ref = outs[torch.float32]
+    err = ((outs[torch.bfloat16] - ref).abs().max() / ref.abs().max()).item()
+    assert err < 8e-3, err
+    m = layers[torch.bfloat16]
+    with torch.no_grad():
+        m.kv_b_proj.weight.mul_(2)
+    assert torch.equal(m._kv_b_heads(), m.kv_b_proj.weight.float().view(m.H, m.dn + m.dv, m.r))
+
+
 def test_auto_mode_absorbs_decode_and_expands_prefill():
     cfg = ModelConfig.from_file(REAL / "config.json")
     attn = ds.MLAttention(cfg, 0, torch.bfloat16, torch.device("meta"))

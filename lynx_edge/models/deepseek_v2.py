@@ -210,18 +210,36 @@ class MLAttention(nn.Module):
         W_uv^h·latent summed over keys = W_uv^h·(summed latent). All heads query the one latent
         head, so they stack as H·T queries of a single head. → [B, H, T, dv]"""
         B, H, T, _ = q_nope.shape
-        S, r = ctx.shape[1], self.r
-        w = self.kv_b_proj.weight.view(H, self.dn + self.dv, r)
-        q_lat = torch.matmul(q_nope, w[:, : self.dn])  # [B, H, T, dn] @ [H, dn, r] → [B, H, T, r]
+        S, r, dt = ctx.shape[1], self.r, q_nope.dtype
+        w = self._kv_b_heads()  # [H, dn + dv, r]
+        # one matmul per head over all B·T queries (a broadcast [B, H, ...] @ [H, ...] copied w B times)
+        qh = q_nope.transpose(0, 1).reshape(H, B * T, self.dn).to(w.dtype)
+        q_lat = torch.bmm(qh, w[:, : self.dn]).view(H, B, T, r).transpose(0, 1).to(dt)  # [B, H, T, r]
         qq = torch.cat((q_lat, q_pe), -1).reshape(B, 1, H * T, r + self.dr)
         mask, causal = Attention.attend(self, ab, T)
         if causal:  # per-query positions no longer line up with is_causal's square: the explicit mask
             mask = ab.mask(None)
         if mask is not None:  # [B, 1, T, S] → the same for each head's block of queries
             mask = mask.expand(B, H, T, S).reshape(B, 1, H * T, S)
-        o = F.scaled_dot_product_attention(qq, ctx[:, None], ctx[:, None, :, :r], attn_mask=mask,
-                                           scale=self.scale)  # [B, 1, H·T, r]
-        return torch.matmul(o.view(B, H, T, r), w[:, self.dn :].transpose(1, 2))  # @ [H, r, dv]
+        # values = the whole latent row (its last dr outputs dropped): equal q/k/v widths take the
+        # fused (flash) kernel, where the r-wide values fell to the math path (CPU bf16: 3.4x slower)
+        o = F.scaled_dot_product_attention(qq, ctx[:, None], ctx[:, None], attn_mask=mask,
+                                           scale=self.scale)[..., :r]  # [B, 1, H·T, r]
+        oh = o.reshape(B, H, T, r).transpose(0, 1).reshape(H, B * T, r).to(w.dtype)
+        out = torch.bmm(oh, w[:, self.dn :].transpose(1, 2))  # [H, B·T, dv]
+        return out.view(H, B, T, self.dv).transpose(0, 1).to(dt)  # [B, H, T, dv]
+
+    def _kv_b_heads(self) -> torch.Tensor:
+        """kv_b_proj's weight as [H, dn + dv, r]; on a CPU a 16-bit one as an fp32 copy made once
+        (its 16-bit bmm runs ~5x slower than fp32 without native bf16; the copy costs 2x the
+        weight's bytes: 8.4 MB a layer, 227 MB over DeepSeek-V2-Lite's 27)."""
+        w = self.kv_b_proj.weight
+        if w.device.type == "cpu" and w.dtype != torch.float32:
+            key = (w.data_ptr(), w._version)
+            if getattr(self, "_kv_b32", (None,))[0] != key:
+                self._kv_b32 = (key, w.detach().float().view(self.H, self.dn + self.dv, self.r))
+            return self._kv_b32[1]
+        return w.view(self.H, self.dn + self.dv, self.r)
 
 
 def _write_latent(cache: torch.Tensor, lat: torch.Tensor, ab: AttnBatch) -> None:
