@@ -117,6 +117,25 @@ def test_causal_conv_chunked_with_mixed_rows_equals_plain_conv(K):
         torch.testing.assert_close(torch.cat(got[b], -1), want[b], rtol=1e-5, atol=1e-5)
 
 
+def test_causal_conv_bf16_sums_in_fp32_and_rounds_once():
+    """A bf16 conv on a CPU: each output is the fp64 sum of the bf16 inputs' products (with the
+    bias), rounded once to bf16 — equal to that but for double-rounding ties (none here), and
+    within one bf16 step of torch's own bf16 conv1d; the state keeps the inputs as given."""
+    g = torch.Generator().manual_seed(1)
+    C, K, T = 64, 4, 9
+    w, bias = torch.randn(C, 1, K, generator=g).bfloat16(), torch.randn(C, generator=g).bfloat16()
+    x = torch.randn(2, C, T, generator=g).bfloat16()
+    cache = torch.zeros(2, C, K - 1, dtype=torch.bfloat16)
+    ab = AttnBatch(positions=torch.arange(T)[None].expand(2, T), rows=slice(0, 2), kv_len=T, start=0)
+    got = causal_conv(x, w, cache, ab, bias)
+    full = F.pad(x.double(), (K - 1, 0))
+    want = sum(full[..., k:k + T] * w[:, 0, k].double()[:, None] for k in range(K)) + bias.double()[:, None]
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want.bfloat16())
+    torch_bf16 = F.conv1d(F.pad(x, (K - 1, 0)), w, bias, groups=C)
+    assert ((got.float() - torch_bf16.float()).abs() <= got.float().abs() * 2 ** -7).all()
+    assert torch.equal(cache, x[..., T - (K - 1):])
+
+
 def test_memory_plan_names_the_sequence_state():
     """The plan's cache line says how much of it is per-row state (Qwen3-Next: 73.7 MiB per
     sequence on the published config) and keeps the plain name for attention-only models."""

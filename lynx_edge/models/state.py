@@ -58,6 +58,11 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, conv_cache: torch.Tensor,
     past = read_state(conv_cache, ab).to(x.dtype)  # [B, C, K-1]
     full = torch.cat([past, x], dim=-1)  # [B, C, K-1+T]
     write_state(conv_cache, ab, full[..., full.shape[-1] - (K - 1):])
+    if x.device.type == "cpu" and weight.dtype != torch.float32:
+        # fp32 on a CPU, rounded once: its 16-bit depthwise conv1d took 6.3 ms for one token of a
+        # 2048-channel layer (fp32: 0.1 ms) on AVX2 without native bf16 (benchmarks/results/README.md)
+        return F.conv1d(full.float(), weight.float(), None if bias is None else bias.float(),
+                        groups=x.shape[1]).to(weight.dtype)
     return F.conv1d(full.to(weight.dtype), weight, bias, groups=x.shape[1])
 
 
