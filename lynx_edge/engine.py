@@ -98,6 +98,9 @@ class Engine:
         self.ctx = min(config.ctx_size or min(self.cfg.max_position_embeddings, 4096), self.cfg.max_position_embeddings)
         self.kv: KVCache | None = None
         self._session: list[int] = []  # tokens held in cache row 0 (reused across chat turns)
+        # positions the last generation wrote into row 0 (at most): more than the session when its
+        # answer was not kept (LYNX on, a stopped stream), which a window layer's ring has seen
+        self._written = 0
         self.model.routing.stats.record = config.record_routing
         self.last_stats: dict = {}
         # eos ids and sampling defaults, as transformers reads them (GenerationConfig.from_dir)
@@ -287,8 +290,8 @@ class Engine:
                 start += 1
             if stateful and start < len(sess):
                 start = 0  # the state holds all of the session: reuse only a prompt that extends it, else recompute
-            if start < len(sess):  # a window layer's ring may no longer hold the positions before `start`
-                start = core.kv.rewind(0, len(sess), start)
+            if start < max(len(sess), self._written):  # a window layer's ring may no longer hold the window before `start`
+                start = core.kv.rewind(0, max(len(sess), self._written), start)
         self._reused = start
         seeds = sp.seed if isinstance(sp.seed, (list, tuple)) else [sp.seed] * len(prompts)
         for b, p in enumerate(prompts):
@@ -298,6 +301,8 @@ class Engine:
         try:
             yield from self._run(core, reqs, prompts, reuse, stateful, t0)
         finally:
+            first = reqs.get("0")
+            self._written = len(prompts[0]) + (len(first.seq.out) if first is not None else 0)
             if not self.last_stats and self._t_first is not None:
                 # the caller stopped the stream (closed it, e.g. Ctrl-C in chat): keep what was done
                 seqs = [r.seq for r in reqs.values()]

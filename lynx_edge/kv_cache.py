@@ -14,10 +14,11 @@ positions instead of ctx (llama.cpp's SWA cache; `swa_full=True`, `--swa-full`, 
 positions p - window + 1 .. p, is always the 2R buffer's contiguous slots from (p - window + 1) mod R
 in position order, so every reader (the native decode kernel, SDPA) takes the same rows in the same
 order as from the full cache: the same sums. The cost of the ring: a row can be cut back (a chat
-turn's prefix reused) by at most slack + 1 positions, or to about where a snapshot was kept (`rewind`), and at most slack + 1 tokens of
-one row may be written by one forward before they are read (a mixed step's prompt chunk: core.py);
-a prefill of any length reads the window before it and writes its own last R (layers.Attention).
-Its bytes: gpt-oss-20b at ctx 4096 keeps 384 positions in its 12 sliding layers instead of 4096.
+turn's prefix reused) by at most slack + 1 positions, or to about where a snapshot was kept
+(`rewind`), and at most slack + 1 tokens of one row may be written by one forward before they are
+read (a mixed step's prompt chunk: core.py); a prefill of any length reads the window before it
+and writes its own last R (layers.Attention). Its bytes: gpt-oss-20b's 12 sliding layers keep 384
+slots (192 positions) per row instead of ctx.
 
 A state cannot be truncated: a row's state always summarises every token the row has run. A state
 layer reads a row whose forward starts at position 0 as zeros (a new sequence), and `reset`
@@ -131,7 +132,7 @@ class KVCache:
         the rings no longer hold the window before any of them (then the row is recomputed)."""
         if self._holds(length, to):
             return to
-        snap = getattr(self, "_snap", None)
+        snap = self._snap
         if snap is None or snap[0] != row:
             return 0
         at = min(to, snap[1])

@@ -315,6 +315,21 @@ def test_ring_batches_chat_turns_and_mixed_steps(ckpt):
         _ids_of(ring, prompts[1], 120)
         got = _ids_of(ring, turn, 30)
         assert ring._reused == reused and got == _ids_of(full, turn, 30)
+    # a stopped answer is not kept in the session, but the ring saw it: the next turn continues
+    # from the prompt's snapshot, not from rings that moved on
+    turn = prompts[1] + prompt_ids(20, seed=7)
+    for eng in (ring, full):
+        stream, n = eng.stream(prompts[1], max_new_tokens=200, do_sample=False, ignore_eos=True), 0
+        for c in stream:
+            n += len(c.token_ids)
+            if n >= 120:
+                stream.close()
+                break
+        assert n < 200 and eng.last_stats.get("stopped")
+    got = _ids_of(ring, turn, 30)
+    assert ring._reused == 150 and got == _ids_of(full, turn, 30)
+    slots = torch.arange(143, 150) % 72  # the window before the turn's first new token, in both caches
+    assert torch.equal(ring.kv.layers[0][0][0, :, slots], full.kv.layers[0][0][0, :, 143:150])
     for budget, chunks in ((16, {(True, 16), (True, 6)}), (100, {(False, 100), (True, 50)})):
         core = EngineCore(ring, max_num_seqs=2, prefill_budget=budget, mixed_steps=True)
         out, seen = {"a": [], "b": []}, set()
