@@ -122,14 +122,20 @@ class SinkAttention(Attention):
         70% of a 256-token gpt-oss-20b prefill), the sinks folded in after it: it returns each row's
         log-sum-exp L of the scores, and e^sink in the softmax's denominator scales the row's output by
         1 / (1 + e^(sink - L)) = sigmoid(L - sink). fp32 as the native decode kernel computes."""
-        G = self.H // self.Hkv
+        B, _, T, _ = q.shape
+        G, S, q32 = self.H // self.Hkv, keys.shape[2], q.float()
         k = keys.float().repeat_interleave(G, 1)  # [B, H, S, hd]: the op takes no grouped heads
         v = vals.float().repeat_interleave(G, 1)
-        add = None
-        if mask is not None:  # the op takes an additive mask of the query's dtype
-            add = torch.zeros(mask.shape, dtype=torch.float32).masked_fill_(~mask, float("-inf"))
-        out, lse = _FLASH_CPU(q.float(), k, v, 0.0, causal and mask is None, attn_mask=add, scale=self.scale)
-        keep = torch.sigmoid(lse - self.native_sinks().view(1, -1, 1))  # [B, H, T]
+        if mask is None:
+            out, lse = _FLASH_CPU(q32, k, v, 0.0, causal, scale=self.scale)
+        else:  # an additive fp32 mask (what the op takes), a block of queries at a time: ≤ CHUNK_BYTES
+            step, outs = max(1, self.CHUNK_BYTES // (4 * B * S)), []
+            for t0 in range(0, T, step):
+                m = mask[:, :, t0 : t0 + step]
+                add = torch.zeros(m.shape, dtype=torch.float32).masked_fill_(~m, float("-inf"))
+                outs.append(_FLASH_CPU(q32[:, :, t0 : t0 + step], k, v, 0.0, False, attn_mask=add, scale=self.scale))
+            out, lse = (torch.cat([o[i] for o in outs], dim=2) for i in (0, 1))
+        keep = torch.sigmoid(lse.view(B, self.H, T) - self.native_sinks().view(1, -1, 1))  # [B, H, T]
         return (out * keep[..., None]).to(q.dtype)
 
 
