@@ -243,10 +243,11 @@ def test_sink_attention_flash_path_equals_the_chunked_softmax(ckpt, monkeypatch,
         tol = 2e-6 if dtype == torch.float32 else 8e-3
         assert got.dtype == dtype and (got.float() - want).abs().max() < tol * want.abs().max()
         if att[0] is not None:  # the mask a few query rows at a time (a long prompt's): the same rows
-            with monkeypatch.context() as m:
-                m.setattr(attn, "CHUNK_BYTES", 4 * B * kk.shape[2] * 5)
-                part = attn.sdpa(qq, kk, vv, None, qq.shape[2], att).float()
-            assert (part - got.float()).abs().max() <= 1e-6 * got.float().abs().max()  # the op's own blocking
+            for name, value in (("CHUNK_BYTES", 4 * B * kk.shape[2] * 5), ("BLOCK_Q", 4)):  # 5 or 4 rows a block
+                with monkeypatch.context() as m:
+                    m.setattr(attn, name, value)
+                    part = attn.sdpa(qq, kk, vv, None, qq.shape[2], att).float()
+                assert (part - got.float()).abs().max() <= 1e-6 * got.float().abs().max()  # the op's own blocking
     with monkeypatch.context() as m:
         m.setattr(attn, "native_sinks", lambda: -attn.sinks.float())
         bad = attn.sdpa(q, k, v, None, T, cases[1][3])

@@ -84,6 +84,7 @@ class SinkAttention(Attention):
     computed in query chunks so a long prefill never holds all [H, T, S] scores at once."""
 
     CHUNK_BYTES = 1 << 28
+    BLOCK_Q = 256  # queries per masked flash call on a CPU (their keys cut to the band they see)
 
     def __init__(self, cfg, layer: int, dtype, device):
         super().__init__(cfg, layer, dtype, device, o_bias=cfg.attention_bias)
@@ -128,12 +129,17 @@ class SinkAttention(Attention):
         v = vals.float().repeat_interleave(G, 1)
         if mask is None:
             out, lse = _FLASH_CPU(q32, k, v, 0.0, causal, scale=self.scale)
-        else:  # an additive fp32 mask (what the op takes), a block of queries at a time: ≤ CHUNK_BYTES
-            step, outs = max(1, self.CHUNK_BYTES // (4 * B * S)), []
+        else:  # an additive fp32 mask (what the op takes), a block of queries at a time over the keys
+            # any of them sees (a window layer's band: ≤ BLOCK_Q + window keys, not all S)
+            step, outs = max(1, min(self.BLOCK_Q, self.CHUNK_BYTES // (4 * B * S))), []
             for t0 in range(0, T, step):
                 m = mask[:, :, t0 : t0 + step]
+                seen = m.reshape(-1, m.shape[-1]).any(0).nonzero()
+                lo, hi = (int(seen[0]), int(seen[-1]) + 1) if len(seen) else (0, S)
+                m = m[..., lo:hi]
                 add = torch.zeros(m.shape, dtype=torch.float32).masked_fill_(~m, float("-inf"))
-                outs.append(_FLASH_CPU(q32[:, :, t0 : t0 + step], k, v, 0.0, False, attn_mask=add, scale=self.scale))
+                outs.append(_FLASH_CPU(q32[:, :, t0 : t0 + step], k[:, :, lo:hi], v[:, :, lo:hi], 0.0, False,
+                                       attn_mask=add, scale=self.scale))
             out, lse = (torch.cat([o[i] for o in outs], dim=2) for i in (0, 1))
         keep = torch.sigmoid(lse.view(B, self.H, T) - self.native_sinks().view(1, -1, 1))  # [B, H, T]
         return (out * keep[..., None]).to(q.dtype)
