@@ -72,6 +72,11 @@ def child(path: Path, threads: int, n: int, batch: int, n16: int, prompt: int, i
     return out
 
 
+def _commit() -> str:
+    return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True).stdout.strip()
+
+
 def run(args) -> dict:
     import torch
     from oss_checkpoint import write_oss
@@ -103,8 +108,7 @@ def run(args) -> dict:
               flush=True)
     med = statistics.median
     ours = {k: med(o[k] for o in rows["ours"]) for k in rows["ours"][0]}
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
+    commit = _commit()
     res = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "lynx_edge": commit,
            "torch": torch.__version__, "machine": cpu_flags(), "threads": args.threads,
            "int4_act": args.int4_act or "default", "layers": args.layers, "vocab": args.vocab,
@@ -140,8 +144,7 @@ def run_prefill(args, bins: Path, path: Path, gguf: Path) -> dict:
         print(f"round {r + 1}: pp{args.prefill} llama.cpp {rows['llama_pp'][-1]:.2f} tok/s, lynx-edge "
               f"{rows['ours_pp'][-1]:.2f}", flush=True)
     med = statistics.median
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
+    commit = _commit()
     ll, us = med(rows["llama_pp"]), med(rows["ours_pp"])
     return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "lynx_edge": commit,
             "torch": torch.__version__, "machine": cpu_flags(), "threads": args.threads,

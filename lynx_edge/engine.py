@@ -290,8 +290,9 @@ class Engine:
                 start += 1
             if stateful and start < len(sess):
                 start = 0  # the state holds all of the session: reuse only a prompt that extends it, else recompute
-            if start < max(len(sess), self._written):  # a window layer's ring may no longer hold the window before `start`
-                start = core.kv.rewind(0, max(len(sess), self._written), start)
+            held = max(len(sess), self._written)  # positions row 0's rings have seen
+            if start < held:  # a window layer's ring may no longer hold the window before `start`
+                start = core.kv.rewind(0, held, start)
         self._reused = start
         seeds = sp.seed if isinstance(sp.seed, (list, tuple)) else [sp.seed] * len(prompts)
         for b, p in enumerate(prompts):

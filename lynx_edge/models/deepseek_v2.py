@@ -38,7 +38,7 @@ from torch import nn
 
 from ..config import ConfigError, check_act, check_top_k
 from ..routing import RouterSpec
-from .layers import Attention, AttnBatch, DenseMLP, Linear, MoEBlock, RMSNorm, Rope
+from .layers import Attention, AttnBatch, DenseMLP, Linear, MoEBlock, RMSNorm, Rope, fp32_once
 
 MODEL_TYPE = "deepseek_v2"
 
@@ -235,10 +235,7 @@ class MLAttention(nn.Module):
         weight's bytes: 8.4 MB a layer, 227 MB over DeepSeek-V2-Lite's 27)."""
         w = self.kv_b_proj.weight
         if w.device.type == "cpu" and w.dtype != torch.float32:
-            key = (w.data_ptr(), w._version)
-            if getattr(self, "_kv_b32", (None,))[0] != key:
-                self._kv_b32 = (key, w.detach().float().view(self.H, self.dn + self.dv, self.r))
-            return self._kv_b32[1]
+            w = fp32_once(self, "_kv_b32", w)[0]
         return w.view(self.H, self.dn + self.dv, self.r)
 
 

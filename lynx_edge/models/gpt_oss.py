@@ -24,7 +24,7 @@ from ..config import ConfigError, check_top_k, parse_rope
 from ..kernels import native
 from ..kernels.moe_mxfp4 import fused_moe_oss, mxfp4_dequant, mxfp4_quantize, oss_act, oss_moe_ref, triton_ok
 from ..routing import RouterSpec
-from .layers import Attention, MoEBlock, _param
+from .layers import Attention, MoEBlock, _param, fp32_once
 from .transformer import kv_cache_spec
 
 MODEL_TYPE = "gpt_oss"
@@ -93,7 +93,7 @@ class SinkAttention(Attention):
 
     def native_sinks(self) -> torch.Tensor:
         """The sinks for the native decode kernel (the softmax below, one step per row): fp32 [H]."""
-        return _fp32_once(self, "_sinks32", self.sinks)[0]
+        return fp32_once(self, "_sinks32", self.sinks)[0]
 
     def sdpa(self, q, keys, vals, ab, T: int, attn: tuple | None = None) -> torch.Tensor:
         # q [B, H, T, hd], keys/vals [B, Hkv, S, hd] → [B, H, T, hd]
@@ -334,18 +334,7 @@ class OssExperts(nn.Module):
 
     def _biases32(self) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 copies of the biases for the native kernel."""
-        return _fp32_once(self, "_b32", self.gate_up_b, self.down_b)
-
-
-def _fp32_once(owner, attr: str, *ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """fp32 contiguous copies of ts for the native kernels, made once and kept on owner.attr (made
-    again when one of ts changes: another tensor, or written in place)."""
-    key = tuple((t.data_ptr(), t._version) for t in ts)
-    cached = getattr(owner, attr, None)
-    if cached is None or cached[0] != key:
-        cached = (key, tuple(t.detach().float().contiguous() for t in ts))
-        setattr(owner, attr, cached)
-    return cached[1]
+        return fp32_once(self, "_b32", self.gate_up_b, self.down_b)
 
 
 def _check(name: str, w: torch.Tensor, want: tuple[int, ...]) -> None:

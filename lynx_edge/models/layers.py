@@ -207,6 +207,17 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
+def fp32_once(owner, attr: str, *ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """fp32 contiguous copies of ts (for the native kernels, or fp32 math on a CPU), made once and
+    kept on owner.attr (made again when one of ts changes: another tensor, or written in place)."""
+    key = tuple((t.data_ptr(), t._version) for t in ts)
+    cached = getattr(owner, attr, None)
+    if cached is None or cached[0] != key:
+        cached = (key, tuple(t.detach().float().contiguous() for t in ts))
+        setattr(owner, attr, cached)
+    return cached[1]
+
+
 @functools.lru_cache(maxsize=64)
 def _arange(start: int, stop: int) -> torch.Tensor:
     """int64 [stop - start] on the CPU, made once per range (the native calls only read it)."""
@@ -404,13 +415,14 @@ def _write_kv(k_cache, v_cache, k, v, ab: AttnBatch) -> None:
         k_cache[ab.rows, :, ab.start : ab.start + T] = k  # [B, Hkv, T, hd]
         v_cache[ab.rows, :, ab.start : ab.start + T] = v
         return
-    if isinstance(ab.rows, slice):
-        rows = torch.arange(ab.rows.start, ab.rows.stop, device=k.device)
-    else:
-        rows = ab.rows
-    ri = rows[:, None].expand(B, T)  # [B, T]
+    ri = _row_index(ab, k.device)[:, None].expand(B, T)  # [B, T]
     k_cache[ri, :, ab.positions] = k.transpose(1, 2)  # [B, T, Hkv, hd]
     v_cache[ri, :, ab.positions] = v.transpose(1, 2)
+
+
+def _row_index(ab: AttnBatch, device) -> torch.Tensor:
+    """The rows' cache indices as a tensor on `device` (a slice's made here)."""
+    return torch.arange(ab.rows.start, ab.rows.stop, device=device) if isinstance(ab.rows, slice) else ab.rows
 
 
 def _ring_kv(k_cache, v_cache, k, v, ab: AttnBatch, R: int, W: int) -> tuple:
@@ -424,7 +436,7 @@ def _ring_kv(k_cache, v_cache, k, v, ab: AttnBatch, R: int, W: int) -> tuple:
     real tokens written (a pad, past its row's end, never: ab.ends)."""
     B, _, T, _ = k.shape
     dev = k.device
-    rows = torch.arange(ab.rows.start, ab.rows.stop, device=dev) if isinstance(ab.rows, slice) else ab.rows
+    rows = _row_index(ab, dev)
     if T == 1:
         pos = ab.positions.reshape(B)
         for off in (0, R):  # both copies of each position
