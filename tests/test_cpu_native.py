@@ -432,11 +432,12 @@ TOL_MX16 = 2e-5
 TOL_MX8 = 2e-6  # int8 codes a step apart (2^-7 of the block's largest input) flip far more rarely: observed 5.6e-7
 
 
-@pytest.mark.parametrize("T,K,E,D,I", [(1, 2, 4, 64, 32), (5, 4, 8, 96, 288), (9, 2, 3, 512, 64)])
+@pytest.mark.parametrize("T,K,E,D,I", [(1, 2, 4, 64, 32), (5, 4, 8, 96, 288), (9, 2, 3, 512, 64), (70, 2, 2, 64, 96)])
 def test_gpt_oss_mxfp4_integer_activations_match_emulation(T, K, E, D, I):
     """MXFP4 rows against int16 activations (act="q16", the default on AVX2): equal to fp64 sums
     over the same dequantised weights with x and h rounded as the kernel rounds them (blocks of 32,
-    32767 levels) — 1, 3, 9 (a chunk of eight and one more) and 16 blocks a row, subnormal scales —
+    32767 levels) — 1, 3, 9 (a chunk of eight and one more) and 16 blocks a row, subnormal scales;
+    a prompt's 70 tokens an expert (a chunk of 64 and a partial tile of 4 after it) —
     and on int8 ones (act="q8", 127 levels) to the emulation of those. A token's result does
     not depend on the batch around it. Bug cases: a code flipped, a scale one off."""
     args, weights = _oss_mx_problem(T, K, E, D, I, seed=T + D)
