@@ -31,6 +31,8 @@ background load hits them alike), medians over rounds:
                        lynx-edge generation of N+1 tokens after an 8-token prompt
     B=16 aggregate:    `llama-batched-bench -npp P -ntg N -npl 16` (S_TG) vs lynx-edge's
                        decode_tok_s of a batch of 16 P-token prompts, LYNX `off` and `on`
+    --prefill P:       `llama-bench -p P -n 0` vs one lynx-edge prefill of a P-token prompt (after
+                       an untimed one), prompt tok/s; no target in issue 16 (parity shown)
 
     python benchmarks/vs_llamacpp.py                          # all: demo + random, 1 and 2 threads
     python benchmarks/vs_llamacpp.py --models demo --threads 2 -r 2
@@ -214,6 +216,12 @@ def llama_tg(bins: Path, gguf: Path, threads: int, n: int) -> dict:
             "cpu": row.get("cpu_info"), "type": row.get("model_type")}
 
 
+def llama_pp(bins: Path, gguf: Path, threads: int, p: int) -> float:
+    """One llama-bench pp run (its warm-up, then one timed repetition) → prompt tok/s."""
+    out = sh([bins / "llama-bench", "-m", gguf, "-p", p, "-n", "0", "-t", threads, "-r", 1, "-o", "json"])
+    return float(json.loads(out)[0]["avg_ts"])
+
+
 def llama_batched(bins: Path, gguf: Path, threads: int, batch: int, npp: int, ntg: int) -> float:
     """One llama-batched-bench run at one batch size → aggregate decode tok/s (S_TG)."""
     ctx = batch * (npp + ntg) + 64
@@ -251,6 +259,18 @@ def ours(engine, prompts: list[list[int]], n: int, lynx: str) -> float:
     engine.set_lynx(lynx)
     stats = measure(engine, prompts, n + 1)
     return float(stats["decode_tok_s"])
+
+
+def ours_pp(engine, ids: list[int]) -> float:
+    """One prefill of the prompt ids from an empty cache → prompt tok/s (after an untimed one, as
+    llama-bench warms up)."""
+    from lynx_edge.step import prefill
+
+    kv = engine._cache(1)
+    prefill(engine.model, kv, 0, ids, 0)
+    t0 = time.perf_counter()
+    prefill(engine.model, kv, 0, ids, 0)
+    return len(ids) / (time.perf_counter() - t0)
 
 
 def to_ggufs(src: Path, bins: Path, work: Path, tag: str, path: Path, kinds: list[str], threads: list[int]) -> dict:
@@ -415,6 +435,10 @@ def run(args) -> dict:
                     bB["llama"].append(llama_batched_retry(bins, ggufs[kind], th, args.batch, args.prompt, args.n16))
                     bB["off"].append(ours(eng, pB, args.n16, "off"))
                     bB["on"].append(ours(eng, pB, args.n16, "on"))
+                pp = {"llama": [], "ours": []}
+                for _ in range(args.rounds if args.prefill else 0):
+                    pp["llama"].append(llama_pp(bins, ggufs[kind], th, args.prefill))
+                    pp["ours"].append(ours_pp(eng, synthetic_prompts(eng, 1, args.prefill)[0]))
                 med1 = {k: statistics.median(v) for k, v in b1.items()}
                 medB = {k: statistics.median(v) for k, v in bB.items() if v}
                 base = dict(model=model, kind=kind, llama_type=ll_name, ours_dtype=dt, threads=th, bits=bits,
@@ -428,10 +452,15 @@ def run(args) -> dict:
                     res["rows"].append(base | dict(batch=args.batch, lynx=mode, ours_tok_s=medB[mode],
                                                    llama_tok_s=medB["llama"], ratio=medB[mode] / medB["llama"],
                                                    target=TARGET["Bn", bits], ours_all=bB[mode], llama_all=bB["llama"]))
-                for r in res["rows"][-3 if batched else -1:]:
+                if args.prefill:  # prompt processing: no target in issue 16 (shown against parity)
+                    medP = {k: statistics.median(v) for k, v in pp.items()}
+                    res["rows"].append(base | dict(batch=f"pp{args.prefill}", lynx="off", ours_tok_s=medP["ours"],
+                                                   llama_tok_s=medP["llama"], ratio=medP["ours"] / medP["llama"],
+                                                   target=None, ours_all=pp["ours"], llama_all=pp["llama"]))
+                for r in res["rows"][-(3 if batched else 1) - bool(args.prefill):]:
                     print(f"{model} {kind} t={th} B={r['batch']} lynx={r['lynx']}: lynx-edge {r['ours_tok_s']:.1f} "
                           f"tok/s, llama.cpp {ll_name} {r['llama_tok_s']:.1f} → {r['ratio']:.3f}x "
-                          f"(target {r['target']}x)", flush=True)
+                          f"(target {r['target'] or '-'}x)", flush=True)
             del eng
             gc.collect()  # the next engine of a 1.3 GB model should not sit beside this one
     res["loadavg_end"] = os.getloadavg()
@@ -472,10 +501,12 @@ def to_markdown(res: dict) -> str:
           f"steps after an 8-token prompt. " + (f"B={res['batch']}: `llama-batched-bench -npp {res['prompt_b16']} -ntg "
           f"{res['n_b16']} -npl {res['batch']}` S_TG vs lynx-edge's aggregate decode tok/s over {res['n_b16']} steps "
           f"of {res['batch']} {res['prompt_b16']}-token prompts, LYNX `off` and `on`. " if res['batch'] > 1 else
-          "B=1 rows only (`--batch 1`). ") + "ratio = lynx-edge / llama.cpp; "
+          "B=1 rows only (`--batch 1`). ") + (f"ppN rows: prompt processing, `llama-bench -p N -n 0` vs one "
+          "lynx-edge prefill of an N-token prompt after an untimed one (no target in the issue). "
+          if any(str(r["batch"]).startswith("pp") for r in res["rows"]) else "") + "ratio = lynx-edge / llama.cpp; "
           "target from issue 16 (B=1: 4-bit ≥ 0.8, 16-bit ≥ 0.9; B=16 ≥ 1.0 at the same bits).", ""]
-    met = [r for r in res["rows"] if r["ratio"] >= r["target"]]
-    md += [f"**Targets met: {len(met)} of {len(res['rows'])} rows**" + (": " + "; ".join(
+    met = [r for r in res["rows"] if r["target"] and r["ratio"] >= r["target"]]
+    md += [f"**Targets met: {len(met)} of {sum(bool(r['target']) for r in res['rows'])} rows**" + (": " + "; ".join(
         f"{r['model']} {r['llama_type']} vs {_ours_name(r)} B={r['batch']} LYNX {r['lynx']} {r['threads']}t ({r['ratio']:.2f}×)"
         for r in met) if met else "") + ". Ratio range per model: " + "; ".join(
         f"{m} {min(r['ratio'] for r in rs):.2f}–{max(r['ratio'] for r in rs):.2f}×"
@@ -501,8 +532,8 @@ def to_markdown(res: dict) -> str:
             ours_name = _ours_name(r)
             md.append(f"| {r['threads']} | {r['batch']} | {r['llama_type']} | {ours_name} | {r['lynx']} | "
                       f"{r['llama_tok_s']:.1f} ({min(r['llama_all']):.1f}–{max(r['llama_all']):.1f}) | "
-                      f"{r['ours_tok_s']:.1f} ({min(r['ours_all']):.1f}–{max(r['ours_all']):.1f}) | {r['ratio']:.3f} | {r['target']} | "
-                      f"{'yes' if r['ratio'] >= r['target'] else '**no**'} |"
+                      f"{r['ours_tok_s']:.1f} ({min(r['ours_all']):.1f}–{max(r['ours_all']):.1f}) | {r['ratio']:.3f} | "
+                      f"{r['target'] or '–'} | {'–' if not r['target'] else 'yes' if r['ratio'] >= r['target'] else '**no**'} |"
                       + ((f" {r['previous_ratio']:.3f} |" if r.get("previous_ratio") is not None else " – |")
                          if res.get("previous") else ""))
         md.append("")
@@ -557,6 +588,9 @@ def main() -> None:
     ap.add_argument("--n16", type=int, default=32, help="decode tokens per sequence at B=16 (-ntg)")
     ap.add_argument("--prompt", type=int, default=16, help="prompt tokens per sequence at B=16 (-npp)")
     ap.add_argument("--batch", type=int, default=16, help="the batched rows' batch size; 1: B=1 rows only")
+    ap.add_argument("--prefill", type=int, default=0,
+                    help="also time prompt processing of this many tokens (llama-bench -p P -n 0 vs one lynx-edge "
+                         "prefill of a P-token prompt); a row with B = ppP")
     ap.add_argument("--jobs", type=int, default=2, help="parallel compile jobs for the one-time build")
     ap.add_argument("--build-only", action="store_true", help="fetch and build llama.cpp, then stop")
     ap.add_argument("--update", action="store_true",
