@@ -1051,3 +1051,61 @@ def test_stacked_experts_keep_streamed_bf16_in_packed_rows():
     assert mods[True].packed_rows == (False, False) and torch.equal(mods[True].gate_up.data, gu)
     f32 = layers.StackedExperts(E, D, I, torch.float32, "cpu", streamed=True, pack=True)
     assert f32.packed_rows == (False, False)
+
+
+@pytest.mark.parametrize("kind", ["mxfp4-q16", "mxfp4-q8", "mxfp4-f32", "int4-q16", "bf16"])
+def test_kept_scratch_reused_dirty_equals_fresh(kind):
+    """A prompt's MoE call keeps its scratch block (≥ 1 MiB) for the next call instead of faulting
+    fresh pages in every time; the next call gets it back dirty. Its result must be the one the same
+    call gives on fresh memory, bit for bit, after a call on other inputs and experts filled it;
+    kept bytes are counted and release_scratch gives them back."""
+    from lynx_edge.quant import cpu_kernels
+    from lynx_edge.quant.int4 import quantize_experts
+
+    T, K, E, D, I = 256, 2, 4, 256, 256  # 512 slots: ~2 MB of scratch
+    g = torch.Generator().manual_seed(3)
+    if kind.startswith("mxfp4"):
+        args, _ = _oss_mx_problem(T, K, E, D, I, seed=5)
+        act = kind.split("-")[1]
+        run = lambda x, ids: native.moe_oss(x, ids, *args[2:], act=act)  # noqa: E731
+    elif kind == "int4-q16":
+        p = quantize_experts(torch.randn(E, 2 * I, D, generator=g) * 0.1, torch.randn(E, D, I, generator=g) * 0.1, 128, True)
+        w = torch.softmax(torch.randn(T, K, generator=g), -1)
+        run = lambda x, ids: cpu_kernels.moe_int4_cpu(x, ids, w, p, act="q16")  # noqa: E731
+    else:
+        gu, dn = (torch.randn(E, 2 * I, D, generator=g) * 0.1).bfloat16(), (torch.randn(E, D, I, generator=g) * 0.1).bfloat16()
+        w = torch.softmax(torch.randn(T, K, generator=g), -1)
+        run = lambda x, ids: native.moe_dense(x, ids, w, gu, dn)  # noqa: E731
+    x = torch.randn(T, D, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    other_x = torch.randn(T, D, generator=g) * 50
+    other_ids = torch.zeros_like(ids)  # every slot on expert 0: other counts, other slot order
+    other_ids[:, 1] = E - 1
+    native.release_scratch()
+    assert native.scratch_kept() == 0
+    fresh = run(x, ids)
+    kept = native.scratch_kept()
+    assert (1 << 20) <= kept <= (256 << 20)
+    run(other_x, other_ids)
+    assert native.scratch_kept() == kept  # the same block, reused
+    assert torch.equal(run(x, ids), fresh)
+    assert native.release_scratch() == kept and native.scratch_kept() == 0
+
+
+def test_kept_scratch_attention_scores():
+    """The decode attention's scores of a long context (5 rows x 16 heads x 4096 positions: 1.3 MB) come
+    from the kept scratch too: reused dirty after a call at other positions, the same outputs."""
+    g = torch.Generator().manual_seed(9)
+    B, H, Hkv, hd, S = 5, 16, 4, 16, 4096
+    kv = [torch.randn(B, Hkv, S, hd, generator=g) for _ in range(2)]
+    qkv = torch.randn(B, (H + 2 * Hkv) * hd, generator=g)
+    cs, sn = torch.rand(B, hd, generator=g), torch.rand(B, hd, generator=g)
+    rows, pos = torch.arange(B), torch.full((B,), S - 1)
+    call = lambda q, p, c: native.attn_decode(q, H, Hkv, hd, None, None, 0.0, cs, sn, p, rows, *c, None)  # noqa: E731
+    native.release_scratch()
+    fresh = call(qkv, pos, [c.clone() for c in kv])
+    kept = native.scratch_kept()
+    assert kept >= B * H * S * 4
+    call(qkv * 30, pos - torch.arange(B) * 7, [c.clone() for c in kv])
+    assert torch.equal(call(qkv, pos, [c.clone() for c in kv]), fresh)
+    assert native.release_scratch() == kept

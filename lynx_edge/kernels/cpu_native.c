@@ -32,6 +32,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <pthread.h>
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -2012,13 +2013,102 @@ static void parallel(void (*fn)(const void *, long), const void *arg, long n_ite
 
 /* --- entry points (ctypes) -------------------------------------------------------------------- */
 
+/* Scratch blocks of 1 MiB and more are kept for the next call (KEEP_SLOTS of them, KEEP_MAX bytes in
+ * all; a call that finds none free, or would pass the cap, mallocs and frees as before). A prompt's
+ * MoE call needs tens to hundreds of MB (the random 1.28 GB qwen3_moe at 2048 slots: 36 MB; gpt-oss-20b
+ * at 4096: ~200 MB), which glibc maps fresh at every call (past its 32 MB mmap threshold), so every
+ * page faulted in again, serially and under the kernel's mm lock: ~2.3 us a page on this VM, a 512-token
+ * prefill of the random model's 4-bit checkpoint ~170 ms of its ~1 s on two threads. The cost: up to
+ * KEEP_MAX of resident memory after the first long prompt (as llama.cpp keeps its compute buffer);
+ * lynx_scratch_release() gives it back. Blocks are reused dirty: no kernel reads scratch it did not
+ * write (every buffer is written, or memset, before it is read). */
+#define KEEP_MIN ((size_t)1 << 20)
+#define KEEP_MAX ((size_t)256 << 20)
+#define KEEP_SLOTS 4
+static struct {
+    uint8_t *p;
+    size_t n;
+    int busy;
+} keep_slot[KEEP_SLOTS];
+static pthread_mutex_t keep_mu = PTHREAD_MUTEX_INITIALIZER;
+
+/* a block of at least total bytes: a kept one that is free and large enough (the smallest such), a
+ * free slot's block grown to total (within KEEP_MAX), else malloc */
+static uint8_t *take_block(size_t total) {
+    if (total >= KEEP_MIN) {
+        pthread_mutex_lock(&keep_mu);
+        int fit = -1, grow = -1;
+        size_t kept = 0;
+        for (int i = 0; i < KEEP_SLOTS; i++) {
+            kept += keep_slot[i].n;
+            if (keep_slot[i].busy) continue;
+            if (keep_slot[i].n >= total) {
+                if (fit < 0 || keep_slot[i].n < keep_slot[fit].n) fit = i;
+            } else if (grow < 0 || keep_slot[i].n < keep_slot[grow].n)
+                grow = i;
+        }
+        if (fit < 0 && grow >= 0 && kept - keep_slot[grow].n + total <= KEEP_MAX) {
+            free(keep_slot[grow].p);
+            keep_slot[grow].p = malloc(total);
+            keep_slot[grow].n = keep_slot[grow].p ? total : 0;
+            if (keep_slot[grow].p) fit = grow;
+        }
+        uint8_t *p = NULL;
+        if (fit >= 0) {
+            keep_slot[fit].busy = 1;
+            p = keep_slot[fit].p;
+        }
+        pthread_mutex_unlock(&keep_mu);
+        if (p) return p;
+    }
+    return malloc(total ? total : 1);
+}
+
+/* the block of a scratch() call back: to its slot if it is a kept one, else free */
+static void scratch_free(void *mem) {
+    if (!mem) return;
+    pthread_mutex_lock(&keep_mu);
+    for (int i = 0; i < KEEP_SLOTS; i++)
+        if (keep_slot[i].p == mem && keep_slot[i].busy) {
+            keep_slot[i].busy = 0;
+            pthread_mutex_unlock(&keep_mu);
+            return;
+        }
+    pthread_mutex_unlock(&keep_mu);
+    free(mem);
+}
+
+/* bytes of scratch kept for the next call */
+long lynx_scratch_kept(void) {
+    size_t n = 0;
+    pthread_mutex_lock(&keep_mu);
+    for (int i = 0; i < KEEP_SLOTS; i++) n += keep_slot[i].n;
+    pthread_mutex_unlock(&keep_mu);
+    return (long)n;
+}
+
+/* free the kept scratch blocks no call is using → bytes freed */
+long lynx_scratch_release(void) {
+    size_t n = 0;
+    pthread_mutex_lock(&keep_mu);
+    for (int i = 0; i < KEEP_SLOTS; i++)
+        if (!keep_slot[i].busy && keep_slot[i].p) {
+            n += keep_slot[i].n;
+            free(keep_slot[i].p);
+            keep_slot[i].p = NULL;
+            keep_slot[i].n = 0;
+        }
+    pthread_mutex_unlock(&keep_mu);
+    return (long)n;
+}
+
 /* One allocation carved into n scratch buffers of sz[i] bytes (64-byte steps; out[i] NULL where
- * sz[i] == 0) → the block to free, or NULL when out of memory: a kernel call's many buffers cost one
- * malloc, not one each (the demo's decode step made ~180) */
+ * sz[i] == 0) → the block to give back with scratch_free, or NULL when out of memory: a kernel call's
+ * many buffers cost one malloc, not one each (the demo's decode step made ~180) */
 static uint8_t *scratch(const size_t *sz, int n, void **out) {
     size_t total = 0;
     for (int i = 0; i < n; i++) total += (sz[i] + 63) & ~(size_t)63;
-    uint8_t *mem = malloc(total ? total : 1);
+    uint8_t *mem = take_block(total);
     if (!mem) return NULL;
     for (size_t i = 0, off = 0; i < (size_t)n; off += (sz[i] + 63) & ~(size_t)63, i++) out[i] = sz[i] ? mem + off : NULL;
     return mem;
@@ -2119,7 +2209,7 @@ int lynx_moe(int fmt, const float *x, const int64_t *ids, const float *w, const 
             for (int d = 0; d < D; d++) o[d] += yr[d];
         }
     }
-    free(mem);
+    scratch_free(mem);
     return 0;
 }
 
@@ -2371,7 +2461,7 @@ int lynx_linear_int8(const float *x, const int8_t *q, const float *scale, const 
     (void)q8;
 #endif
     parallel(linear_item, &P, (N + ROW_BLOCK - 1) / ROW_BLOCK, nthreads);
-    free(mem);
+    scratch_free(mem);
     return 0;
 }
 
@@ -2447,7 +2537,7 @@ int lynx_linear_int4(const float *x, const uint8_t *q, const uint16_t *s, const 
     qlinear_t P = {T, Kin, N, G, q, z, s, xe, xo, xs, bias, out, a ? b[2] : NULL, a ? act_odd(a, b[2], T, Kin) : NULL, d,
                    a ? d + (long)T * ACT_DS(a == ACT_Q16, Kin, G) : NULL, a == ACT_Q16};
     parallel(qlinear_item, &P, (N + ROW_BLOCK - 1) / ROW_BLOCK, nthreads);
-    free(mem);
+    scratch_free(mem);
     return 0;
 }
 
@@ -2902,8 +2992,13 @@ int lynx_attn_decode(const float *qkv, int B, int H, int Hkv, int hd, int rd, co
         Lmax = pos[b] + 1 > Lmax ? pos[b] + 1 : Lmax;
     }
     if (window > 0 && Lmax > window) Lmax = window;
-    float *scores = malloc((size_t)B * H * Lmax * sizeof(float));
-    if (!scores) return -2;
+    /* scratch (kept when >= 1 MiB): 16 rows of gpt-oss-20b's 64 heads at 4096 positions are 16 MB a
+     * layer a step, whose pages glibc would map fresh every call at longer contexts */
+    const size_t sz[1] = {(size_t)B * H * Lmax * sizeof(float)};
+    void *sb[1];
+    uint8_t *mem = scratch(sz, 1, sb);
+    if (!mem) return -2;
+    float *scores = sb[0];
     attn_t A = {qkv, B, H, Hkv, hd, rd, window, cfmt, qn, kn, eps, scale, cos, sin, pos, rows, kc, vc, S, out,
                 scores, Lmax, sinks, ring};
     /* every key and value first: tokens of one row in one call (a mixed step's prompt chunk) attend
@@ -2911,7 +3006,7 @@ int lynx_attn_decode(const float *qkv, int B, int H, int Hkv, int hd, int rd, co
     for (int b = 0; b < B; b++)
         for (int g = 0; g < Hkv; g++) kv_write(&A, b, g);
     parallel(attn_item, &A, (long)B * Hkv, nthreads);
-    free(scores);
+    scratch_free(mem);
     return 0;
 }
 
@@ -3053,7 +3148,7 @@ int lynx_layer_attn(const attn_layer_t *L, const uint8_t *x, int B, const float 
     if (bf) round_bf16(logits, (long)B * L->gate.N);
     rc = 0;
 done:
-    free(mem);
+    scratch_free(mem);
     return rc;
 }
 
@@ -3083,7 +3178,7 @@ int lynx_layer_moe(const moe_layer_t *M, int fmt, const float *h2, const int64_t
     int rc = lynx_moe(M->fmt, h2, ids, w, M->perm, M->data, M->E, M->nbytes, M->offs, M->gu, M->dn, M->sym, M->G, D, M->I,
                   B, K, y, nthreads, M->gus, M->dns, NULL, NULL, 0, 0.0f, 0.0f, M->act, M->bn, M->bk, M->stream);
     if (rc == 0) residual_add(x1, fmt, y, B, D, r, out);
-    free(mem);
+    scratch_free(mem);
     return rc;
 }
 
@@ -3298,7 +3393,7 @@ int lynx_route(const float *z, const float *probs_in, int T, int E, const route_
     }
     if (R->scale != 1.0f)
         for (long i = 0; i < (long)T * K; i++) w[i] *= R->scale;
-    free(mem);
+    scratch_free(mem);
     return 0;
 }
 
@@ -3321,7 +3416,7 @@ int lynx_layer(const attn_layer_t *L, const moe_layer_t *M, const route_t *R, co
     if ((rc = lynx_route(logits, NULL, B, E, R, ids, w, vec)) != 0) { rc = -2; goto done; }
     rc = lynx_layer_moe(M, L->fmt, h2, ids, w, B, R->K, x1, out, nthreads);
 done:
-    free(mem);
+    scratch_free(mem);
     return rc;
 }
 
@@ -3360,7 +3455,7 @@ int lynx_layers(int n, const attn_layer_t *const *L, const moe_layer_t *const *M
         rc = lin_run(head, h, B, logits, nthreads) != 0 ? -2 : 0;
         if (fmt == FMT_BF16) round_bf16(logits, (long)B * head->N);
     }
-    free(mem);
+    scratch_free(mem);
     return rc;
 }
 
@@ -3414,6 +3509,6 @@ int lynx_decode(int n, const attn_layer_t *const *L, const moe_layer_t *const *M
         if (stopped) break;
     }
 end:
-    free(mem);
+    scratch_free(mem);
     return rc;
 }

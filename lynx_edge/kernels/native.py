@@ -146,6 +146,10 @@ def lib() -> ctypes.CDLL | None:
     so.lynx_i8_q8.restype = i
     so.lynx_q16_pays.argtypes = []
     so.lynx_q16_pays.restype = i
+    for name in ("lynx_scratch_kept", "lynx_scratch_release"):
+        if hasattr(so, name):  # an older build (benchmarks' A/B bases) has neither
+            getattr(so, name).argtypes = []
+            getattr(so, name).restype = L
     so.lynx_linear_int4.argtypes = [p, p, p, p, p, p, i, i, i, i, p, i, i]
     so.lynx_linear_int4.restype = i
     so.lynx_linear_fp8.argtypes = [p, p, p, i, i, p, i, i, i, p, i]
@@ -417,6 +421,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
                           x2.shape[0], Kin, N, out.data_ptr(), torch.get_num_threads())
     out = out.view(*x.shape[:-1], N)
     return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+
+def scratch_kept() -> int:
+    """Bytes of kernel scratch kept between calls (a prompt's MoE buffers, up to 256 MiB; see
+    take_block in the C file): reused so their pages are not faulted in again at every call."""
+    so = lib()
+    return int(so.lynx_scratch_kept()) if so is not None else 0
+
+
+def release_scratch() -> int:
+    """Free the kernel scratch kept between calls (the next long prompt allocates it again) → bytes freed."""
+    so = lib()
+    return int(so.lynx_scratch_release()) if so is not None else 0
 
 
 def i8_q8() -> bool:
