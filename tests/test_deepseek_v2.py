@@ -261,11 +261,13 @@ def test_absorbed_equals_expanded_decode(models):
     torch.testing.assert_close(runs["absorbed"], runs["expanded"], atol=1e-6, rtol=0)  # observed 2.1e-7
 
 
-def test_absorbed_bf16_on_a_cpu_keeps_fp32_products():
+@pytest.mark.parametrize("mode", ["absorbed", "expanded"])
+def test_absorbed_bf16_on_a_cpu_keeps_fp32_products(mode):
     """A bf16 MLA layer's absorbed decode (the fp32 copy of kv_b per head, the flash kernel over whole
-    latent rows) against the same layer in fp32: within a few bf16 roundings of the output (observed
-    4.7e-3 of its scale: bf16 roundings of the projections, q_lat and the output), three rows at unequal
-    positions. The fp32 copy follows the weight when it is written in place."""
+    latent rows) or expanded attention (values zero-padded to the keys' width for the flash kernel, in
+    fp32) against the same layer in fp32: within a few bf16 roundings of the output (observed 4.7e-3 of
+    its scale absorbed, 5.6e-3 expanded: bf16 roundings of the projections, q_lat and the output), three
+    rows at unequal positions (a mask). The fp32 copy follows the weight when it is written in place."""
     from lynx_edge.models.deepseek_v2 import MLAttention
     from lynx_edge.models.layers import AttnBatch
 
@@ -276,7 +278,7 @@ def test_absorbed_bf16_on_a_cpu_keeps_fp32_products():
     for dt in (torch.float32, torch.bfloat16):
         torch.manual_seed(0)
         m = MLAttention(cfg, 1, dt, torch.device("cpu"))
-        m.mode = "absorbed"
+        m.mode = mode
         layers[dt] = m
     with torch.no_grad():
         for (n, p32), (_, p16) in zip(layers[torch.float32].named_parameters(), layers[torch.bfloat16].named_parameters()):

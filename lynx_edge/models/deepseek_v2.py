@@ -202,8 +202,20 @@ class MLAttention(nn.Module):
         k_nope, v = kv.split([self.dn, self.dv], -1)
         keys = torch.cat((k_nope, k_pe[:, None].expand(B, H, S, self.dr)), -1)  # [B, H, S, dn + dr]
         mask, causal = Attention.attend(self, ab, T)  # no window: uses only ab
-        return F.scaled_dot_product_attention(torch.cat((q_nope, q_pe), -1), keys, v, attn_mask=mask,
-                                              is_causal=causal, scale=self.scale)
+        q = torch.cat((q_nope, q_pe), -1)
+        if q.device.type == "cpu" and v.shape[-1] < q.shape[-1]:
+            # torch's CPU flash kernel takes one head dim for q, k and v; with values narrower than the
+            # keys (dv 128 < dn + dr 192) SDPA fell to its math path, [B, H, T, S] scores and all (268 MB
+            # for a 2048-token prompt of V2-Lite's 16 heads). Values padded with zeros to the keys' width
+            # give the same outputs in their first dv columns; in fp32, as the math path's bf16 products
+            # were rounded no finer (V2-Lite's 16 heads, one causal prompt, one thread: 512 tokens 71-78 ->
+            # 45-47 ms, 2048 tokens 1189-1208 -> 407-435 ms; benchmarks/mla_prefill.py)
+            dt = q.dtype
+            vp = F.pad(v.float(), (0, q.shape[-1] - v.shape[-1]))
+            out = F.scaled_dot_product_attention(q.float(), keys.float(), vp, attn_mask=mask, is_causal=causal,
+                                                 scale=self.scale)
+            return out[..., : v.shape[-1]].to(dt)
+        return F.scaled_dot_product_attention(q, keys, v, attn_mask=mask, is_causal=causal, scale=self.scale)
 
     def absorbed(self, q_nope, q_pe, ctx, ab: AttnBatch) -> torch.Tensor:
         """Attention on the latent: q_nope·W_uk^h·latent = (q_nope·W_uk^h)·latent, and the values
