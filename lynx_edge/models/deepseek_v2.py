@@ -207,9 +207,11 @@ class MLAttention(nn.Module):
             # torch's CPU flash kernel takes one head dim for q, k and v; with values narrower than the
             # keys (dv 128 < dn + dr 192) SDPA fell to its math path, [B, H, T, S] scores and all (268 MB
             # for a 2048-token prompt of V2-Lite's 16 heads). Values padded with zeros to the keys' width
-            # give the same outputs in their first dv columns; in fp32, as the math path's bf16 products
-            # were rounded no finer (V2-Lite's 16 heads, one causal prompt, one thread: 512 tokens 71-78 ->
-            # 45-47 ms, 2048 tokens 1189-1208 -> 407-435 ms; benchmarks/mla_prefill.py)
+            # give the same outputs in their first dv columns. In fp32 (bf16 products are slow without
+            # native bf16; the error against fp64 is the math path's, the inputs' rounding). V2-Lite's 16
+            # heads, one causal prompt, one thread: 512 tokens 71-78 -> 45-47 ms, 2048 tokens 1189-1208 ->
+            # 407-435 ms (benchmarks/mla_prefill.py). A long prompt's fp32 copies (q, keys, padded values)
+            # are transient; the math path's scores grew with T x S.
             dt = q.dtype
             vp = F.pad(v.float(), (0, q.shape[-1] - v.shape[-1]))
             out = F.scaled_dot_product_attention(q.float(), keys.float(), vp, attn_mask=mask, is_causal=causal,
