@@ -182,7 +182,7 @@ def test_bf16_prefill_widens_in_chunks(monkeypatch):
     weight: equal to fp32 math on the bf16 values, one bf16 rounding out."""
     from lynx_edge.models import layers
 
-    monkeypatch.setattr(layers, "WIDEN_ROWS", 16)  # 40 rows of W: chunks 16, 16, 8
+    monkeypatch.setattr(layers, "WIDEN_BYTES", 16 * 64 * 4)  # 40 rows of W: chunks 16, 16, 8
     g = torch.Generator().manual_seed(3)
     x = torch.randn(1, 200, 64, generator=g).bfloat16()
     W, b = torch.randn(40, 64, generator=g).bfloat16(), torch.randn(40, generator=g).bfloat16()

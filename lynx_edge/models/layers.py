@@ -42,7 +42,11 @@ def _param(*shape: int, dtype, device) -> nn.Parameter:
 # torch's bf16 GEMM (oneDNN) ran 3.8-5.0x the widened fp32 one past 128 rows on a Zen4 EPYC (129 to
 # 2048 rows, 1 and 2 threads), so bf16 prefill GEMMs stay bf16 (its rounding: as transformers' bf16).
 NATIVE_ROWS = {torch.bfloat16: (1, 128), torch.float32: (1, 32)}
-WIDEN_ROWS = 4096  # bf16 weight rows widened to fp32 at a time past NATIVE_ROWS (≤ 32 MiB at D=2048)
+# fp32 bytes of a bf16 weight widened at a time past NATIVE_ROWS: a chunk stays below glibc's mmap
+# threshold (32 MiB at most), so chunks reuse heap pages where whole 4096-row chunks (47 MB for gpt-oss-20b's
+# q/k/v) were mapped and faulted in afresh at every call, and it sits in the L3 while the GEMM reads it:
+# gpt-oss-20b's q/k/v and o projections, 512 tokens, 1.1-1.3x (benchmarks/results/widen_chunks_s32.json)
+WIDEN_BYTES = 8 << 20
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -56,9 +60,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return native.linear(x, weight, bias)
     if weight.dtype == torch.bfloat16 and rows > hi and not (x.dtype == torch.bfloat16 and cpu_bf16()):
         xf = x.float()
-        out = torch.cat([F.linear(xf, weight[n:n + WIDEN_ROWS].float(),
-                                  None if bias is None else bias[n:n + WIDEN_ROWS].float())
-                         for n in range(0, weight.shape[0], WIDEN_ROWS)], dim=-1)
+        step = max(1, WIDEN_BYTES // (4 * weight.shape[1]))  # rows a chunk
+        out = torch.cat([F.linear(xf, weight[n:n + step].float(),
+                                  None if bias is None else bias[n:n + step].float())
+                         for n in range(0, weight.shape[0], step)], dim=-1)
         return out.to(x.dtype)
     return F.linear(x, weight, bias)
 
