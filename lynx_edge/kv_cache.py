@@ -58,6 +58,11 @@ def ring_period(window: int | None, ctx: int, swa_full: bool = False, slack: int
     return R if 2 * R < ctx else 0
 
 
+def _windows(cfg: ModelConfig) -> tuple:
+    """Each layer's sliding window (None: full attention)."""
+    return cfg.sliding_windows or (None,) * cfg.num_layers
+
+
 def layer_specs(cfg: ModelConfig, ctx: int, swa_full: bool = False, slack: int = RING_SLACK
                 ) -> list[tuple[tuple[tuple[int, ...], ...], int]]:
     """Per layer, (the shapes per batch row of its cache tensors, as its family says; its ring
@@ -65,7 +70,7 @@ def layer_specs(cfg: ModelConfig, ctx: int, swa_full: bool = False, slack: int =
     from .models.transformer import family_of
 
     family = family_of(cfg)
-    windows = cfg.sliding_windows or (None,) * cfg.num_layers
+    windows = _windows(cfg)
     out = []
     for i in range(cfg.num_layers):
         R = ring_period(windows[i], ctx, swa_full, slack)
@@ -102,7 +107,7 @@ class KVCache:
         self._states = [t for layer, spec in zip(self.layers, specs) for t, s in zip(layer, spec)
                         if isinstance(s, State)]
         self.lengths = [0] * batch
-        self._windows = cfg.sliding_windows or (None,) * cfg.num_layers
+        self._windows = _windows(cfg)
         self._snap = None  # (row, length, per layer (K, V) of the row's ring or None): snapshot()
 
     @property
