@@ -84,8 +84,12 @@ def test_lynx_on_prefill_routes_as_exact(tiny_models, monkeypatch):
     """Prefill stays exact under LYNX, to the bit: each prefill forward's ids and gate weights with
     LYNX on equal those with it off (the exact router's own call, not lynx_select's torch ops)."""
     import lynx_edge.lynx as lynx_mod
+    from lynx_edge.models import native_layer
     from lynx_edge.routing import ExactRouter
 
+    # the routers' own calls only: a one-token prompt's forward would otherwise take the native
+    # layer call, whose exact plan runs inside the kernel (tests/test_native_layer.py covers it)
+    monkeypatch.setattr(native_layer, "NATIVE_LAYERS", False)
     got, engine_router = {ExactRouter: [], lynx_mod.LynxRouter: []}, []
     for cls in got:
         def call(self, logits, is_decode, layer, *a, _real=cls.__call__, **k):

@@ -117,16 +117,56 @@ def test_bug_is_caught_and_replaced_weights_rebuild_the_plan(q3, monkeypatch):
 
 
 def test_other_shapes_keep_the_module_path(tmp_path, monkeypatch):
-    """OLMoE (its own attention) and Qwen2-MoE (a shared expert) run the module path; an offloaded
-    expert backend runs the attention half natively and its own expert call."""
-    for fam in ("olmoe", "qwen2_moe"):
-        eng = Engine.from_pretrained(make_tiny(tmp_path / fam, fam), device="cpu", dtype="bfloat16")
-        _decode(eng, 1, steps=2)
-        assert all(layer._native is False for layer in eng.model.layers), fam
+    """Qwen2-MoE (a shared expert) runs the module path; an offloaded expert backend runs the
+    attention half natively and its own expert call."""
+    eng = Engine.from_pretrained(make_tiny(tmp_path / "q2", "qwen2_moe"), device="cpu", dtype="bfloat16")
+    _decode(eng, 1, steps=2)
+    assert all(layer._native is False for layer in eng.model.layers)
     path = make_tiny(tmp_path / "mx", "mixtral")
     got, ref, eng = _both(path, 2, monkeypatch, dtype="float32", offload=True, expert_slots=4)
     assert eng.model.layers[0]._native.moe_plan is None
     assert torch.equal(got, ref)
+
+
+@pytest.fixture(scope="module")
+def olmoe_clip(tmp_path_factory):
+    """OLMoE with clip_qkv small enough that the clip bites on q, k (after their norms) and v."""
+    return make_tiny(tmp_path_factory.mktemp("ol") / "m", "olmoe", clip_qkv=0.3)
+
+
+@pytest.mark.parametrize("dtype,B", [("bfloat16", 1), ("bfloat16", 3), ("float32", 2)])
+def test_olmoe_full_qk_norm_bit_equal(olmoe_clip, dtype, B, monkeypatch):
+    """OLMoE's q/k norm over all heads and its clip run inside the layer call (lynx_qk_full) with
+    the module path's roundings; the module path itself runs them natively too (qk_full)."""
+    got, ref, eng = _both(olmoe_clip, B, monkeypatch, dtype=dtype)
+    assert torch.equal(got, ref)
+    plan = eng.model.layers[0]._native.attn_plan
+    assert plan.qfw and plan.clip == pytest.approx(0.3)
+    plan.clip = 0.0  # the clip left out: the comparison must notice
+    assert not torch.equal(_decode(eng, B), ref)
+
+
+def test_olmoe_native_decode_matches_transformers(olmoe_clip):
+    """The native OLMoE decode (norm over all heads, clip_qkv, RoPE, attention) against
+    transformers' own decode with its KV cache, fp32, step by step."""
+    import transformers
+
+    eng = Engine.from_pretrained(olmoe_clip, device="cpu", dtype="float32")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(olmoe_clip, dtype=torch.float32).eval()
+    ids = [5, 9, 14, 3, 27]
+    kv = eng._cache(1)
+    ours = [prefill(eng.model, kv, 0, ids, 0)[0]]
+    with torch.no_grad():
+        out = hf(torch.tensor([ids]), use_cache=True)
+        refs, past = [out.logits[0, -1]], out.past_key_values
+        for t in range(6):
+            tok = 40 + 3 * t
+            ours.append(decode_step(eng.model, kv, [0], torch.tensor([tok]))[0])
+            out = hf(torch.tensor([[tok]]), cache=past, use_cache=True)
+            refs.append(out.logits[0, -1])
+            past = out.past_key_values
+    assert all(isinstance(layer._native, NativeLayer) for layer in eng.model.layers)
+    torch.testing.assert_close(torch.stack(ours), torch.stack(refs), atol=1e-6, rtol=1e-5)  # seen 1.6e-7 of 0.63
 
 
 def test_lynx_routing_runs_through_the_native_layer(q3, monkeypatch):

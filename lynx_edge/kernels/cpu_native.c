@@ -3026,6 +3026,17 @@ static inline float bf16_round(float v) {
     return c.f;
 }
 
+/* v [D] <- wv * v * rsqrt(mean(v^2) + eps) in place, fp32 statistics; bf: rounded as the torch
+ * path rounds a bf16 model's norm (the normalised row to bf16, then the product) */
+static void rms_row(float *v, const float *wv, int D, float eps, int bf) {
+    const float r = 1.0f / sqrtf(sum_sq(v, D) / (float)D + eps);
+    if (!bf) {
+        for (int j = 0; j < D; j++) v[j] = wv[j] * (v[j] * r);
+    } else {
+        for (int j = 0; j < D; j++) v[j] = bf16_round(wv[j] * bf16_round(v[j] * r));
+    }
+}
+
 static void norm_item(const void *arg, long item) {
     const norm_t *P = arg;
     const int D = P->D;
@@ -3034,12 +3045,7 @@ static void norm_item(const void *arg, long item) {
     load_row(P->w, P->fmt, wv, D);
     for (long n = item * ROW_BLOCK; n < P->N && n < (item + 1) * ROW_BLOCK; n++) {
         load_row(P->x + n * D * es, P->fmt, v, D);
-        const float r = 1.0f / sqrtf(sum_sq(v, D) / (float)D + P->eps);
-        if (P->fmt == FMT_F32) {
-            for (int j = 0; j < D; j++) v[j] = wv[j] * (v[j] * r);
-        } else { /* as the torch path: the normalised row rounds to bf16, then the product does */
-            for (int j = 0; j < D; j++) v[j] = bf16_round(wv[j] * bf16_round(v[j] * r));
-        }
+        rms_row(v, wv, D, P->eps, P->fmt == FMT_BF16);
         store_row(P->out + n * D * es, P->fmt, v, D);
     }
 }
@@ -3050,6 +3056,29 @@ int lynx_rmsnorm(int fmt, const uint8_t *x, const uint8_t *w, float eps, long N,
     if (D > 4096) return -1;
     norm_t P = {fmt, D, x, w, eps, N, out};
     parallel(norm_item, &P, (N + ROW_BLOCK - 1) / ROW_BLOCK, N >= 64 ? nthreads : 1);
+    return 0;
+}
+
+/* OLMoE's q/k: qkv [B, (H + 2 Hkv) hd] fp32 (values in the model dtype fmt) in place, q normed over
+ * all its H hd values and k over its Hkv hd at once (not per head) by the weights qw [H hd], kw
+ * [Hkv hd] (model dtype), then q, k and v clipped to [-clip, clip] (clip_qkv; 0: none) — the module
+ * path's RMSNorm kernel and clamp, with its roundings (a bf16 model clamps to clip in bf16). Per-head
+ * norms and RoPE follow in lynx_attn_decode. Returns -1 for widths past the stack rows. */
+int lynx_qk_full(float *qkv, int B, int H, int Hkv, int hd, int fmt, const uint8_t *qw, const uint8_t *kw, float eps,
+                 float clip) {
+    const int nq = H * hd, nk = Hkv * hd, width = nq + 2 * nk, bf = fmt == FMT_BF16;
+    if (nq > 4096 || nk > 4096) return -1;
+    float wq[4096], wk[4096];
+    load_row(qw, fmt, wq, nq);
+    load_row(kw, fmt, wk, nk);
+    const float c = bf ? bf16_round(clip) : clip;
+    for (int b = 0; b < B; b++) {
+        float *row = qkv + (long)b * width;
+        rms_row(row, wq, nq, eps, bf);
+        rms_row(row + nq, wk, nk, eps, bf);
+        if (clip > 0.0f)
+            for (int j = 0; j < width; j++) row[j] = row[j] > c ? c : row[j] < -c ? -c : row[j]; /* NaN stays */
+    }
     return 0;
 }
 
@@ -3114,6 +3143,8 @@ typedef struct {
     const uint8_t *norm1, *norm2; /* [D] in the model dtype */
     const float *qn, *kn;         /* q/k RMSNorm weights [hd] fp32, or NULL */
     lin_t qkv, o, gate;
+    const uint8_t *qfw, *kfw;     /* OLMoE: q/k RMSNorm over all heads [H hd], [Hkv hd] (model dtype), or NULL */
+    float clip;                   /* OLMoE's clip_qkv, 0: none */
 } attn_layer_t;
 
 /* x [B, D] (model dtype) -> x1 [B, D] (model dtype), h2 [B, D] fp32 (RMSNorm(x1) in the model
@@ -3136,6 +3167,10 @@ int lynx_layer_attn(const attn_layer_t *L, const uint8_t *x, int B, const float 
     for (int b = 0; b < B; b++) load_row(h + (size_t)b * D * es, L->fmt, hf + (size_t)b * D, D);
     if ((rc = lin_run(&L->qkv, hf, B, q, nthreads)) != 0) { rc = -2; goto done; }
     if (bf) round_bf16(q, (long)B * nq);
+    if (L->qfw && lynx_qk_full(q, B, L->H, L->Hkv, L->hd, L->fmt, L->qfw, L->kfw, L->eps_qk, L->clip) != 0) {
+        rc = -1;
+        goto done;
+    }
     rc = lynx_attn_decode(q, B, L->H, L->Hkv, L->hd, L->rd, L->qn, L->kn, L->eps_qk, L->scale, cos, sin, pos, rows,
                           kc, vc, cfmt, Bmax, S, L->window, a, nthreads, NULL, 0);
     if (rc != 0) goto done;

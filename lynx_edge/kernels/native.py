@@ -163,6 +163,8 @@ def lib() -> ctypes.CDLL | None:
     so.lynx_attn_decode.restype = i
     so.lynx_rmsnorm.argtypes = [i, p, p, f, L, i, p, i]
     so.lynx_rmsnorm.restype = i
+    so.lynx_qk_full.argtypes = [p, i, i, i, i, i, p, p, f, f]
+    so.lynx_qk_full.restype = i
     so.lynx_layer_attn.argtypes = [p, p, i, p, p, p, p, p, p, i, L, L, p, p, p, i]
     so.lynx_layer_attn.restype = i
     so.lynx_layer_moe.argtypes = [p, i, p, p, p, i, i, p, p, i]
@@ -559,6 +561,22 @@ def attn_decode(qkv: torch.Tensor, H: int, Hkv: int, hd: int, q_norm: torch.Tens
     return out if rc == 0 else None
 
 
+def qk_full(qkv: torch.Tensor, H: int, Hkv: int, hd: int, q_weight: torch.Tensor, k_weight: torch.Tensor,
+            eps: float, clip: float | None) -> torch.Tensor | None:
+    """OLMoE's q/k: qkv [B, (H + 2·Hkv)·hd] (fp32 or the model dtype) → fp32 with q RMSNormed over
+    all its heads at once by q_weight [H·hd], k by k_weight [Hkv·hd] (the model dtype, whose
+    roundings it follows), then q, k and v clipped to ±clip (None: not). None: widths the kernel
+    does not take."""
+    dt = q_weight.dtype
+    if dt not in _FMT or k_weight.dtype != dt:
+        return None
+    out = _as(qkv, torch.float32)
+    out = out.clone() if out is qkv else out  # in place on a copy: the caller's tensor stays as it was
+    rc = lib().lynx_qk_full(out.data_ptr(), out.shape[0], H, Hkv, hd, _FMT[dt], _as(q_weight, dt).data_ptr(),
+                            _as(k_weight, dt).data_ptr(), eps, clip or 0.0)
+    return out if rc == 0 else None
+
+
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
     """RMSNorm over the last dim of x (fp32 or bf16, weight the same dtype) with fp32 statistics,
     rounding as the torch path does (lynx_edge.models.layers.RMSNorm) → x's shape and dtype, or
@@ -590,7 +608,8 @@ class AttnLayer(ctypes.Structure):
                 ("hd", ctypes.c_int), ("rd", ctypes.c_int), ("window", ctypes.c_int), ("eps1", ctypes.c_float),
                 ("eps2", ctypes.c_float), ("eps_qk", ctypes.c_float), ("scale", ctypes.c_float),
                 ("norm1", ctypes.c_void_p), ("norm2", ctypes.c_void_p), ("qn", ctypes.c_void_p),
-                ("kn", ctypes.c_void_p), ("qkv", Lin), ("o", Lin), ("gate", Lin)]
+                ("kn", ctypes.c_void_p), ("qkv", Lin), ("o", Lin), ("gate", Lin),
+                ("qfw", ctypes.c_void_p), ("kfw", ctypes.c_void_p), ("clip", ctypes.c_float)]  # OLMoE's (qk_full)
 
 
 class MoeLayer(ctypes.Structure):

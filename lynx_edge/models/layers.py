@@ -366,7 +366,8 @@ class Attention(nn.Module):
             norms_ok = self.qk_norm == "none" or (self.qk_norm == "head" and type(self.q_norm) is RMSNorm
                                                   and type(self.k_norm) is RMSNorm)
             sdpa_ok = cls.sdpa is Attention.sdpa or cls.native_sinks is not Attention.native_sinks
-            self._native_decode = (cls.project is Attention.project and sdpa_ok
+            project_ok = cls.project is Attention.project or self.native_qk_full() is not None
+            self._native_decode = (project_ok and sdpa_ok
                                    and cls.attend is Attention.attend and norms_ok and native.lib() is not None)
             if not self._native_decode:
                 return None
@@ -377,6 +378,9 @@ class Attention(nn.Module):
             return None
         B = x.shape[0]
         qkv = fused.native(x.view(B, -1))
+        full = self.native_qk_full()
+        if qkv is not None and full is not None:
+            qkv = native.qk_full(qkv, self.H, self.Hkv, self.hd, *full)
         if qkv is None:
             return None
         step = ab.native_step()  # per step, shared by every layer: rows, positions, cos, sin
@@ -388,6 +392,12 @@ class Attention(nn.Module):
         if out is None:
             return None
         return self.o_proj(out.to(x.dtype).view(B, 1, self.H * self.hd))
+
+    def native_qk_full(self) -> tuple | None:
+        """A subclass whose `project` only adds RMSNorm over all of q's and k's heads at once and
+        an optional clip of q, k and v (OLMoE) gives the native decode (q_weight [H·hd], k_weight
+        [Hkv·hd], eps, clip or None) here (kernels/native.qk_full); None: this class's own project."""
+        return None
 
     def native_sinks(self) -> torch.Tensor | None:
         """A subclass whose sdpa adds one learned logit per head to each softmax (gpt-oss) gives the

@@ -18,8 +18,10 @@ with the same kernels and the same roundings as the module path: the result is b
 (tests/test_native_layer.py), and, as the kernels sum each row the same way in any batch, a row's
 result does not depend on the batch it runs in. The plan (pointers into the
 layer's weights) is built on the first decode step and checked against the weights' storage each
-step. Layers of another shape — a family's own attention or norm, shared experts, a scorer, an
-offloaded or gpt-oss expert backend — and batches past the kernels' row limits run the module path.
+step. OLMoE's attention (q/k RMSNorm over all heads, clip_qkv: Attention.native_qk_full) runs
+inside the call too (lynx_qk_full). Layers of another shape — a family's own attention or norm,
+shared experts, a scorer, an offloaded or gpt-oss expert backend — and batches past the kernels'
+row limits run the module path.
 Glossary: B rows, D hidden, E experts, K top-k.
 """
 from __future__ import annotations
@@ -62,9 +64,15 @@ class NativeLayer:
             return None
         if not (native.dense_ok(n1.weight) and native.dense_ok(n2.weight)) or n1.weight.shape[0] > 4096:
             return None
-        if type(attn) is not Attention or type(mlp) is not MoEBlock or mlp.scorer is not None:
+        full = attn.native_qk_full() if isinstance(attn, Attention) else None  # OLMoE's norm over all heads and clip
+        if not (type(attn) is Attention or (full is not None and _plain_but_project(type(attn)))):
+            return None
+        if type(mlp) is not MoEBlock or mlp.scorer is not None:
             return None
         if mlp.shared_expert is not None or attn.qk_norm not in ("none", "head"):
+            return None
+        if full is not None and (full[0].dtype != dt or full[1].dtype != dt or attn.H * attn.hd > 4096
+                                 or not (native.dense_ok(full[0]) and native.dense_ok(full[1]))):
             return None
         head = attn.qk_norm == "head"
         if head and (type(attn.q_norm) is not RMSNorm or type(attn.k_norm) is not RMSNorm):
@@ -84,6 +92,10 @@ class NativeLayer:
                                 n1.eps, n2.eps, attn.q_norm.eps if head else 0.0, attn.hd ** -0.5,
                                 n1.weight.data_ptr(), n2.weight.data_ptr(),
                                 None if qn is None else qn.data_ptr(), None if kn is None else kn.data_ptr(), *lins)
+        if full is not None:
+            plan.qfw, plan.kfw = full[0].data_ptr(), full[1].data_ptr()
+            keep += [full[0], full[1]]
+            plan.eps_qk, plan.clip = full[2], full[3] or 0.0
         moe, slots = _moe_plan(mlp.experts, keep, dt)
         key = _key(layer)
         return cls(layer, plan, moe, keep, key, max_rows, slots)
@@ -281,6 +293,12 @@ def _report(ctx, layers: tuple, ids: torch.Tensor, w: torch.Tensor, vec: torch.T
     if ctx.stats.record:
         for layer, layer_ids in zip(layers, ids.unbind(0)):
             ctx.stats.add(layer, layer_ids)
+
+
+def _plain_but_project(cls) -> bool:
+    """An attention class that differs from Attention only in its `project` (which it describes by
+    native_qk_full): the rest of the layer's attention is the base's, so the layer call may run it."""
+    return all(getattr(cls, f) is getattr(Attention, f) for f in ("forward", "sdpa", "attend", "native_sinks"))
 
 
 def _moe_plan(experts, keep: list, dt) -> tuple[native.MoeLayer | None, int]:

@@ -48,6 +48,11 @@ class OlmoeAttention(Attention):
             q, k, v = (t.clamp(-self.clip, self.clip) for t in (q, k, v))
         return q, k, v
 
+    def native_qk_full(self):
+        if type(self.q_norm) is not RMSNorm or type(self.k_norm) is not RMSNorm:
+            return None
+        return self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.clip
+
 
 attention = OlmoeAttention
 mlp = moe_or_dense
