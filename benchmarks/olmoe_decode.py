@@ -57,7 +57,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("-r", "--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/olmoe_decode_s33.json"))
+    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/olmoe_decode.json"))
     args = ap.parse_args()
     from lynx_edge.bench import cpu_isa
     from lynx_edge.threads import set_threads
