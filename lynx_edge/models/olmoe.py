@@ -49,7 +49,9 @@ class OlmoeAttention(Attention):
         return q, k, v
 
     def native_qk_full(self):
-        if type(self.q_norm) is not RMSNorm or type(self.k_norm) is not RMSNorm:
+        # the kernel reads clip 0 as "no clip" and one eps for both norms (both take rms_norm_eps)
+        if (type(self.q_norm) is not RMSNorm or type(self.k_norm) is not RMSNorm or self.q_norm.eps != self.k_norm.eps
+                or (self.clip is not None and not self.clip > 0)):
             return None
         return self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.clip
 
