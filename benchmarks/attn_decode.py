@@ -7,7 +7,7 @@ caches, each call after 48 MB of other reads as a decode step's weights would ev
 Qwen3-30B-A3B's heads (32 q heads of 128 on 4 kv heads) at long context: B = 1 over 4000
 positions and B = 4 over 1000, fp32 and bf16 caches.
 
-    python benchmarks/attn_decode.py --base HEAD~1 [-r 15]   # → benchmarks/results/attn_decode.json
+    python benchmarks/attn_decode.py --base HEAD~1 [-r 15] [--threads N] [--long]   # → benchmarks/results/attn_decode.json
     LYNX_EDGE_NATIVE_ARCH=haswell python benchmarks/attn_decode.py ...   # the AVX2 build
 """
 from __future__ import annotations
@@ -31,6 +31,13 @@ SHAPES = [  # name, B, H, Hkv, hd, cached positions, cache dtype, evict between 
     ("Qwen3-30B-A3B heads B=1 L=4000 bf16", 1, 32, 4, 128, 4000, torch.bfloat16, False),
     ("Qwen3-30B-A3B heads B=4 L=1000", 4, 32, 4, 128, 1000, torch.float32, False),
 ]
+# --long: contexts past ATTN_CHUNK, where a row's window attends in chunks (one work item each)
+LONG_SHAPES = [
+    ("Qwen3-30B-A3B heads B=1 L=8192 bf16", 1, 32, 4, 128, 8192, torch.bfloat16, False),
+    ("gpt-oss-20b heads B=1 L=8192 bf16", 1, 64, 8, 64, 8192, torch.bfloat16, False),
+    ("one kv head (16 q heads of 128) B=1 L=8192 bf16", 1, 16, 1, 128, 8192, torch.bfloat16, False),
+    ("Qwen3-30B-A3B heads B=4 L=4096 bf16", 4, 32, 4, 128, 4096, torch.bfloat16, False),
+]
 
 
 def main() -> None:
@@ -38,12 +45,15 @@ def main() -> None:
 
     from lynx_edge.kernels import native
 
-    a = parser("attn_decode.json", rounds=15).parse_args()
+    ap = parser("attn_decode.json", rounds=15)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--long", action="store_true", help="the long-context shapes (LONG_SHAPES) instead")
+    a = ap.parse_args()
     builds = Builds(a.base, "attn_decode")
-    torch.set_num_threads(1)
+    torch.set_num_threads(a.threads)
     junk = torch.randn(12 << 20)
     rows_out = []
-    for name, B, H, Hkv, hd, L, dt, cold in SHAPES:
+    for name, B, H, Hkv, hd, L, dt, cold in (LONG_SHAPES if a.long else SHAPES):
         g = torch.Generator().manual_seed(0)
         layers = 4 if cold else 1
         caches = [(torch.randn(B, Hkv, L + 8, hd, generator=g).to(dt), torch.randn(B, Hkv, L + 8, hd, generator=g).to(dt))
@@ -81,8 +91,8 @@ def main() -> None:
                "max_rel_diff": float((outs["tree"] - outs["base"]).abs().max() / outs["base"].abs().max())}
         rows_out.append(row)
         print(json.dumps(row), flush=True)
-    append_run(Path(a.out), builds.header("native decode attention, this tree vs --base (one thread, same process)",
-                                          a.rounds) | {"rows": rows_out})
+    append_run(Path(a.out), builds.header(f"native decode attention, this tree vs --base ({a.threads} thread(s), same "
+                                          "process)", a.rounds) | {"threads": a.threads, "rows": rows_out})
 
 
 def _once(call, caches) -> float:

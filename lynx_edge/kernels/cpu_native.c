@@ -2658,6 +2658,8 @@ typedef struct {
     long Lmax;
     const float *sinks; /* [H] learned sink logits (gpt-oss: one more softmax logit per head, no value), or NULL */
     long ring; /* > 0: the cache is a window layer's ring, S = 2 ring: position p at slots p % ring and + ring */
+    long nchunk; /* > 1: rows past ATTN_CHUNK positions attend in chunks (attn_chunk_item), this many an item */
+    float *part, *ml; /* the chunks' unnormalised outputs [items, G, hd] and (max, sum) [items, G, 2] */
 } attn_t;
 
 /* sum of v[j]^2, j < n, in 16 interleaved partial sums (lane l takes j = l mod 16; the tail after
@@ -2804,11 +2806,11 @@ static inline __attribute__((always_inline)) void pv_tile(const uint8_t *v0, int
 
 #define PV_ROWS 64 /* value rows per block: every tile's pass over a block reads it from L1 (hd 128 fp32: 32 KB) */
 
-/* o [G, hd] = p [G, L] (scores rows, stride L) times the L value rows from v0 (hd % PVW == 0):
+/* o [G, hd] = p [G, L] (scores rows, stride ld) times the L value rows from v0 (hd % PVW == 0):
  * blocks of PV_ROWS positions, in order, each through tiles of up to 4 heads x PV_JB vectors of
  * dims (AVX2: up to 8 / heads vectors; pv_tile), so the value rows come from memory once whatever
  * the number of tiles */
-static void pv_vec(const uint8_t *v0, int cfmt, int hd, long L, const float *sc, int G, float *o) {
+static void pv_vec(const uint8_t *v0, int cfmt, int hd, long L, const float *sc, long ld, int G, float *o) {
     for (long s0 = 0; s0 < L; s0 += PV_ROWS) {
         const long s1 = L - s0 < PV_ROWS ? L : s0 + PV_ROWS;
 #if PV_JB == 2
@@ -2821,7 +2823,7 @@ static void pv_vec(const uint8_t *v0, int cfmt, int hd, long L, const float *sc,
             int JB = HB == 1 ? 8 : HB == 2 ? 4 : 2;
             while (nv % JB) JB /= 2;
             for (int j0 = 0; j0 < nv; j0 += JB) {
-#define PV(h, j) if (HB == h && JB == j) pv_tile(v0, cfmt, hd, L, sc, s0, s1, i0, h, j0, j, o)
+#define PV(h, j) if (HB == h && JB == j) pv_tile(v0, cfmt, hd, ld, sc, s0, s1, i0, h, j0, j, o)
                 PV(2, 4); else PV(1, 8); else PV(4, 2); else PV(1, 4); else PV(2, 2); else PV(3, 2);
                 else PV(1, 2); else PV(1, 1); else PV(2, 1); else PV(3, 1); else PV(4, 1);
 #undef PV
@@ -2832,7 +2834,7 @@ static void pv_vec(const uint8_t *v0, int cfmt, int hd, long L, const float *sc,
             const int JB = hd / PVW - j0 < PV_JB ? hd / PVW - j0 : PV_JB;
             for (int i0 = 0; i0 < G; i0 += 4) {
                 const int HB = G - i0 < 4 ? G - i0 : 4;
-#define PV(h, j) if (HB == h && JB == j) pv_tile(v0, cfmt, hd, L, sc, s0, s1, i0, h, j0, j, o)
+#define PV(h, j) if (HB == h && JB == j) pv_tile(v0, cfmt, hd, ld, sc, s0, s1, i0, h, j0, j, o)
                 PV(4, PV_JB); else PV(2, PV_JB); else PV(1, PV_JB); else PV(3, PV_JB);
                 else PV(4, 1); else PV(2, 1); else PV(1, 1); else PV(3, 1);
 #if PV_JB == 4
@@ -2881,42 +2883,55 @@ static inline __attribute__((always_inline)) void qk_tile(const uint8_t *k0, int
         for (int i = 0; i < HB && i0 + i < G; i++) sc[(long)(i0 + i) * L + r] = out[r * HB + i];
 }
 
-/* sc [G, L] = the G (scaled) query rows q [G, hd] against the L key rows from k0 (hd % PVW == 0):
+/* sc [G, L] (rows ld apart) = the G (scaled) query rows q [G, hd] against the L key rows from k0 (hd % PVW == 0):
  * tiles of QK_N / 4 keys x 4 heads (G >= 3), or of QK_N / G keys x G heads */
-static void qk_vec(const uint8_t *k0, int cfmt, int hd, long L, const float *q, int G, float *sc) {
+static void qk_vec(const uint8_t *k0, int cfmt, int hd, long L, const float *q, int G, float *sc, long ld) {
     const long rs = (cfmt == FMT_F32 ? 4 : 2) * (long)hd;
     const int HB = G >= 3 ? 4 : G, RK = QK_N / HB;
     for (long s = 0; s < L; s += RK)
         for (int i0 = 0; i0 < G; i0 += HB) {
-            if (HB == 4) qk_tile(k0 + s * rs, cfmt, hd, q, G, i0, 4, QK_N / 4, L - s, sc + s, L);
-            else if (HB == 2) qk_tile(k0 + s * rs, cfmt, hd, q, G, i0, 2, QK_N / 2, L - s, sc + s, L);
-            else qk_tile(k0 + s * rs, cfmt, hd, q, G, i0, 1, QK_N, L - s, sc + s, L);
+            if (HB == 4) qk_tile(k0 + s * rs, cfmt, hd, q, G, i0, 4, QK_N / 4, L - s, sc + s, ld);
+            else if (HB == 2) qk_tile(k0 + s * rs, cfmt, hd, q, G, i0, 2, QK_N / 2, L - s, sc + s, ld);
+            else qk_tile(k0 + s * rs, cfmt, hd, q, G, i0, 1, QK_N, L - s, sc + s, ld);
         }
 }
 #endif
 
-static void attn_item(const void *arg, long item) {
-    const attn_t *A = arg;
-    const int b = (int)(item / A->Hkv), g = (int)(item % A->Hkv), hd = A->hd, G = A->H / A->Hkv;
-    const long es = A->cfmt == FMT_F32 ? 4 : 2, width = (long)(A->H + 2 * A->Hkv) * hd;
+/* the positions row b attends to: its window's (all of 0..pos without one) */
+static inline long attn_len(const attn_t *A, int b) {
     const int64_t p = A->pos[b];
-    const long lo = A->window > 0 && p - A->window + 1 > 0 ? p - A->window + 1 : 0, L = p - lo + 1;
-    const float *row = A->qkv + b * width, *cs = A->cos + (long)b * A->rd, *sn = A->sin + (long)b * A->rd;
+    return p - (A->window > 0 && p - A->window + 1 > 0 ? p - A->window + 1 : 0) + 1;
+}
+
+/* (row b, kv head g): its window's first key and value rows (kc, vc: the window's keys from there
+ * on, in position order; a ring's are contiguous from lo % ring, kv_cache.py) and the group's G
+ * queries q [G, hd], normed, rotated and scaled (this step's keys are already cached) */
+static void attn_setup(const attn_t *A, int b, int g, float *q, uint8_t **kc, uint8_t **vc) {
+    const int hd = A->hd, G = A->H / A->Hkv;
+    const long es = A->cfmt == FMT_F32 ? 4 : 2, width = (long)(A->H + 2 * A->Hkv) * hd, L = attn_len(A, b);
+    const long lo = A->pos[b] - L + 1, s0 = A->ring ? lo % A->ring : lo;
     const long base = ((long)A->rows[b] * A->Hkv + g) * A->S; /* this (row, kv head)'s [S, hd] */
-    /* the window's keys from slot s0 on, in position order (a ring's: contiguous from lo % ring, kv_cache.py) */
-    const long s0 = A->ring ? lo % A->ring : lo;
-    uint8_t *kc = A->kc + base * hd * es, *vc = A->vc + base * hd * es;
-    float q[MAX_GROUP * MAX_HD], o[MAX_GROUP * MAX_HD], vr[4 * MAX_HD], acc[4 * ROWS_LD];
-    /* the group's queries, normed, rotated and scaled (this step's keys are already cached) */
+    const float *row = A->qkv + b * width, *cs = A->cos + (long)b * A->rd, *sn = A->sin + (long)b * A->rd;
+    *kc = A->kc + (base + s0) * hd * es;
+    *vc = A->vc + (base + s0) * hd * es;
     for (int i = 0; i < G; i++) {
         float *qi = q + i * hd;
         memcpy(qi, row + (long)(g * G + i) * hd, hd * sizeof(float));
         norm_rope(qi, hd, A->qn, A->eps, cs, sn, A->rd);
         for (int j = 0; j < hd; j++) qi[j] *= A->scale;
     }
+}
+
+static void attn_item(const void *arg, long item) {
+    const attn_t *A = arg;
+    const int b = (int)(item / A->Hkv), g = (int)(item % A->Hkv), hd = A->hd, G = A->H / A->Hkv;
+    const long es = A->cfmt == FMT_F32 ? 4 : 2, L = attn_len(A, b), s0 = 0; /* kc, vc start at the window */
+    uint8_t *kc, *vc;
+    float q[MAX_GROUP * MAX_HD], o[MAX_GROUP * MAX_HD], vr[4 * MAX_HD], acc[4 * ROWS_LD];
+    attn_setup(A, b, g, q, &kc, &vc);
     float *sc = A->scores + item * A->Lmax * G; /* scores [G, L]: q head i's at sc + i * L */
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-    if (hd % PVW == 0) qk_vec(kc + s0 * hd * es, A->cfmt, hd, L, q, G, sc);
+    if (hd % PVW == 0) qk_vec(kc + s0 * hd * es, A->cfmt, hd, L, q, G, sc, L);
     else
 #endif
     for (long s = 0; s < L; s += 4) { /* four keys at a time (adjacent rows of the cache) */
@@ -2936,7 +2951,7 @@ static void attn_item(const void *arg, long item) {
     float *dst = A->out + (long)b * A->H * hd + (long)g * G * hd; /* the group's G heads, hd each */
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
     if (hd % PVW == 0) {
-        pv_vec(vc + s0 * hd * es, A->cfmt, hd, L, sc, G, dst);
+        pv_vec(vc + s0 * hd * es, A->cfmt, hd, L, sc, L, G, dst);
         return;
     }
 #endif
@@ -2977,6 +2992,72 @@ static void attn_item(const void *arg, long item) {
     memcpy(dst, o, (size_t)G * hd * sizeof(float));
 }
 
+/* Long windows attend in chunks (flash-decoding): at one row a call has only Hkv work items (4 for
+ * Qwen3-30B-A3B), so a machine of more cores than kv heads left the rest idle at the longest, most
+ * costly steps. A row whose window passes ATTN_CHUNK positions is split into chunks of ATTN_CHUNK
+ * (counted from its window's start), one item each: its scores, their max m_c and sum l_c of
+ * e^(s - m_c), and its values weighted by those unnormalised e^(s - m_c); attn_combine then merges the
+ * chunks in order, each scaled by e^(m_c - m) (m the largest, the sink's logit included), over the
+ * merged sum. The split depends on the row's own window only (not on the threads or the batch), so a
+ * row's result is the same in any call; rows of ATTN_CHUNK positions or fewer take attn_item as
+ * before. Vector builds only (the portable build attends each row whole). */
+#ifndef ATTN_CHUNK
+#define ATTN_CHUNK 2048
+#endif
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+static void attn_chunk_item(const void *arg, long item) {
+    const attn_t *A = arg;
+    const long bg = item / A->nchunk, c = item % A->nchunk, a0 = c * ATTN_CHUNK;
+    const int b = (int)(bg / A->Hkv), g = (int)(bg % A->Hkv), hd = A->hd, G = A->H / A->Hkv;
+    const long L = attn_len(A, b), rs = (A->cfmt == FMT_F32 ? 4 : 2) * (long)hd;
+    if (L <= ATTN_CHUNK) { /* a short row: whole, as in a call without long rows */
+        if (c == 0) attn_item(arg, bg);
+        return;
+    }
+    if (a0 >= L) return;
+    const long n = L - a0 < ATTN_CHUNK ? L - a0 : ATTN_CHUNK;
+    uint8_t *kc, *vc;
+    float q[MAX_GROUP * MAX_HD];
+    attn_setup(A, b, g, q, &kc, &vc);
+    float *sc = A->scores + bg * A->Lmax * G + a0, *ml = A->ml + item * G * 2; /* the chunk's scores: rows L apart */
+    qk_vec(kc + a0 * rs, A->cfmt, hd, n, q, G, sc, L);
+    for (int i = 0; i < G; i++) {
+        const float m = max_of(sc + i * L, n);
+        ml[2 * i] = m;
+        ml[2 * i + 1] = exp_sub_sum(sc + i * L, n, m);
+    }
+    pv_vec(vc + a0 * rs, A->cfmt, hd, n, sc, L, G, A->part + item * G * hd);
+}
+#endif
+
+/* the long rows' chunks merged into out, each (row, head) over its chunks in order */
+static void attn_combine(const attn_t *A) {
+    const int hd = A->hd, G = A->H / A->Hkv;
+    for (int b = 0; b < A->B; b++) {
+        const long L = attn_len(A, b), nc = (L + ATTN_CHUNK - 1) / ATTN_CHUNK;
+        if (L <= ATTN_CHUNK) continue;
+        for (int g = 0; g < A->Hkv; g++)
+            for (int i = 0; i < G; i++) {
+                const long it0 = ((long)b * A->Hkv + g) * A->nchunk; /* chunk c's item: it0 + c */
+                float m = A->sinks ? A->sinks[g * G + i] : -INFINITY, tot = 0.0f;
+                for (long c = 0; c < nc; c++) m = A->ml[((it0 + c) * G + i) * 2] > m ? A->ml[((it0 + c) * G + i) * 2] : m;
+                for (long c = 0; c < nc; c++) { /* each chunk's weight e^(m_c - m) in place of its max */
+                    float *mc = A->ml + ((it0 + c) * G + i) * 2;
+                    mc[0] = expf(mc[0] - m);
+                    tot += mc[0] * mc[1];
+                }
+                if (A->sinks) tot += expf(A->sinks[g * G + i] - m);
+                float *dst = A->out + (long)b * A->H * hd + (long)(g * G + i) * hd;
+                for (int j = 0; j < hd; j++) {
+                    float o = 0.0f;
+                    for (long c = 0; c < nc; c++) o += A->ml[((it0 + c) * G + i) * 2] * A->part[((it0 + c) * G + i) * hd + j];
+                    dst[j] = o / tot;
+                }
+            }
+    }
+}
+
 /* sinks [H] fp32 or NULL: a learned logit per head that joins each softmax's denominator (gpt-oss).
  * Returns 0; -1 for a shape past the kernel's stack buffers (the caller runs torch instead), -2
  * when the scores buffer cannot be allocated. */
@@ -2992,20 +3073,32 @@ int lynx_attn_decode(const float *qkv, int B, int H, int Hkv, int hd, int rd, co
         Lmax = pos[b] + 1 > Lmax ? pos[b] + 1 : Lmax;
     }
     if (window > 0 && Lmax > window) Lmax = window;
+    long nc = 1; /* chunks a (row, kv head) item splits into (attn_chunk_item): vector builds only */
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+    if (hd % PVW == 0 && Lmax > ATTN_CHUNK) nc = (Lmax + ATTN_CHUNK - 1) / ATTN_CHUNK;
+#endif
     /* scratch (kept when >= 1 MiB): 16 rows of gpt-oss-20b's 64 heads at 4096 positions are 16 MB a
      * layer a step, whose pages glibc would map fresh every call at longer contexts */
-    const size_t sz[1] = {(size_t)B * H * Lmax * sizeof(float)};
-    void *sb[1];
-    uint8_t *mem = scratch(sz, 1, sb);
+    const long n_items = (long)B * Hkv * nc, G = H / Hkv;
+    const size_t sz[3] = {(size_t)B * H * Lmax * sizeof(float), nc > 1 ? (size_t)n_items * G * hd * sizeof(float) : 0,
+                          nc > 1 ? (size_t)n_items * G * 2 * sizeof(float) : 0};
+    void *sb[3];
+    uint8_t *mem = scratch(sz, 3, sb);
     if (!mem) return -2;
     float *scores = sb[0];
     attn_t A = {qkv, B, H, Hkv, hd, rd, window, cfmt, qn, kn, eps, scale, cos, sin, pos, rows, kc, vc, S, out,
-                scores, Lmax, sinks, ring};
+                scores, Lmax, sinks, ring, nc, sb[1], sb[2]};
     /* every key and value first: tokens of one row in one call (a mixed step's prompt chunk) attend
      * to each other's, whichever thread runs them */
     for (int b = 0; b < B; b++)
         for (int g = 0; g < Hkv; g++) kv_write(&A, b, g);
-    parallel(attn_item, &A, (long)B * Hkv, nthreads);
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+    if (nc > 1) {
+        parallel(attn_chunk_item, &A, n_items, nthreads);
+        attn_combine(&A);
+    } else
+#endif
+        parallel(attn_item, &A, (long)B * Hkv, nthreads);
     scratch_free(mem);
     return 0;
 }
