@@ -2925,18 +2925,18 @@ static void attn_setup(const attn_t *A, int b, int g, float *q, uint8_t **kc, ui
 static void attn_item(const void *arg, long item) {
     const attn_t *A = arg;
     const int b = (int)(item / A->Hkv), g = (int)(item % A->Hkv), hd = A->hd, G = A->H / A->Hkv;
-    const long es = A->cfmt == FMT_F32 ? 4 : 2, L = attn_len(A, b), s0 = 0; /* kc, vc start at the window */
-    uint8_t *kc, *vc;
+    const long es = A->cfmt == FMT_F32 ? 4 : 2, L = attn_len(A, b);
+    uint8_t *kc, *vc; /* the window's first key and value rows */
     float q[MAX_GROUP * MAX_HD], o[MAX_GROUP * MAX_HD], vr[4 * MAX_HD], acc[4 * ROWS_LD];
     attn_setup(A, b, g, q, &kc, &vc);
     float *sc = A->scores + item * A->Lmax * G; /* scores [G, L]: q head i's at sc + i * L */
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-    if (hd % PVW == 0) qk_vec(kc + s0 * hd * es, A->cfmt, hd, L, q, G, sc, L);
+    if (hd % PVW == 0) qk_vec(kc, A->cfmt, hd, L, q, G, sc, L);
     else
 #endif
     for (long s = 0; s < L; s += 4) { /* four keys at a time (adjacent rows of the cache) */
         const int R = L - s < 4 ? (int)(L - s) : 4;
-        dense_block(kc + (s0 + s) * hd * es, hd * es, A->cfmt, hd, R, q, hd, G, acc, 0);
+        dense_block(kc + s * hd * es, hd * es, A->cfmt, hd, R, q, hd, G, acc, 0);
         for (int r = 0; r < R; r++)
             for (int i = 0; i < G; i++) sc[i * L + s + r] = acc[r * ROWS_LD + i];
     }
@@ -2951,7 +2951,7 @@ static void attn_item(const void *arg, long item) {
     float *dst = A->out + (long)b * A->H * hd + (long)g * G * hd; /* the group's G heads, hd each */
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
     if (hd % PVW == 0) {
-        pv_vec(vc + s0 * hd * es, A->cfmt, hd, L, sc, L, G, dst);
+        pv_vec(vc, A->cfmt, hd, L, sc, L, G, dst);
         return;
     }
 #endif
@@ -2963,9 +2963,9 @@ static void attn_item(const void *arg, long item) {
         const float *v[4];
         for (int r = 0; r < R; r++) {
             if (A->cfmt == FMT_F32)
-                v[r] = (const float *)(vc + (s0 + s + r) * hd * es);
+                v[r] = (const float *)(vc + (s + r) * hd * es);
             else {
-                load_row(vc + (s0 + s + r) * hd * es, A->cfmt, vr + r * hd, hd);
+                load_row(vc + (s + r) * hd * es, A->cfmt, vr + r * hd, hd);
                 v[r] = vr + r * hd;
             }
         }
