@@ -565,13 +565,13 @@ def qk_full(qkv: torch.Tensor, H: int, Hkv: int, hd: int, q_weight: torch.Tensor
             eps: float, clip: float | None) -> torch.Tensor | None:
     """OLMoE's q/k: qkv [B, (H + 2·Hkv)·hd] (fp32 or the model dtype) → fp32 with q RMSNormed over
     all its heads at once by q_weight [H·hd], k by k_weight [Hkv·hd] (the model dtype, whose
-    roundings it follows), then q, k and v clipped to ±clip (None: not). None: widths the kernel
-    does not take."""
+    roundings it follows), then q, k and v clipped to ±clip (None: not). A contiguous fp32 qkv is
+    written in place (the decode step's own projection output: no copy per step). None: widths the
+    kernel does not take."""
     dt = q_weight.dtype
     if dt not in _FMT or k_weight.dtype != dt:
         return None
     out = _as(qkv, torch.float32)
-    out = out.clone() if out is qkv else out  # in place on a copy: the caller's tensor stays as it was
     rc = lib().lynx_qk_full(out.data_ptr(), out.shape[0], H, Hkv, hd, _FMT[dt], _as(q_weight, dt).data_ptr(),
                             _as(k_weight, dt).data_ptr(), eps, clip or 0.0)
     return out if rc == 0 else None
