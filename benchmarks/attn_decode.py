@@ -31,12 +31,14 @@ SHAPES = [  # name, B, H, Hkv, hd, cached positions, cache dtype, evict between 
     ("Qwen3-30B-A3B heads B=1 L=4000 bf16", 1, 32, 4, 128, 4000, torch.bfloat16, False),
     ("Qwen3-30B-A3B heads B=4 L=1000", 4, 32, 4, 128, 1000, torch.float32, False),
 ]
-# --long: contexts past ATTN_CHUNK, where a row's window attends in chunks (one work item each)
+# --long: contexts past ATTN_CHUNK, where a row's window attends in chunks (one work item each), each
+# call's cache from DRAM (four layers' caches in turn, 34-67 MB, after 48 MB of other reads) as a
+# long decode step reads it; benchmarks/attn_long_context.py times the same shapes alone
 LONG_SHAPES = [
-    ("Qwen3-30B-A3B heads B=1 L=8192 bf16", 1, 32, 4, 128, 8192, torch.bfloat16, False),
-    ("gpt-oss-20b heads B=1 L=8192 bf16", 1, 64, 8, 64, 8192, torch.bfloat16, False),
-    ("one kv head (16 q heads of 128) B=1 L=8192 bf16", 1, 16, 1, 128, 8192, torch.bfloat16, False),
-    ("Qwen3-30B-A3B heads B=4 L=4096 bf16", 4, 32, 4, 128, 4096, torch.bfloat16, False),
+    ("Qwen3-30B-A3B heads B=1 L=8192 bf16", 1, 32, 4, 128, 8192, torch.bfloat16, True),
+    ("gpt-oss-20b heads B=1 L=8192 bf16", 1, 64, 8, 64, 8192, torch.bfloat16, True),
+    ("one kv head (16 q heads of 128) B=1 L=8192 bf16", 1, 16, 1, 128, 8192, torch.bfloat16, True),
+    ("Qwen3-30B-A3B heads B=4 L=4096 bf16", 4, 32, 4, 128, 4096, torch.bfloat16, True),
 ]
 
 

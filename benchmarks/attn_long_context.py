@@ -23,10 +23,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
-# name, B, H, Hkv, head_dim, cached positions
-SHAPES = [("Qwen3-30B-A3B heads", 1, 32, 4, 128, 8192), ("gpt-oss-20b heads (full layers)", 1, 64, 8, 64, 8192),
-          ("Qwen3-30B-A3B heads", 4, 32, 4, 128, 2048), ("Qwen3-30B-A3B heads", 16, 32, 4, 128, 1024)]
 LAYERS = 12
 
 
@@ -55,6 +53,8 @@ def main() -> None:
     ap.add_argument("-r", "--rounds", type=int, default=5)
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/attn_long_context.json"))
     args = ap.parse_args()
+    from attn_decode import LONG_SHAPES
+
     from lynx_edge.bench import cpu_isa
     from lynx_edge.kernels import native
 
@@ -63,11 +63,11 @@ def main() -> None:
     rows = []
     for th in [int(t) for t in args.threads.split(",")]:
         torch.set_num_threads(th)
-        for name, B, H, Hkv, hd, S in SHAPES:
+        for name, B, H, Hkv, hd, S, _dt, _cold in LONG_SHAPES:  # attn_decode.py --long's
             s = measure(B, H, Hkv, hd, S, args.rounds)
             kv_bytes = 2 * B * Hkv * (S + 1) * hd * 2
             flops = 2 * 2 * B * H * (S + 1) * hd
-            row = {"shape": f"{name} B={B} S={S} bf16 cache", "threads": th, "ms_per_layer": round(s * 1e3, 3),
+            row = {"shape": name, "threads": th, "ms_per_layer": round(s * 1e3, 3),
                    "kv_gb_s": round(kv_bytes / s / 1e9, 2), "gflop_s": round(flops / s / 1e9, 1)}
             rows.append(row)
             print(json.dumps(row), flush=True)

@@ -565,6 +565,27 @@ def _attn_ref(qkv, kc, vc, rows, pos, H, Hkv, hd, window, sinks):
     return torch.stack(out)
 
 
+@pytest.mark.parametrize("G", [1, 2, 3, 8, 16])
+def test_attention_every_group_width(G):
+    """The score pass tiles by the q heads a kv head serves (AVX2: one key x 8 heads where G is a
+    multiple of 8, 2 keys x 4 heads from 3, else keys x G): each width against fp64 attention, bf16
+    caches, two rows of different lengths (a key count no tile divides)."""
+    if native.lib() is None:
+        pytest.skip("native kernels not built")
+    g = torch.Generator().manual_seed(11)
+    Hkv, hd, S = 2, 32, 160
+    H = G * Hkv
+    kc = torch.randn(2, Hkv, S, hd, generator=g).to(torch.bfloat16)
+    vc = torch.randn(2, Hkv, S, hd, generator=g).to(torch.bfloat16)
+    qkv = torch.randn(2, (H + 2 * Hkv) * hd, generator=g) * 2
+    cs, sn = torch.ones(2, hd), torch.zeros(2, hd)
+    rows, pos = torch.arange(2), torch.tensor([150, 37])
+    got = native.attn_decode(qkv, H, Hkv, hd, None, None, 0.0, cs, sn, pos, rows, kc, vc, None)
+    ref = _attn_ref(qkv, kc, vc, rows, pos, H, Hkv, hd, None, None)
+    err = ((got.double() - ref).abs().max() / ref.abs().max()).item()
+    assert err < 1e-6, err  # seen ~1e-7
+
+
 @pytest.mark.parametrize("cdt", [torch.float32, torch.bfloat16])
 def test_long_windows_attend_in_chunks(cdt):
     """Rows past ATTN_CHUNK (2048) positions attend in chunks, one work item each, merged in order

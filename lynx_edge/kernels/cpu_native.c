@@ -2776,21 +2776,27 @@ static inline float max_of(const float *v, long n) {
 #define PV_JB 2 /* HB x PV_JB <= 8 accumulators of 16 registers (pv_vec widens it for fewer heads) */
 #endif
 #define PV_JB_MAX (PV_JB == 2 ? 8 : PV_JB) /* the widest tile pv_tile takes: AVX2's one head x 8 vectors */
+#define PV_ROWS 64 /* value rows per block: every tile's pass over a block reads it from L1 (hd 128 fp32: 32 KB) */
 /* o[i][j0*PVW .. (j0+JB)*PVW) for HB heads from head i0: the sum over the L positions of p_is v_s
  * in position order, one multiply-add per position into accumulators that stay in registers, so
  * each value vector loaded serves HB heads and o is stored once, not read and written per
  * position. The same fused sums as the generic loop below (0 + p_0 v_0, then + p_1 v_1, ...):
- * measured 1.2-1.3x on the whole attention call (benchmarks/attn_decode.py). */
+ * measured 1.2-1.3x on the whole attention call (benchmarks/attn_decode.py). FAR (rows of 4 blocks
+ * or more): each position prefetches this pass's line of the row a block on (PV_ROWS), so the next
+ * block streams in while this one goes through its ~16 tiles, where eight rows on hid only ~30
+ * cycles of a DRAM read (Qwen3-30B-A3B's group of 8 from DRAM: 40 -> 56 GFLOP/s in a harness,
+ * 1.1-1.2x on the call); short rows (the demo's 144) keep the eight, 5% faster there. */
 static inline __attribute__((always_inline)) void pv_tile(const uint8_t *v0, int cfmt, int hd, long L, const float *sc,
                                                           long s0, long s1, int i0, const int HB, int j0, const int JB,
-                                                          float *o) {
+                                                          const int FAR, float *o) {
     const long es = cfmt == FMT_F32 ? 4 : 2, rs = hd * es;
     PV_VEC a[4][PV_JB_MAX];
     for (int i = 0; i < HB; i++) /* positions s0.. go on from the sums of the positions before */
         for (int j = 0; j < JB; j++) a[i][j] = s0 ? PV_LOADF(o + (long)(i0 + i) * hd + (j0 + j) * PVW) : PV_ZERO;
     for (long s = s0; s < s1; s++) {
         const uint8_t *row = v0 + s * rs;
-        __builtin_prefetch(row + 8 * rs + j0 * PVW * es, 0, 3); /* eight rows on (the first line this pass reads) */
+        if (!FAR) __builtin_prefetch(row + 8 * rs + j0 * PVW * es, 0, 3); /* (the first line this pass reads) */
+        else if (s + PV_ROWS < L) __builtin_prefetch(row + PV_ROWS * rs + j0 * PVW * es, 0, 3);
         PV_VEC vv[PV_JB_MAX];
         for (int j = 0; j < JB; j++)
             vv[j] = cfmt == FMT_F32 ? PV_LOADF((const float *)row + (j0 + j) * PVW)
@@ -2804,13 +2810,12 @@ static inline __attribute__((always_inline)) void pv_tile(const uint8_t *v0, int
         for (int j = 0; j < JB; j++) PV_STORE(o + (long)(i0 + i) * hd + (j0 + j) * PVW, a[i][j]);
 }
 
-#define PV_ROWS 64 /* value rows per block: every tile's pass over a block reads it from L1 (hd 128 fp32: 32 KB) */
-
 /* o [G, hd] = p [G, L] (scores rows, stride ld) times the L value rows from v0 (hd % PVW == 0):
  * blocks of PV_ROWS positions, in order, each through tiles of up to 4 heads x PV_JB vectors of
  * dims (AVX2: up to 8 / heads vectors; pv_tile), so the value rows come from memory once whatever
  * the number of tiles */
 static void pv_vec(const uint8_t *v0, int cfmt, int hd, long L, const float *sc, long ld, int G, float *o) {
+    const int far = L >= 4 * PV_ROWS;
     for (long s0 = 0; s0 < L; s0 += PV_ROWS) {
         const long s1 = L - s0 < PV_ROWS ? L : s0 + PV_ROWS;
 #if PV_JB == 2
@@ -2823,9 +2828,13 @@ static void pv_vec(const uint8_t *v0, int cfmt, int hd, long L, const float *sc,
             int JB = HB == 1 ? 8 : HB == 2 ? 4 : 2;
             while (nv % JB) JB /= 2;
             for (int j0 = 0; j0 < nv; j0 += JB) {
-#define PV(h, j) if (HB == h && JB == j) pv_tile(v0, cfmt, hd, ld, sc, s0, s1, i0, h, j0, j, o)
-                PV(2, 4); else PV(1, 8); else PV(4, 2); else PV(1, 4); else PV(2, 2); else PV(3, 2);
-                else PV(1, 2); else PV(1, 1); else PV(2, 1); else PV(3, 1); else PV(4, 1);
+#define PV(h, j) \
+    if (HB == h && JB == j) { \
+        if (far) pv_tile(v0, cfmt, hd, ld, sc, s0, s1, i0, h, j0, j, 1, o); \
+        else pv_tile(v0, cfmt, hd, ld, sc, s0, s1, i0, h, j0, j, 0, o); \
+    }
+                PV(2, 4) else PV(1, 8) else PV(4, 2) else PV(1, 4) else PV(2, 2) else PV(3, 2)
+                else PV(1, 2) else PV(1, 1) else PV(2, 1) else PV(3, 1) else PV(4, 1)
 #undef PV
             }
         }
@@ -2834,12 +2843,16 @@ static void pv_vec(const uint8_t *v0, int cfmt, int hd, long L, const float *sc,
             const int JB = hd / PVW - j0 < PV_JB ? hd / PVW - j0 : PV_JB;
             for (int i0 = 0; i0 < G; i0 += 4) {
                 const int HB = G - i0 < 4 ? G - i0 : 4;
-#define PV(h, j) if (HB == h && JB == j) pv_tile(v0, cfmt, hd, ld, sc, s0, s1, i0, h, j0, j, o)
-                PV(4, PV_JB); else PV(2, PV_JB); else PV(1, PV_JB); else PV(3, PV_JB);
-                else PV(4, 1); else PV(2, 1); else PV(1, 1); else PV(3, 1);
+#define PV(h, j) \
+    if (HB == h && JB == j) { \
+        if (far) pv_tile(v0, cfmt, hd, ld, sc, s0, s1, i0, h, j0, j, 1, o); \
+        else pv_tile(v0, cfmt, hd, ld, sc, s0, s1, i0, h, j0, j, 0, o); \
+    }
+                PV(4, PV_JB) else PV(2, PV_JB) else PV(1, PV_JB) else PV(3, PV_JB)
+                else PV(4, 1) else PV(2, 1) else PV(1, 1) else PV(3, 1)
 #if PV_JB == 4
-                else PV(4, 2); else PV(2, 2); else PV(1, 2); else PV(3, 2);
-                else PV(4, 3); else PV(2, 3); else PV(1, 3); else PV(3, 3);
+                else PV(4, 2) else PV(2, 2) else PV(1, 2) else PV(3, 2)
+                else PV(4, 3) else PV(2, 3) else PV(1, 3) else PV(3, 3)
 #endif
 #undef PV
             }
