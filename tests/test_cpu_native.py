@@ -567,8 +567,8 @@ def _attn_ref(qkv, kc, vc, rows, pos, H, Hkv, hd, window, sinks):
 
 @pytest.mark.parametrize("G", [1, 2, 3, 8, 16])
 def test_attention_every_group_width(G):
-    """The score pass tiles by the q heads a kv head serves (AVX2: one key x 8 heads where G is a
-    multiple of 8, 2 keys x 4 heads from 3, else keys x G): each width against fp64 attention, bf16
+    """The score and value passes tile by the q heads a kv head serves (keys x 4 heads from 3, else
+    keys x G; the value pass 1-4 heads x vectors of dims): each width against fp64 attention, bf16
     caches, two rows of different lengths (a key count no tile divides)."""
     if native.lib() is None:
         pytest.skip("native kernels not built")
