@@ -36,6 +36,12 @@
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
+/* the vector paths (AVX-512, or AVX2 with FMA); without them the portable loops */
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define VEC_PATHS 1
+#else
+#define VEC_PATHS 0
+#endif
 
 #define ROW_BLOCK 16 /* output rows per work item */
 #ifndef PREFETCH
@@ -961,7 +967,7 @@ static inline __attribute__((always_inline)) void dense_tile(const uint8_t *w, c
 #define WS(r, j) (FMT == FMT_F32 ? *(const float *)WP(r, j) : FMT == FMT_I8 ? (float)*(const int8_t *)WP(r, j) \
                   : bf16_f(*(const uint16_t *)WP(r, j))) /* one weight */
     const long ES = FMT == FMT_F32 ? 4 : FMT == FMT_BF16 ? 2 : 1; /* bytes per weight */
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#if VEC_PATHS
     /* one accumulator per row x token over the inputs' VL-wide vectors in order, then sum_lanes's
      * fixed tree: every row x token sums the same way in any tile, so a token's result does not
      * depend on which tokens or rows share the call (decode is batch-invariant). The AVX-512 and
@@ -2752,7 +2758,7 @@ static inline float max_of(const float *v, long n) {
     return m;
 }
 
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#if VEC_PATHS
 /* the vector ops of attention's value pass (pv_*) and score pass (qk_*), one set per width */
 #if defined(__AVX512F__)
 #define PVW 16 /* fp32 lanes per vector */
@@ -2943,7 +2949,7 @@ static void attn_item(const void *arg, long item) {
     float q[MAX_GROUP * MAX_HD], o[MAX_GROUP * MAX_HD], vr[4 * MAX_HD], acc[4 * ROWS_LD];
     attn_setup(A, b, g, q, &kc, &vc);
     float *sc = A->scores + item * A->Lmax * G; /* scores [G, L]: q head i's at sc + i * L */
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#if VEC_PATHS
     if (hd % PVW == 0) qk_vec(kc, A->cfmt, hd, L, q, G, sc, L);
     else
 #endif
@@ -2962,7 +2968,7 @@ static void attn_item(const void *arg, long item) {
         for (long s = 0; s < L; s++) v[s] *= inv;
     }
     float *dst = A->out + (long)b * A->H * hd + (long)g * G * hd; /* the group's G heads, hd each */
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#if VEC_PATHS
     if (hd % PVW == 0) {
         pv_vec(vc, A->cfmt, hd, L, sc, L, G, dst);
         return;
@@ -3018,7 +3024,7 @@ static void attn_item(const void *arg, long item) {
 #define ATTN_CHUNK 2048
 #endif
 
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#if VEC_PATHS
 static void attn_chunk_item(const void *arg, long item) {
     const attn_t *A = arg;
     const long bg = item / A->nchunk, c = item % A->nchunk, a0 = c * ATTN_CHUNK;
@@ -3042,7 +3048,6 @@ static void attn_chunk_item(const void *arg, long item) {
     }
     pv_vec(vc + a0 * rs, A->cfmt, hd, n, sc, L, G, A->part + item * G * hd);
 }
-#endif
 
 /* the long rows' chunks merged into out, each (row, head) over its chunks in order */
 static void attn_combine(const attn_t *A) {
@@ -3070,6 +3075,7 @@ static void attn_combine(const attn_t *A) {
             }
     }
 }
+#endif
 
 /* sinks [H] fp32 or NULL: a learned logit per head that joins each softmax's denominator (gpt-oss).
  * Returns 0; -1 for a shape past the kernel's stack buffers (the caller runs torch instead), -2
@@ -3087,7 +3093,7 @@ int lynx_attn_decode(const float *qkv, int B, int H, int Hkv, int hd, int rd, co
     }
     if (window > 0 && Lmax > window) Lmax = window;
     long nc = 1; /* chunks a (row, kv head) item splits into (attn_chunk_item): vector builds only */
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#if VEC_PATHS
     if (hd % PVW == 0 && Lmax > ATTN_CHUNK) nc = (Lmax + ATTN_CHUNK - 1) / ATTN_CHUNK;
 #endif
     /* scratch (kept when >= 1 MiB): 16 rows of gpt-oss-20b's 64 heads at 4096 positions are 16 MB a
@@ -3105,7 +3111,7 @@ int lynx_attn_decode(const float *qkv, int B, int H, int Hkv, int hd, int rd, co
      * to each other's, whichever thread runs them */
     for (int b = 0; b < B; b++)
         for (int g = 0; g < Hkv; g++) kv_write(&A, b, g);
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#if VEC_PATHS
     if (nc > 1) {
         parallel(attn_chunk_item, &A, n_items, nthreads);
         attn_combine(&A);
