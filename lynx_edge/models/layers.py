@@ -354,23 +354,36 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.H * self.hd))
 
     _native_decode: bool | None = None  # None: not decided yet; False: this layer always runs torch
+    _native_form: tuple | bool | None = None  # native_form's answer, once decided
+
+    def native_form(self) -> tuple[bool, tuple | None] | None:
+        """How this layer's decode attention maps onto the native kernel, decided once (for this
+        layer's own decode and for the native layer call, models/native_layer.py): None where it
+        does not — a subclass's own attend, an sdpa that does more than add sinks, a project that
+        native_qk_full does not describe, q/k norms other than RMSNorm per head, no native library;
+        else (sinks, qk_full): whether its sdpa adds learned sinks (native_sinks) and OLMoE's q/k
+        norm over all heads and clip (native_qk_full; None for the base's project)."""
+        if self._native_form is None:
+            cls = type(self)
+            norms_ok = self.qk_norm == "none" or (self.qk_norm == "head" and type(self.q_norm) is RMSNorm
+                                                  and type(self.k_norm) is RMSNorm)
+            sinks = cls.native_sinks is not Attention.native_sinks
+            full = self.native_qk_full()
+            ok = ((cls.project is Attention.project or full is not None) and (cls.sdpa is Attention.sdpa or sinks)
+                  and cls.attend is Attention.attend and norms_ok and native.lib() is not None)
+            self._native_form = (sinks, full) if ok else False
+        return self._native_form or None
 
     def _decode_native(self, x: torch.Tensor, ab: AttnBatch, kv) -> torch.Tensor | None:
         """A CPU decode step in two native calls after the fused projection (kernels/cpu_native.c:
         norm, RoPE, cache write and attention for every row and head at once) instead of ~40 torch
-        ops. Only for this class's own project/attend/sdpa with plain q/k RMSNorm (or an sdpa that only
-        adds sinks: native_sinks); subclasses that change any of them (and shapes the kernel does not
-        take) run the torch path."""
+        ops, where native_form says the kernel computes this class's attention; other classes and
+        shapes the kernel does not take run the torch path."""
+        form = self.native_form()
         if self._native_decode is None:
-            cls = type(self)
-            norms_ok = self.qk_norm == "none" or (self.qk_norm == "head" and type(self.q_norm) is RMSNorm
-                                                  and type(self.k_norm) is RMSNorm)
-            sdpa_ok = cls.sdpa is Attention.sdpa or cls.native_sinks is not Attention.native_sinks
-            project_ok = cls.project is Attention.project or self.native_qk_full() is not None
-            self._native_decode = (project_ok and sdpa_ok
-                                   and cls.attend is Attention.attend and norms_ok and native.lib() is not None)
-            if not self._native_decode:
-                return None
+            self._native_decode = form is not None
+        if form is None:
+            return None
         fused = self._fused()
         k_cache, v_cache = kv
         if (fused is None or ab.cos is None or k_cache.dtype != v_cache.dtype or k_cache.dtype not in NATIVE_ROWS
@@ -378,7 +391,7 @@ class Attention(nn.Module):
             return None
         B = x.shape[0]
         qkv = fused.native(x.view(B, -1))
-        full = self.native_qk_full()
+        full = form[1]
         if qkv is not None and full is not None:
             qkv = native.qk_full(qkv, self.H, self.Hkv, self.hd, *full)
         if qkv is None:

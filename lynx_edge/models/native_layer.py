@@ -64,19 +64,22 @@ class NativeLayer:
             return None
         if not (native.dense_ok(n1.weight) and native.dense_ok(n2.weight)) or n1.weight.shape[0] > 4096:
             return None
-        full = attn.native_qk_full() if isinstance(attn, Attention) else None  # OLMoE's norm over all heads and clip
-        if not (type(attn) is Attention or (full is not None and _plain_but_project(type(attn)))):
+        # the base's attention, or one that differs only in a project native_qk_full describes (OLMoE's
+        # norm over all heads and clip); no sinks (gpt-oss) and the base's forward, which this call replaces
+        form = attn.native_form() if isinstance(attn, Attention) else None
+        if form is None or form[0] or type(attn).forward is not Attention.forward:
+            return None
+        full = form[1]
+        if type(attn) is not Attention and full is None:
             return None
         if type(mlp) is not MoEBlock or mlp.scorer is not None:
             return None
-        if mlp.shared_expert is not None or attn.qk_norm not in ("none", "head"):
+        if mlp.shared_expert is not None:
             return None
         if full is not None and (full[0].dtype != dt or full[1].dtype != dt or attn.H * attn.hd > 4096
                                  or not (native.dense_ok(full[0]) and native.dense_ok(full[1]))):
             return None
-        head = attn.qk_norm == "head"
-        if head and (type(attn.q_norm) is not RMSNorm or type(attn.k_norm) is not RMSNorm):
-            return None
+        head = attn.qk_norm == "head"  # plain RMSNorm per head (native_form)
         fused = attn._fused()
         got = [None if fused is None else _lin(fused), _lin(attn.o_proj), _lin(mlp.gate)]
         if any(g is None for g in got) or mlp.gate.weight.dtype != dt:
@@ -293,12 +296,6 @@ def _report(ctx, layers: tuple, ids: torch.Tensor, w: torch.Tensor, vec: torch.T
     if ctx.stats.record:
         for layer, layer_ids in zip(layers, ids.unbind(0)):
             ctx.stats.add(layer, layer_ids)
-
-
-def _plain_but_project(cls) -> bool:
-    """An attention class that differs from Attention only in its `project` (which it describes by
-    native_qk_full): the rest of the layer's attention is the base's, so the layer call may run it."""
-    return all(getattr(cls, f) is getattr(Attention, f) for f in ("forward", "sdpa", "attend", "native_sinks"))
 
 
 def _moe_plan(experts, keep: list, dt) -> tuple[native.MoeLayer | None, int]:
