@@ -30,7 +30,7 @@ MODES = ("plain", "int4", "offload", "offload-int4", "gptq", "gptq-offload", "fp
 
 def write_checkpoint(path: Path, layers: int, experts: int, hidden: int, inter: int, vocab: int = 4096,
                      seed: int = 0, top_k: int = 4, heads: int | None = None, kv_heads: int | None = None,
-                     head_dim: int = 64) -> Path:
+                     head_dim: int = 64, max_positions: int = 4096) -> Path:
     """A random qwen3_moe checkpoint in bf16 with on-disk per-expert names, one safetensors shard
     per layer (as big checkpoints are sharded) plus an index. heads defaults to hidden / 64, kv_heads
     to half of them (a published model's shapes: Qwen3-30B-A3B is 32 / 4 heads of 128, top-8)."""
@@ -44,7 +44,7 @@ def write_checkpoint(path: Path, layers: int, experts: int, hidden: int, inter: 
                hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                num_key_value_heads=kv_heads or max(1, heads // 2),
                head_dim=hd, intermediate_size=4 * hidden, moe_intermediate_size=inter, num_experts=experts,
-               num_experts_per_tok=min(top_k, experts), norm_topk_prob=True, max_position_embeddings=4096,
+               num_experts_per_tok=min(top_k, experts), norm_topk_prob=True, max_position_embeddings=max_positions,
                rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=False, torch_dtype="bfloat16",
                eos_token_id=0, bos_token_id=None)
     (path / "config.json").write_text(json.dumps(cfg, indent=1))

@@ -33,6 +33,12 @@ background load hits them alike), medians over rounds:
                        decode_tok_s of a batch of 16 P-token prompts, LYNX `off` and `on`
     --prefill P:       `llama-bench -p P -n 0` vs one lynx-edge prefill of a P-token prompt (after
                        an untimed one), prompt tok/s; no target in issue 16 (parity shown)
+    --depth D:         B=1 decode after D cached positions: `llama-bench -p 0 -n N -d D` (flash attention
+                       on and off, the faster) vs lynx-edge's decode after a D-token prompt (neither
+                       prefill timed); the B=1 target. The
+                       a3b-attn model has Qwen3-30B-A3B's attention and little else, so it shows the
+                       attention over the cache (python benchmarks/vs_llamacpp.py --models a3b-attn
+                       --bits bf16,int4attn --batch 1 --depth 8192 -n 32 -r 3)
 
     python benchmarks/vs_llamacpp.py                          # all: demo + random, 1 and 2 threads
     python benchmarks/vs_llamacpp.py --models demo --threads 2 -r 2
@@ -74,7 +80,11 @@ A3B = dict(layers=4, experts=128, hidden=2048, inter=768, vocab=151936, top_k=8,
 # attention, the head), at 10.3 GB bf16. Only its B=1 rows stand for the real model: at B=16 every
 # one of its 16 experts runs, where the real model's 16 tokens share ~82 of 128.
 A3B48 = A3B | dict(layers=48, experts=16)
-RANDOMS = {"random": RANDOM, "a3b": A3B, "a3b48": A3B48}
+# Qwen3-30B-A3B's attention (hidden 2048, 32 query / 4 KV heads of 128, its 40960 positions) in 4 layers
+# with 8 small experts (of 256) and the demo's vocabulary: 0.18 GB bf16, so that its --depth rows (decode
+# after thousands of cached positions: 2 KB of K/V a position a layer) show the attention, not the weights
+A3B_ATTN = dict(layers=4, experts=8, hidden=2048, inter=256, heads=32, kv_heads=4, head_dim=128, max_positions=40960)
+RANDOMS = {"random": RANDOM, "a3b": A3B, "a3b48": A3B48, "a3b-attn": A3B_ATTN}
 OSS_LAYERS = 8  # --models oss: gpt-oss-20b's layer shapes, 8 of its 24 layers (benchmarks/oss_checkpoint.py)
 MODEL_NOTES = {"a3b": (
     "a3b: Qwen3-30B-A3B's shapes with 4 of its 48 layers and random weights. Per decode token at B=1 it reads "
@@ -214,6 +224,14 @@ def llama_tg(bins: Path, gguf: Path, threads: int, n: int) -> dict:
     row = json.loads(out)[0]
     return {"tok_s": float(row["avg_ts"]), "build": f"{row.get('build_commit')} ({row.get('build_number')})",
             "cpu": row.get("cpu_info"), "type": row.get("model_type")}
+
+
+def llama_tg_depth(bins: Path, gguf: Path, threads: int, n: int, depth: int, fa: int) -> float:
+    """One llama-bench tg run after a depth-token context (`-d`: processed before the timer starts;
+    its warm-up, then one timed repetition), flash attention on (1) or off (0) → tok/s."""
+    out = sh([bins / "llama-bench", "-m", gguf, "-p", "0", "-n", n, "-d", depth, "-t", threads, "-r", 1, "-fa", fa,
+              "-o", "json"])
+    return float(json.loads(out)[0]["avg_ts"])
 
 
 def llama_pp(bins: Path, gguf: Path, threads: int, p: int) -> float:
@@ -381,7 +399,7 @@ def run(args) -> dict:
            # uncommitted edits under lynx_edge/ at measure time (several engineers share the checkout)
            "lynx_edge_dirty": subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "--", "lynx_edge"],
                                              capture_output=True, text=True).stdout.split("\n")[:-1],
-           "threads": threads, "rounds": args.rounds, "n_b1": args.n, "n_b16": args.n16, "prompt_b16": args.prompt,
+           "threads": threads, "rounds": args.rounds, "n_b1": args.n, "n_b16": args.n16, "depth": args.depth, "prompt_b16": args.prompt,
            "batch": args.batch, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
            "loadavg_start": os.getloadavg(), "models": {}, "rows": []}
     t_start = time.time()
@@ -409,7 +427,8 @@ def run(args) -> dict:
             ll_name, opts = PAIRS[kind]
             src_k = lynx_4bit(path, work / f"{model}-lynx-rtn-attn-g128") if kind.startswith("int4attn") else \
                 lynx_fp8(path, work / f"{model}-fp8-b128") if kind == "fp8" else path
-            eng = Engine.from_pretrained(src_k, device="cpu", max_num_seqs=args.batch, **opts)
+            ctx = {"ctx_size": args.depth + args.n + 64} if args.depth + args.n + 64 > 4096 else {}
+            eng = Engine.from_pretrained(src_k, device="cpu", max_num_seqs=args.batch, **ctx, **opts)
             dt = str(next(p for p in eng.model.parameters() if p.is_floating_point()).dtype).replace("torch.", "")
             p1 = synthetic_prompts(eng, 1, 8)
             pB = synthetic_prompts(eng, args.batch, args.prompt)
@@ -439,6 +458,15 @@ def run(args) -> dict:
                 for _ in range(args.rounds if args.prefill else 0):
                     pp["llama"].append(llama_pp(bins, ggufs[kind], th, args.prefill))
                     pp["ours"].append(ours_pp(eng, synthetic_prompts(eng, 1, args.prefill)[0]))
+                dd = {"llama": [], "ours": [], "llama_fa_on": [], "llama_fa_off": []}
+                pD = synthetic_prompts(eng, 1, args.depth) if args.depth else None
+                for _ in range(args.rounds if args.depth else 0):  # B=1 decode after depth positions
+                    # llama.cpp at its faster flash-attention setting this round: its default (auto: on for
+                    # a CPU) ran 0.6x of off at 4096 positions on the Zen3
+                    dd["llama_fa_on"].append(llama_tg_depth(bins, ggufs[kind], th, args.n, args.depth, 1))
+                    dd["llama_fa_off"].append(llama_tg_depth(bins, ggufs[kind], th, args.n, args.depth, 0))
+                    dd["llama"].append(max(dd["llama_fa_on"][-1], dd["llama_fa_off"][-1]))
+                    dd["ours"].append(ours(eng, pD, args.n, "off"))  # its prefill is not timed either
                 med1 = {k: statistics.median(v) for k, v in b1.items()}
                 medB = {k: statistics.median(v) for k, v in bB.items() if v}
                 base = dict(model=model, kind=kind, llama_type=ll_name, ours_dtype=dt, threads=th, bits=bits,
@@ -457,7 +485,14 @@ def run(args) -> dict:
                     res["rows"].append(base | dict(batch=f"pp{args.prefill}", lynx="off", ours_tok_s=medP["ours"],
                                                    llama_tok_s=medP["llama"], ratio=medP["ours"] / medP["llama"],
                                                    target=None, ours_all=pp["ours"], llama_all=pp["llama"]))
-                for r in res["rows"][-(3 if batched else 1) - bool(args.prefill):]:
+                if args.depth:  # decode at depth: the B=1 target
+                    medD = {k: statistics.median(v) for k, v in dd.items()}
+                    res["rows"].append(base | dict(batch=f"1@d{args.depth}", lynx="off", ours_tok_s=medD["ours"],
+                                                   llama_tok_s=medD["llama"], ratio=medD["ours"] / medD["llama"],
+                                                   target=TARGET["B1", bits], ours_all=dd["ours"],
+                                                   llama_all=dd["llama"], llama_fa_on_all=dd["llama_fa_on"],
+                                                   llama_fa_off_all=dd["llama_fa_off"]))
+                for r in res["rows"][-(3 if batched else 1) - bool(args.prefill) - bool(args.depth):]:
                     print(f"{model} {kind} t={th} B={r['batch']} lynx={r['lynx']}: lynx-edge {r['ours_tok_s']:.1f} "
                           f"tok/s, llama.cpp {ll_name} {r['llama_tok_s']:.1f} → {r['ratio']:.3f}x "
                           f"(target {r['target'] or '-'}x)", flush=True)
@@ -562,6 +597,12 @@ def to_markdown(res: dict) -> str:
            "positions either way: attention is a small part of these steps). Both time a run after an untimed run "
            "of the same test (llama-bench's warm-up; lynx-edge's since session 29: before it, lynx-edge's timed "
            "run came straight after llama.cpp's, with the caches holding llama.cpp's copy of the weights).",
+           *([f"- B=1@d{res['depth']}: decode after {res['depth']} cached positions — llama-bench `-d "
+              f"{res['depth']}` (the context processed before its timer starts, then its warm-up and one timed "
+              "run), with flash attention on and off, the faster of the two each round (its default, auto, is on "
+              "for a CPU and was the slower here: `llama_fa_on_all` / `llama_fa_off_all` in the JSON), "
+              f"against lynx-edge's decode after a {res['depth']}-token prompt (prefill not timed), in each "
+              "round; synthetic token ids on both sides (the text does not change the timing)."] if res.get("depth") else []),
            "- LYNX `on` changes which experts run (approximate routing); llama.cpp always runs exact top-k.",
            "- The GGUF files come from llama.cpp's own converter; the demo's byte-level BPE tokenizer is "
            "not in its pre-tokenizer hash list, so it is written as `gpt-2` (the same GPT-2 regex). "
@@ -574,7 +615,8 @@ def main() -> None:
     ap.add_argument("--models", default="demo,random",
                     help="demo, random (≥ 1 GB bf16 qwen3_moe), a3b (Qwen3-30B-A3B's shapes, 4 layers, "
                          "6.1 GB bf16: run it with --bits bf16,int4attn-q8 on a 24 GB box) and/or a3b48 (the "
-                         "same at 48 layers of 16 experts, 10.3 GB bf16: --bits int4attn --batch 1) or oss "
+                         "same at 48 layers of 16 experts, 10.3 GB bf16: --bits int4attn --batch 1), a3b-attn "
+                         "(its attention in 4 layers with small experts, 0.18 GB: for --depth) or oss "
                          "(gpt-oss-20b's layers, 8 of 24, MXFP4 experts: --models oss --bits mxfp4,mxfp4-f32)")
     ap.add_argument("--bits", default="f32,bf16,int4,int4attn,int4attn-q8",
                     help="pairs: f32 (F32 vs fp32), bf16, int4 (Q4_0 vs --int4), int4attn (Q4_0 vs a lynx-edge "
@@ -588,6 +630,9 @@ def main() -> None:
     ap.add_argument("--n16", type=int, default=32, help="decode tokens per sequence at B=16 (-ntg)")
     ap.add_argument("--prompt", type=int, default=16, help="prompt tokens per sequence at B=16 (-npp)")
     ap.add_argument("--batch", type=int, default=16, help="the batched rows' batch size; 1: B=1 rows only")
+    ap.add_argument("--depth", type=int, default=0,
+                    help="also time B=1 decode after D cached positions (llama-bench -p 0 -n N -d D vs lynx-edge's "
+                         "decode after a D-token prompt, prefill untimed on both sides); a row with B = 1@dD")
     ap.add_argument("--prefill", type=int, default=0,
                     help="also time prompt processing of this many tokens (llama-bench -p P -n 0 vs one lynx-edge "
                          "prefill of a P-token prompt); a row with B = ppP")
