@@ -2825,6 +2825,12 @@ static inline __attribute__((always_inline)) void pv_tile(const uint8_t *v0, int
  * the number of tiles */
 static void pv_vec(const uint8_t *v0, int cfmt, int hd, long L, const float *sc, long ld, int G, float *o) {
     const int far = L >= 4 * PV_ROWS;
+/* the tile of h heads x j vectors, its prefetch distance (far) a compile-time constant */
+#define PV(h, j) \
+    if (HB == h && JB == j) { \
+        if (far) pv_tile(v0, cfmt, hd, ld, sc, s0, s1, i0, h, j0, j, 1, o); \
+        else pv_tile(v0, cfmt, hd, ld, sc, s0, s1, i0, h, j0, j, 0, o); \
+    }
     for (long s0 = 0; s0 < L; s0 += PV_ROWS) {
         const long s1 = L - s0 < PV_ROWS ? L : s0 + PV_ROWS;
 #if PV_JB == 2
@@ -2837,14 +2843,8 @@ static void pv_vec(const uint8_t *v0, int cfmt, int hd, long L, const float *sc,
             int JB = HB == 1 ? 8 : HB == 2 ? 4 : 2;
             while (nv % JB) JB /= 2;
             for (int j0 = 0; j0 < nv; j0 += JB) {
-#define PV(h, j) \
-    if (HB == h && JB == j) { \
-        if (far) pv_tile(v0, cfmt, hd, ld, sc, s0, s1, i0, h, j0, j, 1, o); \
-        else pv_tile(v0, cfmt, hd, ld, sc, s0, s1, i0, h, j0, j, 0, o); \
-    }
                 PV(2, 4) else PV(1, 8) else PV(4, 2) else PV(1, 4) else PV(2, 2) else PV(3, 2)
                 else PV(1, 2) else PV(1, 1) else PV(2, 1) else PV(3, 1) else PV(4, 1)
-#undef PV
             }
         }
 #else
@@ -2852,22 +2852,17 @@ static void pv_vec(const uint8_t *v0, int cfmt, int hd, long L, const float *sc,
             const int JB = hd / PVW - j0 < PV_JB ? hd / PVW - j0 : PV_JB;
             for (int i0 = 0; i0 < G; i0 += 4) {
                 const int HB = G - i0 < 4 ? G - i0 : 4;
-#define PV(h, j) \
-    if (HB == h && JB == j) { \
-        if (far) pv_tile(v0, cfmt, hd, ld, sc, s0, s1, i0, h, j0, j, 1, o); \
-        else pv_tile(v0, cfmt, hd, ld, sc, s0, s1, i0, h, j0, j, 0, o); \
-    }
                 PV(4, PV_JB) else PV(2, PV_JB) else PV(1, PV_JB) else PV(3, PV_JB)
                 else PV(4, 1) else PV(2, 1) else PV(1, 1) else PV(3, 1)
 #if PV_JB == 4
                 else PV(4, 2) else PV(2, 2) else PV(1, 2) else PV(3, 2)
                 else PV(4, 3) else PV(2, 3) else PV(1, 3) else PV(3, 3)
 #endif
-#undef PV
             }
         }
 #endif
     }
+#undef PV
 }
 
 #if defined(__AVX512F__)

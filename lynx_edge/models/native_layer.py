@@ -72,9 +72,7 @@ class NativeLayer:
         full = form[1]
         if type(attn) is not Attention and full is None:
             return None
-        if type(mlp) is not MoEBlock or mlp.scorer is not None:
-            return None
-        if mlp.shared_expert is not None:
+        if type(mlp) is not MoEBlock or mlp.scorer is not None or mlp.shared_expert is not None:
             return None
         if full is not None and (full[0].dtype != dt or full[1].dtype != dt or attn.H * attn.hd > 4096
                                  or not (native.dense_ok(full[0]) and native.dense_ok(full[1]))):
