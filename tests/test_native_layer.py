@@ -339,3 +339,41 @@ def test_last_level_cache_is_read_from_sysfs(tmp_path):
     assert native.llc_bytes.__wrapped__(str(tmp_path / "none")) is None
     assert native.llc_bytes.__wrapped__(str(tmp_path)) is None
     assert native.streamed(1) is False or native.llc_bytes() is None  # 1 byte fits any cache
+
+
+def _scale_qk_norms(eng: Engine, how: str) -> None:
+    """Every layer's q and k norm weights × 1.5: written in place, or replaced by new storage."""
+    with torch.no_grad():
+        for layer in eng.model.layers:
+            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                if how == "in place":
+                    norm.weight.mul_(1.5)
+                else:  # a new Parameter: new storage, and not the object any plan holds
+                    norm.weight = torch.nn.Parameter(norm.weight.data * 1.5, requires_grad=False)
+
+
+@pytest.mark.parametrize("how", ["in place", "replaced"])
+@pytest.mark.parametrize("model", ["q3", "olmoe_clip"])
+def test_changed_qk_norm_weights_are_read(model, how, request, monkeypatch):
+    """A q/k norm weight written in place or replaced after the plans were made (a reload, an
+    adapter swap) is what the next decode step reads, on the layer call and the module path alike
+    (before: the layer call read a stale fp32 copy of Qwen3's, and OLMoE's through a dangling pointer;
+    the module path OLMoE's replaced Parameter through native_form's cached answer)."""
+    path = request.getfixturevalue(model)
+
+    def changed_after_decoding() -> torch.Tensor:
+        eng = Engine.from_pretrained(path, device="cpu", dtype="bfloat16", max_num_seqs=2)
+        _decode(eng, 2)  # plans and decisions made and kept
+        _scale_qk_norms(eng, how)
+        return _decode(eng, 2)
+
+    got_layer = changed_after_decoding()
+    monkeypatch.setattr(native_layer, "NATIVE_LAYERS", False)
+    got_module = changed_after_decoding()
+    ref_eng = Engine.from_pretrained(path, device="cpu", dtype="bfloat16", max_num_seqs=2)
+    _scale_qk_norms(ref_eng, how)  # changed before anything was decided
+    ref = _decode(ref_eng, 2)
+    assert torch.equal(got_layer, ref)
+    assert torch.equal(got_module, ref)
+    untouched = _decode(Engine.from_pretrained(path, device="cpu", dtype="bfloat16", max_num_seqs=2), 2)
+    assert not torch.equal(ref, untouched)  # the change reaches the logits at all

@@ -363,16 +363,22 @@ class Attention(nn.Module):
         native_qk_full does not describe, q/k norms other than RMSNorm per head, no native library;
         else (sinks, qk_full): whether its sdpa adds learned sinks (native_sinks) and OLMoE's q/k
         norm over all heads and clip (native_qk_full; None for the base's project)."""
-        if self._native_form is None:
+        if self._native_form is None:  # the class's answer, kept; the weights it names are read each call
             cls = type(self)
             norms_ok = self.qk_norm == "none" or (self.qk_norm == "head" and type(self.q_norm) is RMSNorm
                                                   and type(self.k_norm) is RMSNorm)
             sinks = cls.native_sinks is not Attention.native_sinks
-            full = self.native_qk_full()
-            ok = ((cls.project is Attention.project or full is not None) and (cls.sdpa is Attention.sdpa or sinks)
+            full = self.native_qk_full() is not None
+            ok = ((cls.project is Attention.project or full) and (cls.sdpa is Attention.sdpa or sinks)
                   and cls.attend is Attention.attend and norms_ok and native.lib() is not None)
             self._native_form = (sinks, full) if ok else False
-        return self._native_form or None
+        if not self._native_form:
+            return None
+        sinks, full = self._native_form
+        if not full:
+            return sinks, None
+        qk = self.native_qk_full()  # the norms' current weights (replaced ones too), or None if it no longer fits
+        return None if qk is None else (sinks, qk)
 
     def _decode_native(self, x: torch.Tensor, ab: AttnBatch, kv) -> torch.Tensor | None:
         """A CPU decode step in two native calls after the fused projection (kernels/cpu_native.c:

@@ -337,10 +337,19 @@ def _key(layer) -> tuple:
     else:  # INT4: its block buffer; FP8: its gate_up codes (plain tensor attributes, not parameters)
         packed = ex.__dict__.get("packed")
         exp = packed.data if packed is not None else ex.__dict__.get("gate_up")
+    qn, kn = am.get("q_norm"), am.get("k_norm")  # per-head norms (copied to fp32) or OLMoE's (pointed into)
     return (am["q_proj"], am["q_proj"].storage(), am["o_proj"], am["o_proj"].storage(), mm["gate"],
             mm["gate"]._parameters["weight"].data_ptr(), m["input_layernorm"]._parameters["weight"].data_ptr(),
             m["post_attention_layernorm"]._parameters["weight"].data_ptr(), ex,
-            None if exp is None else exp.data_ptr())
+            None if exp is None else exp.data_ptr(),
+            None if qn is None else _written(qn._parameters["weight"]),
+            None if kn is None else _written(kn._parameters["weight"]))
+
+
+def _written(w: torch.Tensor) -> tuple:
+    """(storage, in-place writes so far) of a weight the plan copies or points into: a new storage
+    would leave the plan's pointer dangling, an in-place write its copy stale."""
+    return w.data_ptr(), 0 if w.is_inference() else w._version
 
 
 __all__ = ["NativeLayer", "decode_stack", "head_plan", "native_of"]
