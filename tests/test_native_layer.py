@@ -219,7 +219,7 @@ def test_final_norm_and_head_inside_the_stack_call(q3, dtype, monkeypatch):
 
 def test_kept_stack_call_follows_a_new_cache_and_router(q3, monkeypatch):
     """decode_stack keeps the call's pointer arrays per batch size across steps (native_layer._Stack):
-    a new KV cache of the same batch, LYNX switched on, or a replaced expert weight must each
+    a new KV cache of the same batch, LYNX switched on, or a replaced expert matrix (gate/up, down) must each
     rebuild them — a stale array would write into a freed cache or read the old weights. Logits
     stay bit-equal to the module path, and each change made exactly one new stack."""
     from lynx_edge.kv_cache import KVCache
@@ -237,15 +237,17 @@ def test_kept_stack_call_follows_a_new_cache_and_router(q3, monkeypatch):
         ex = eng.model.layers[1].mlp.experts
         ex.gate_up = torch.nn.Parameter(ex.gate_up.data * 1.5, requires_grad=False)  # a replaced weight
         outs.append(_decode(eng, 2, steps=2))
+        ex.down = torch.nn.Parameter(ex.down.data * 1.5, requires_grad=False)  # and the other expert matrix
+        outs.append(_decode(eng, 2, steps=2))
         monkeypatch.undo()
         return outs, len(built)
 
     got, built = run(True)
     ref, none = run(False)
-    assert built == 3 and none == 0
+    assert built == 4 and none == 0
     for g, r in zip(got, ref):
         assert torch.equal(g, r)
-    assert not torch.equal(got[2], got[3])  # the replaced weight was read
+    assert not torch.equal(got[2], got[3]) and not torch.equal(got[3], got[4])  # the replaced weights were read
 
 
 def test_int4_activations_default_to_q16_where_vectorised(q3, monkeypatch):

@@ -333,15 +333,15 @@ def _key(layer) -> tuple:
     am, mm = attn._modules, mlp._modules
     ex = mm["experts"]
     if type(ex) is StackedExperts:
-        exp = ex._parameters["gate_up"]
-    else:  # INT4: its block buffer; FP8: its gate_up codes (plain tensor attributes, not parameters)
+        exp, dn = ex._parameters["gate_up"], ex._parameters["down"]
+    else:  # INT4: its block buffer; FP8: its gate_up and down codes (plain tensor attributes, not parameters)
         packed = ex.__dict__.get("packed")
-        exp = packed.data if packed is not None else ex.__dict__.get("gate_up")
+        exp, dn = (packed.data, None) if packed is not None else (ex.__dict__.get("gate_up"), ex.__dict__.get("down"))
     qn, kn = am.get("q_norm"), am.get("k_norm")  # per-head norms (copied to fp32) or OLMoE's (pointed into)
     return (am["q_proj"], am["q_proj"].storage(), am["o_proj"], am["o_proj"].storage(), mm["gate"],
             mm["gate"]._parameters["weight"].data_ptr(), m["input_layernorm"]._parameters["weight"].data_ptr(),
             m["post_attention_layernorm"]._parameters["weight"].data_ptr(), ex,
-            None if exp is None else exp.data_ptr(),
+            None if exp is None else exp.data_ptr(), None if dn is None else dn.data_ptr(),
             None if qn is None else _written(qn._parameters["weight"]),
             None if kn is None else _written(kn._parameters["weight"]))
 
