@@ -3055,11 +3055,13 @@ static void attn_combine(const attn_t *A) {
         if (L <= ATTN_CHUNK) continue;
         for (int g = 0; g < A->Hkv; g++)
             for (int i = 0; i < G; i++) {
-                const long it0 = ((long)b * A->Hkv + g) * A->nchunk; /* chunk c's item: it0 + c */
-                float m = A->sinks ? A->sinks[g * G + i] : -INFINITY, tot = 0.0f;
-                for (long c = 0; c < nc; c++) m = A->ml[((it0 + c) * G + i) * 2] > m ? A->ml[((it0 + c) * G + i) * 2] : m;
+                /* head i of chunk c: its (max, sum) at ml + 2 * hc(c), its values at part + hd * hc(c) */
+                const long h0 = ((long)b * A->Hkv + g) * A->nchunk * G + i, hs = G; /* hc(c) = h0 + c * hs */
+                float *ml = A->ml + 2 * h0, m = A->sinks ? A->sinks[g * G + i] : -INFINITY, tot = 0.0f;
+                const float *part = A->part + hd * h0;
+                for (long c = 0; c < nc; c++) m = ml[2 * hs * c] > m ? ml[2 * hs * c] : m;
                 for (long c = 0; c < nc; c++) { /* each chunk's weight e^(m_c - m) in place of its max */
-                    float *mc = A->ml + ((it0 + c) * G + i) * 2;
+                    float *mc = ml + 2 * hs * c;
                     mc[0] = expf(mc[0] - m);
                     tot += mc[0] * mc[1];
                 }
@@ -3067,7 +3069,7 @@ static void attn_combine(const attn_t *A) {
                 float *dst = A->out + (long)b * A->H * hd + (long)(g * G + i) * hd;
                 for (int j = 0; j < hd; j++) {
                     float o = 0.0f;
-                    for (long c = 0; c < nc; c++) o += A->ml[((it0 + c) * G + i) * 2] * A->part[((it0 + c) * G + i) * hd + j];
+                    for (long c = 0; c < nc; c++) o += ml[2 * hs * c] * part[hd * hs * c + j];
                     dst[j] = o / tot;
                 }
             }
