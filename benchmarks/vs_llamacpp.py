@@ -467,31 +467,25 @@ def run(args) -> dict:
                     dd["llama_fa_off"].append(llama_tg_depth(bins, ggufs[kind], th, args.n, args.depth, 0))
                     dd["llama"].append(max(dd["llama_fa_on"][-1], dd["llama_fa_off"][-1]))
                     dd["ours"].append(ours(eng, pD, args.n, "off"))  # its prefill is not timed either
-                med1 = {k: statistics.median(v) for k, v in b1.items()}
-                medB = {k: statistics.median(v) for k, v in bB.items() if v}
                 base = dict(model=model, kind=kind, llama_type=ll_name, ours_dtype=dt, threads=th, bits=bits,
                             int8_head=bool(opts.get("int8_head")))
                 if bits == "4bit":  # the INT4 rows' activations (the default's has changed)
                     base["int4_act"] = opts.get("int4_act") or native.default_int4_act()
-                res["rows"].append(base | dict(batch=1, lynx="off", ours_tok_s=med1["ours"], llama_tok_s=med1["llama"],
-                                               ratio=med1["ours"] / med1["llama"], target=TARGET["B1", bits],
-                                               ours_all=b1["ours"], llama_all=b1["llama"]))
+
+                def row(batch, lynx: str, ours_all: list, llama_all: list, target, **extra) -> None:
+                    """One result row: both sides' medians over the rounds, and their ratio."""
+                    o, ll = statistics.median(ours_all), statistics.median(llama_all)
+                    res["rows"].append(base | dict(batch=batch, lynx=lynx, ours_tok_s=o, llama_tok_s=ll, ratio=o / ll,
+                                                   target=target, ours_all=ours_all, llama_all=llama_all) | extra)
+
+                row(1, "off", b1["ours"], b1["llama"], TARGET["B1", bits])
                 for mode in ("off", "on") if batched else ():
-                    res["rows"].append(base | dict(batch=args.batch, lynx=mode, ours_tok_s=medB[mode],
-                                                   llama_tok_s=medB["llama"], ratio=medB[mode] / medB["llama"],
-                                                   target=TARGET["Bn", bits], ours_all=bB[mode], llama_all=bB["llama"]))
+                    row(args.batch, mode, bB[mode], bB["llama"], TARGET["Bn", bits])
                 if args.prefill:  # prompt processing: no target in issue 16 (shown against parity)
-                    medP = {k: statistics.median(v) for k, v in pp.items()}
-                    res["rows"].append(base | dict(batch=f"pp{args.prefill}", lynx="off", ours_tok_s=medP["ours"],
-                                                   llama_tok_s=medP["llama"], ratio=medP["ours"] / medP["llama"],
-                                                   target=None, ours_all=pp["ours"], llama_all=pp["llama"]))
+                    row(f"pp{args.prefill}", "off", pp["ours"], pp["llama"], None)
                 if args.depth:  # decode at depth: the B=1 target
-                    medD = {k: statistics.median(v) for k, v in dd.items()}
-                    res["rows"].append(base | dict(batch=f"1@d{args.depth}", lynx="off", ours_tok_s=medD["ours"],
-                                                   llama_tok_s=medD["llama"], ratio=medD["ours"] / medD["llama"],
-                                                   target=TARGET["B1", bits], ours_all=dd["ours"],
-                                                   llama_all=dd["llama"], llama_fa_on_all=dd["llama_fa_on"],
-                                                   llama_fa_off_all=dd["llama_fa_off"]))
+                    row(f"1@d{args.depth}", "off", dd["ours"], dd["llama"], TARGET["B1", bits],
+                        llama_fa_on_all=dd["llama_fa_on"], llama_fa_off_all=dd["llama_fa_off"])
                 for r in res["rows"][-(3 if batched else 1) - bool(args.prefill) - bool(args.depth):]:
                     print(f"{model} {kind} t={th} B={r['batch']} lynx={r['lynx']}: lynx-edge {r['ours_tok_s']:.1f} "
                           f"tok/s, llama.cpp {ll_name} {r['llama_tok_s']:.1f} → {r['ratio']:.3f}x "
