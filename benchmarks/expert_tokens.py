@@ -4,7 +4,7 @@ LYNX at B = 16 cuts the experts a layer reads (the demo's 64 slots over ~28 expe
 slots: every token still runs k experts. So its speed-up is bounded by how an expert's time splits
 into a part paid once per expert read (its bytes) and a part paid per token (multiply-adds).
 
-Three parts, one thread, the demo's experts zero-padded to I = 8192 (lynx_cpu.py: 12.6 MB of bf16
+Three parts, one thread (--threads), the demo's experts zero-padded to I = 8192 (lynx_cpu.py: 12.6 MB of bf16
 an expert, as the engine lays them out — packed gate/up rows where the build packs):
 - t(n): one expert's MoE call with n tokens, from DRAM (32 experts' copies cycled) and from the L3
   (the same copy again);
@@ -97,6 +97,7 @@ def routed_layers(native, rounds: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("-r", "--rounds", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=None, help="JSON file for the result (default: print only)")
     a = ap.parse_args()
     from lynx_edge.kernels import native
@@ -104,7 +105,7 @@ def main() -> None:
 
     if native.lib() is None:
         sys.exit("the native CPU kernels did not build here")
-    set_threads(1, explicit=True)
+    set_threads(a.threads, explicit=True)
     curve = expert_curve(native, a.rounds)
     for n, (c, h) in curve.items():
         print(f"t({n}) from DRAM {c:.3f} ms, from L3 {h:.3f} ms", flush=True)
@@ -116,7 +117,7 @@ def main() -> None:
         hi = max(curve)
         return curve[hi][0] + (n - hi) * (curve[hi][0] - curve[hi - 2][0]) / 2
 
-    res = {"threads": 1, "dtype": "bfloat16", "pad": PAD, "rounds": a.rounds, "torch": torch.__version__,
+    res = {"threads": a.threads, "dtype": "bfloat16", "pad": PAD, "rounds": a.rounds, "torch": torch.__version__,
            "isa": torch.backends.cpu.get_cpu_capability(),
            "t_n_ms": {n: {"dram": round(c, 4), "l3": round(h, 4)} for n, (c, h) in curve.items()}, "layers": {}}
     for m, (ms, counts) in layers.items():
