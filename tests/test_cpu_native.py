@@ -66,6 +66,36 @@ def test_moe_dense_bugs_are_caught():
     assert _rel(native.moe_dense(x, ids.flip(1), w, gu, dn), ref) > 100 * TOL_MOE
 
 
+@pytest.mark.parametrize("T,gated", [(1, True), (5, True), (3, False)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_shared_expert_matches_reference(T, gated, dtype):
+    """lynx_shared_expert against fp64: sigmoid(sg·x) · down(silu(gate x) · up x) (Qwen2-MoE), or
+    without the scale (DeepSeek); a wrong scale, a missing silu and swapped gate/up must show."""
+    g = torch.Generator().manual_seed(T)
+    D, I = 96, 160
+    x = torch.randn(T, D, generator=g)
+    ws = [(torch.randn(n, k, generator=g) / k**0.5).to(dtype) for n, k in ((I, D), (I, D), (D, I), (1, D))]
+    lin = [native.dense_lin(w, None) for w in ws]
+
+    def ref(gw, uw, dw, sw, act=F.silu):
+        xd = x.double()
+        y = (act(xd @ gw.double().T) * (xd @ uw.double().T)) @ dw.double().T
+        return y * torch.sigmoid(xd @ sw.double().T) if gated else y
+
+    def run(lins):
+        return native.shared_expert(native.SharedExpert(*lins[:3], lins[3] if gated else native.Lin()), x)
+
+    want = ref(*ws)
+    got = run(lin)
+    assert got.shape == (T, D) and got.dtype == torch.float32
+    assert _rel(got, want) < TOL_LIN, _rel(got, want)  # seen ~2e-7
+    if gated:  # the scale's sign
+        flipped = -ws[3]  # kept alive: the Lin points into it
+        assert _rel(run(lin[:3] + [native.dense_lin(flipped, None)]), want) > 100 * TOL_LIN
+    assert _rel(run([lin[1], lin[0], *lin[2:]]), want) > 100 * TOL_LIN  # gate and up swapped
+    assert _rel(got, ref(*ws, act=lambda z: z)) > 100 * TOL_LIN  # silu left out
+
+
 @pytest.mark.parametrize("T,Kin,N,bias", [(1, 64, 48, False), (3, 200, 17, True), (8, 1024, 64, False), (1, 1000, 24, True),
                                           (19, 128, 33, True)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

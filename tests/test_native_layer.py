@@ -116,12 +116,36 @@ def test_bug_is_caught_and_replaced_weights_rebuild_the_plan(q3, monkeypatch):
     assert torch.equal(_decode(eng, 1), ref)  # the stale plan was dropped, a new one built
 
 
+@pytest.fixture(scope="module")
+def q2(tmp_path_factory):
+    """Qwen2-MoE: routed experts plus a sigmoid-gated shared expert, q/k/v biases, top-k not renormalised."""
+    return make_tiny(tmp_path_factory.mktemp("q2") / "m", "qwen2_moe")
+
+
+@pytest.mark.parametrize("dtype,B", [("bfloat16", 1), ("bfloat16", 3), ("float32", 2)])
+def test_shared_expert_inside_the_layer_call(q2, dtype, B, monkeypatch):
+    """Qwen2-MoE's shared expert runs inside the layer call (lynx_shared_expert after the routed
+    experts), bit-equal to the module path, which calls the same kernel; its gate's sigmoid is read
+    (a flipped gate row must change the logits)."""
+    got, ref, eng = _both(q2, B, monkeypatch, dtype=dtype)
+    assert torch.equal(got, ref)
+    mlp = eng.model.layers[0].mlp
+    assert eng.model.layers[0]._native.moe_plan.shared and mlp.native_shared()[0].sg.N == 1
+    with torch.no_grad():
+        mlp.shared_expert_gate.weight.neg_()  # sigmoid(-z) for sigmoid(z): in place, the plan points into it
+    assert not torch.equal(_decode(eng, B), ref)
+
+
+def test_shared_expert_with_an_offloaded_backend(q2, monkeypatch):
+    """Experts offloaded (their own call after the attention half): the shared expert is added as the
+    module path adds it."""
+    got, ref, eng = _both(q2, 2, monkeypatch, dtype="float32", offload=True, expert_slots=4)
+    assert eng.model.layers[0]._native.moe_plan is None
+    assert torch.equal(got, ref)
+
+
 def test_other_shapes_keep_the_module_path(tmp_path, monkeypatch):
-    """Qwen2-MoE (a shared expert) runs the module path; an offloaded expert backend runs the
-    attention half natively and its own expert call."""
-    eng = Engine.from_pretrained(make_tiny(tmp_path / "q2", "qwen2_moe"), device="cpu", dtype="bfloat16")
-    _decode(eng, 1, steps=2)
-    assert all(layer._native is False for layer in eng.model.layers)
+    """An offloaded expert backend runs the attention half natively and its own expert call."""
     path = make_tiny(tmp_path / "mx", "mixtral")
     got, ref, eng = _both(path, 2, monkeypatch, dtype="float32", offload=True, expert_slots=4)
     assert eng.model.layers[0]._native.moe_plan is None

@@ -3310,20 +3310,61 @@ typedef struct {
     const uint8_t *gus, *dns; /* fp8: the block scales (fp32) */
     int bn, bk;
     int stream; /* dense experts: read from DRAM at each use (lynx_moe's stream) */
+    const struct shared_s *shared; /* the always-on shared expert (lynx_shared_expert), or NULL */
 } moe_layer_t;
 
+/* A shared expert: an MLP every token runs beside its routed experts (Qwen2-MoE, Qwen3-Next,
+ * DeepSeek), optionally scaled per token by sigmoid(sg . x) (Qwen2-MoE, Qwen3-Next). */
+typedef struct shared_s {
+    lin_t gate, up, down; /* gate / up [I, D], down [D, I] */
+    lin_t sg;             /* the scale's row [1, D]; N = 0: no scale (DeepSeek) */
+} shared_t;
+
+/* out [B, D] fp32 = s(x) * down(silu(gate x) * up x), s(x) = sigmoid(sg . x) or 1, for x [B, D] fp32:
+ * products and sums in fp32 on the layer calls' projections (no rounding between them, as the routed
+ * experts keep h in fp32). The module path (MoEBlock) and lynx_layer_moe both call this, so a layer's
+ * output is the same on either. Returns 0, -1 out of memory. */
+int lynx_shared_expert(const shared_t *S, const float *x, int B, float *out, int nthreads) {
+    const int I = S->gate.N, D = S->down.N;
+    const size_t sz[3] = {(size_t)B * I * sizeof(float), (size_t)B * I * sizeof(float), (size_t)B * sizeof(float)};
+    void *b[3];
+    uint8_t *mem = scratch(sz, 3, b);
+    if (!mem) return -1;
+    float *g = b[0], *u = b[1], *sc = b[2];
+    int rc = lin_run(&S->gate, x, B, g, nthreads);
+    if (rc == 0) rc = lin_run(&S->up, x, B, u, nthreads);
+    if (rc == 0) {
+        lynx_silu_mul(g, u, (long)B * I);
+        rc = lin_run(&S->down, g, B, out, nthreads);
+    }
+    if (rc == 0 && S->sg.N) {
+        rc = lin_run(&S->sg, x, B, sc, nthreads);
+        for (int t = 0; rc == 0 && t < B; t++) {
+            const float s = 1.0f / (1.0f + expf(-sc[t]));
+            for (int j = 0; j < D; j++) out[(size_t)t * D + j] *= s;
+        }
+    }
+    scratch_free(mem);
+    return rc ? -1 : 0;
+}
+
 /* out [B, D] (model dtype fmt) = x1 + round(sum_k w[b, k] * expert_{ids[b, k]}(h2[b])); h2 fp32.
+ * With a shared expert: x1 + round(round(routed) + shared(h2)), the routed sum rounded to the model
+ * dtype first as the module path's expert output is (MoEBlock).
  * Returns lynx_moe's code (0, -1 out of memory, -3 an expert id out of range: nothing written). */
 int lynx_layer_moe(const moe_layer_t *M, int fmt, const float *h2, const int64_t *ids, const float *w, int B, int K,
                    const uint8_t *x1, uint8_t *out, int nthreads) {
     const int D = M->D;
-    const size_t sz[2] = {(size_t)B * D * sizeof(float), (size_t)D * sizeof(float)};
-    void *b[2];
-    uint8_t *mem = scratch(sz, 2, b);
+    const size_t sz[3] = {(size_t)B * D * sizeof(float), (size_t)D * sizeof(float),
+                          M->shared ? (size_t)B * D * sizeof(float) : 0};
+    void *b[3];
+    uint8_t *mem = scratch(sz, 3, b);
     if (!mem) return -1;
-    float *y = b[0], *r = b[1];
+    float *y = b[0], *r = b[1], *sh = b[2];
     int rc = lynx_moe(M->fmt, h2, ids, w, M->perm, M->data, M->E, M->nbytes, M->offs, M->gu, M->dn, M->sym, M->G, D, M->I,
                   B, K, y, nthreads, M->gus, M->dns, NULL, NULL, 0, 0.0f, 0.0f, M->act, M->bn, M->bk, M->stream);
+    if (rc == 0 && M->shared && (rc = lynx_shared_expert(M->shared, h2, B, sh, nthreads)) == 0)
+        for (long i = 0; i < (long)B * D; i++) y[i] = (fmt == FMT_BF16 ? bf16_round(y[i]) : y[i]) + sh[i];
     if (rc == 0) residual_add(x1, fmt, y, B, D, r, out);
     scratch_free(mem);
     return rc;

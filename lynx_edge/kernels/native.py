@@ -169,6 +169,8 @@ def lib() -> ctypes.CDLL | None:
     so.lynx_layer_attn.restype = i
     so.lynx_layer_moe.argtypes = [p, i, p, p, p, i, i, p, p, i]
     so.lynx_layer_moe.restype = i
+    so.lynx_shared_expert.argtypes = [p, p, i, p, i]
+    so.lynx_shared_expert.restype = i
     so.lynx_route.argtypes = [p, p, i, i, p, p, p, p]
     so.lynx_route.restype = i
     so.lynx_layer.argtypes = [p, p, p, p, i, p, p, p, p, p, p, i, L, L, p, p, p, p, i]
@@ -619,7 +621,24 @@ class MoeLayer(ctypes.Structure):
                 ("offs", ctypes.c_void_p), ("perm", ctypes.c_void_p), ("gu", ctypes.c_void_p),
                 ("dn", ctypes.c_void_p), ("sym", ctypes.c_int), ("G", ctypes.c_int), ("D", ctypes.c_int),
                 ("I", ctypes.c_int), ("act", ctypes.c_int), ("gus", ctypes.c_void_p), ("dns", ctypes.c_void_p),
-                ("bn", ctypes.c_int), ("bk", ctypes.c_int), ("stream", ctypes.c_int)]
+                ("bn", ctypes.c_int), ("bk", ctypes.c_int), ("stream", ctypes.c_int),
+                ("shared", ctypes.c_void_p)]  # a SharedExpert's address, or None
+
+
+class SharedExpert(ctypes.Structure):
+    """shared_t: a shared expert's projections (gate, up, down) and its scale's row sg (sg.N = 0: none)."""
+    _fields_ = [("gate", Lin), ("up", Lin), ("down", Lin), ("sg", Lin)]
+
+
+def shared_expert(plan: SharedExpert, x: torch.Tensor) -> torch.Tensor:
+    """The shared expert over x [N, D] (fp32, or the model dtype) → fp32 [N, D]: sigmoid(sg·x) ×
+    down(silu(gate x) · up x) in fp32 (lynx_shared_expert; lynx_layer_moe runs the same)."""
+    x32 = _as(x, torch.float32)
+    out = torch.empty(x32.shape[0], plan.down.N, dtype=torch.float32)
+    if lib().lynx_shared_expert(ctypes.byref(plan), x32.data_ptr(), x32.shape[0], out.data_ptr(),
+                                torch.get_num_threads()) != 0:
+        raise MemoryError("the native shared expert could not allocate its scratch buffers")
+    return out
 
 
 def dense_lin(weight: torch.Tensor, bias32: torch.Tensor | None) -> Lin:

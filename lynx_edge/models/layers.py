@@ -688,9 +688,33 @@ class MoEBlock(nn.Module):
         self.ctx.stats.add(self.layer, ids)
         y = self.experts(x, ids, weights)
         if self.shared_expert is not None:
-            s = self.shared_expert(x)
-            y = y + (s if self.shared_expert_gate is None else torch.sigmoid(self.shared_expert_gate(x)) * s)
+            plan = self.native_shared() if x.device.type == "cpu" else None
+            if plan is not None and x.shape[0] <= plan[2]:  # one native call, fp32 inside (as the layer call's)
+                y = (y.float() + native.shared_expert(plan[0], x)).to(y.dtype)
+            else:
+                s = self.shared_expert(x)
+                y = y + (s if self.shared_expert_gate is None else torch.sigmoid(self.shared_expert_gate(x)) * s)
         return y.view(shape)
+
+    _shared: tuple | None = None  # (key, native_shared's answer)
+
+    def native_shared(self) -> tuple | None:
+        """(native.SharedExpert, tensors it points into, rows up to which it runs natively) for the
+        shared expert on a CPU — read by this block's decode and by the layer call (native_layer.py)
+        alike, so both compute it the same way — or None where a projection has no native form (or
+        no native library). Kept while its projections' weights stay where they are."""
+        mods = [self.shared_expert.gate_proj, self.shared_expert.up_proj, self.shared_expert.down_proj]
+        mods += [self.shared_expert_gate] if self.shared_expert_gate is not None else []
+        key = tuple((m, m.storage(), getattr(m, "loaded", True)) for m in mods)
+        if self._shared is None or self._shared[0] != key:
+            got = [getattr(m, "native_lin", lambda: None)() for m in mods] if native.lib() is not None else [None]
+            plan = None
+            if all(g is not None for g in got):
+                lins = [g[0] for g in got] + ([] if len(got) == 4 else [native.Lin()])  # sg.N = 0: no scale
+                plan = (native.SharedExpert(*lins), [t for g in got for t in g[1] if t is not None],
+                        min(g[2] for g in got))
+            self._shared = (key, plan)
+        return self._shared[1]
 
 
 __all__ = [

@@ -19,13 +19,15 @@ with the same kernels and the same roundings as the module path: the result is b
 result does not depend on the batch it runs in. The plan (pointers into the
 layer's weights) is built on the first decode step and checked against the weights' storage each
 step. OLMoE's attention (q/k RMSNorm over all heads, clip_qkv: Attention.native_qk_full) runs
-inside the call too (lynx_qk_full). Layers of another shape — a family's own attention or norm,
-shared experts, a scorer, an offloaded or gpt-oss expert backend — and batches past the kernels'
-row limits run the module path.
+inside the call too (lynx_qk_full), and so does a shared expert (Qwen2-MoE's sigmoid-gated one,
+DeepSeek's plain one: lynx_shared_expert, which the module path calls too). Layers of another
+shape — a family's own attention or norm, a scorer, an offloaded or gpt-oss expert backend — and
+batches past the kernels' row limits run the module path.
 Glossary: B rows, D hidden, E experts, K top-k.
 """
 from __future__ import annotations
 
+import ctypes
 import os
 
 import torch
@@ -72,7 +74,10 @@ class NativeLayer:
         full = form[1]
         if type(attn) is not Attention and full is None:
             return None
-        if type(mlp) is not MoEBlock or mlp.scorer is not None or mlp.shared_expert is not None:
+        if type(mlp) is not MoEBlock or mlp.scorer is not None:
+            return None
+        shared = mlp.native_shared() if mlp.shared_expert is not None else None  # Qwen2-MoE, Qwen3-Next, DeepSeek
+        if mlp.shared_expert is not None and shared is None:
             return None
         if full is not None and (full[0].dtype != dt or full[1].dtype != dt or attn.H * attn.hd > 4096
                                  or not (native.dense_ok(full[0]) and native.dense_ok(full[1]))):
@@ -85,6 +90,9 @@ class NativeLayer:
         lins = [g[0] for g in got]
         keep: list = [t for g in got for t in g[1] if t is not None]
         max_rows = min(g[2] for g in got)  # where the module path's projections all run natively too
+        if shared is not None:
+            max_rows = min(max_rows, shared[2])
+            keep += [shared[0], *shared[1]]
         qn = kn = None
         if head:
             qn, kn = attn.q_norm.weight.detach().float().contiguous(), attn.k_norm.weight.detach().float().contiguous()
@@ -98,6 +106,8 @@ class NativeLayer:
             keep += [full[0], full[1]]
             plan.eps_qk, plan.clip = full[2], full[3] or 0.0
         moe, slots = _moe_plan(mlp.experts, keep, dt)
+        if moe is not None and shared is not None:
+            moe.shared = ctypes.addressof(shared[0])  # kept alive in keep
         key = _key(layer)
         return cls(layer, plan, moe, keep, key, max_rows, slots)
 
@@ -147,7 +157,10 @@ class NativeLayer:
         if self.moe_plan is not None and ids.numel() <= self.max_slots:
             out = native.layer_moe(self.moe_plan, h2, ids, weights, x1)
         else:  # another expert backend (offload), or past the native slots: the backend's own call
-            out = x1 + mlp.experts(h2.to(x1.dtype), ids, weights)
+            y = mlp.experts(h2.to(x1.dtype), ids, weights)
+            if mlp.shared_expert is not None:  # as lynx_layer_moe and the module path add it
+                y = (y.float() + native.shared_expert(mlp.native_shared()[0], h2)).to(y.dtype)
+            out = x1 + y
         return out.view(x.shape)
 
 
@@ -338,12 +351,17 @@ def _key(layer) -> tuple:
         packed = ex.__dict__.get("packed")
         exp, dn = (packed.data, None) if packed is not None else (ex.__dict__.get("gate_up"), ex.__dict__.get("down"))
     qn, kn = am.get("q_norm"), am.get("k_norm")  # per-head norms (copied to fp32) or OLMoE's (pointed into)
+    sh = mm.get("shared_expert")
+    if sh is not None:  # its projections' storage (MoEBlock.native_shared points into them)
+        sm, sg = sh._modules, mm.get("shared_expert_gate")
+        sh = (sm["gate_proj"].storage(), sm["up_proj"].storage(), sm["down_proj"].storage(),
+              None if sg is None else sg.storage())
     return (am["q_proj"], am["q_proj"].storage(), am["o_proj"], am["o_proj"].storage(), mm["gate"],
             mm["gate"]._parameters["weight"].data_ptr(), m["input_layernorm"]._parameters["weight"].data_ptr(),
             m["post_attention_layernorm"]._parameters["weight"].data_ptr(), ex,
             None if exp is None else exp.data_ptr(), None if dn is None else dn.data_ptr(),
             None if qn is None else _written(qn._parameters["weight"]),
-            None if kn is None else _written(kn._parameters["weight"]))
+            None if kn is None else _written(kn._parameters["weight"]), sh)
 
 
 def _written(w: torch.Tensor) -> tuple:
