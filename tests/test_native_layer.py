@@ -119,7 +119,8 @@ def test_bug_is_caught_and_replaced_weights_rebuild_the_plan(q3, monkeypatch):
 @pytest.fixture(scope="module")
 def q2(tmp_path_factory):
     """Qwen2-MoE: routed experts plus a sigmoid-gated shared expert, q/k/v biases, top-k not renormalised."""
-    return make_tiny(tmp_path_factory.mktemp("q2") / "m", "qwen2_moe")
+    return make_tiny(tmp_path_factory.mktemp("q2") / "m", "qwen2_moe", hidden_size=128, moe_intermediate_size=128,
+                     shared_expert_intermediate_size=256)  # widths INT4's group size divides
 
 
 @pytest.mark.parametrize("dtype,B", [("bfloat16", 1), ("bfloat16", 3), ("float32", 2)])
@@ -134,6 +135,13 @@ def test_shared_expert_inside_the_layer_call(q2, dtype, B, monkeypatch):
     with torch.no_grad():
         mlp.shared_expert_gate.weight.neg_()  # sigmoid(-z) for sigmoid(z): in place, the plan points into it
     assert not torch.equal(_decode(eng, B), ref)
+
+
+def test_shared_expert_beside_int4_experts(q2, monkeypatch):
+    """4-bit routed experts (--int4) and the 16-bit shared expert in one layer call."""
+    got, ref, eng = _both(q2, 2, monkeypatch, dtype="bfloat16", int4=True, int4_group=32)
+    assert eng.model.layers[0]._native.moe_plan.fmt == native.FMT_INT4 and eng.model.layers[0]._native.moe_plan.shared
+    assert torch.equal(got, ref)
 
 
 def test_shared_expert_with_an_offloaded_backend(q2, monkeypatch):
