@@ -144,6 +144,19 @@ def test_shared_expert_beside_int4_experts(q2, monkeypatch):
     assert torch.equal(got, ref)
 
 
+def test_fp8_shared_expert_bit_equal(q2, tmp_path, monkeypatch):
+    """An FP8 checkpoint of Qwen2-MoE: FP8 routed experts and an FP8 shared expert (its one-row gate
+    16-bit), all inside the layer call."""
+    from lynx_edge.quant.fp8 import Fp8Linear, write_checkpoint
+
+    path = write_checkpoint(q2, tmp_path / "fp8", (64, 32))
+    got, ref, eng = _both(path, 2, monkeypatch, dtype="bfloat16")
+    layer = eng.model.layers[0]
+    assert type(layer.mlp.shared_expert.gate_proj) is Fp8Linear and layer._native.moe_plan.fmt == native.FMT_FP8
+    assert layer._native.moe_plan.shared
+    assert torch.equal(got, ref)
+
+
 def test_shared_expert_with_an_offloaded_backend(q2, monkeypatch):
     """Experts offloaded (their own call after the attention half): the shared expert is added as the
     module path adds it."""
