@@ -137,6 +137,23 @@ def test_shared_expert_inside_the_layer_call(q2, dtype, B, monkeypatch):
     assert not torch.equal(_decode(eng, B), ref)
 
 
+def test_biases_written_in_place_are_read(q2, monkeypatch):
+    """Qwen2-MoE's q/k/v biases (copied to fp32 for the layer call) written in place after the plan
+    was made: the next step reads the new values, as the module path does."""
+    def changed_after_decoding() -> torch.Tensor:
+        eng = Engine.from_pretrained(q2, device="cpu", dtype="bfloat16", max_num_seqs=2)
+        _decode(eng, 2)
+        with torch.no_grad():
+            for layer in eng.model.layers:
+                layer.self_attn.k_proj.bias.add_(0.5)  # a view of the fused q/k/v bias
+        return _decode(eng, 2)
+
+    got = changed_after_decoding()
+    monkeypatch.setattr(native_layer, "NATIVE_LAYERS", False)
+    ref = changed_after_decoding()
+    assert torch.equal(got, ref)
+
+
 def test_shared_expert_beside_int4_experts(q2, monkeypatch):
     """4-bit routed experts (--int4) and the 16-bit shared expert in one layer call."""
     got, ref, eng = _both(q2, 2, monkeypatch, dtype="bfloat16", int4=True, int4_group=32)

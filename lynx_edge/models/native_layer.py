@@ -351,6 +351,10 @@ def _key(layer) -> tuple:
         packed = ex.__dict__.get("packed")
         exp, dn = (packed.data, None) if packed is not None else (ex.__dict__.get("gate_up"), ex.__dict__.get("down"))
     qn, kn = am.get("q_norm"), am.get("k_norm")  # per-head norms (copied to fp32) or OLMoE's (pointed into)
+    # biases (copied to fp32 by native_lin): each module's own, as load_state_dict writes them (q/k/v's are
+    # views of the fused one, but a write through one view does not count on the others' version)
+    bs = tuple(_written(b) for b in (am[k]._parameters.get("bias") for k in ("q_proj", "k_proj", "v_proj", "o_proj"))
+               if b is not None)
     sh = mm.get("shared_expert")
     if sh is not None:  # its projections' storage (MoEBlock.native_shared points into them)
         sm, sg = sh._modules, mm.get("shared_expert_gate")
@@ -361,13 +365,16 @@ def _key(layer) -> tuple:
             m["post_attention_layernorm"]._parameters["weight"].data_ptr(), ex,
             None if exp is None else exp.data_ptr(), None if dn is None else dn.data_ptr(),
             None if qn is None else _written(qn._parameters["weight"]),
-            None if kn is None else _written(kn._parameters["weight"]), sh)
+            None if kn is None else _written(kn._parameters["weight"]), sh, bs)
 
 
 def _written(w: torch.Tensor) -> tuple:
     """(storage, in-place writes so far) of a weight the plan copies or points into: a new storage
     would leave the plan's pointer dangling, an in-place write its copy stale."""
-    return w.data_ptr(), 0 if w.is_inference() else w._version
+    try:  # (a fused q/k/v built under inference mode still counts writes through its parameters)
+        return w.data_ptr(), w._version
+    except RuntimeError:  # a plain inference tensor keeps no count
+        return w.data_ptr(), 0
 
 
 __all__ = ["NativeLayer", "decode_stack", "head_plan", "native_of"]
