@@ -353,8 +353,10 @@ def _key(layer) -> tuple:
     qn, kn = am.get("q_norm"), am.get("k_norm")  # per-head norms (copied to fp32) or OLMoE's (pointed into)
     # biases (copied to fp32 by native_lin): each module's own, as load_state_dict writes them (q/k/v's are
     # views of the fused one, but a write through one view does not count on the others' version)
-    bs = tuple(_written(b) for b in (am[k]._parameters.get("bias") for k in ("q_proj", "k_proj", "v_proj", "o_proj"))
-               if b is not None)
+    qb, ob = am["q_proj"]._parameters.get("bias"), am["o_proj"]._parameters.get("bias")
+    bs = (None if qb is None else (_written(qb), _written(am["k_proj"]._parameters.get("bias")),
+                                   _written(am["v_proj"]._parameters.get("bias"))),
+          None if ob is None else _written(ob))
     sh = mm.get("shared_expert")
     if sh is not None:  # its projections' storage (MoEBlock.native_shared points into them)
         sm, sg = sh._modules, mm.get("shared_expert_gate")
@@ -368,9 +370,11 @@ def _key(layer) -> tuple:
             None if kn is None else _written(kn._parameters["weight"]), sh, bs)
 
 
-def _written(w: torch.Tensor) -> tuple:
+def _written(w: torch.Tensor | None) -> tuple | None:
     """(storage, in-place writes so far) of a weight the plan copies or points into: a new storage
-    would leave the plan's pointer dangling, an in-place write its copy stale."""
+    would leave the plan's pointer dangling, an in-place write its copy stale. None for None."""
+    if w is None:
+        return None
     try:  # (a fused q/k/v built under inference mode still counts writes through its parameters)
         return w.data_ptr(), w._version
     except RuntimeError:  # a plain inference tensor keeps no count
