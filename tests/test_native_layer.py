@@ -154,10 +154,15 @@ def test_biases_written_in_place_are_read(q2, monkeypatch):
     assert torch.equal(got, ref)
 
 
-def test_shared_expert_beside_int4_experts(q2, monkeypatch):
-    """4-bit routed experts (--int4) and the 16-bit shared expert in one layer call."""
-    got, ref, eng = _both(q2, 2, monkeypatch, dtype="bfloat16", int4=True, int4_group=32)
-    assert eng.model.layers[0]._native.moe_plan.fmt == native.FMT_INT4 and eng.model.layers[0]._native.moe_plan.shared
+@pytest.mark.parametrize("int4_attn", [False, True])
+def test_shared_expert_beside_int4_experts(q2, int4_attn, monkeypatch):
+    """4-bit routed experts (--int4) and the shared expert in one layer call: 16-bit, or 4-bit packed
+    (--int4-attn quantises it at load, as published GPTQ checkpoints hold it)."""
+    got, ref, eng = _both(q2, 2, monkeypatch, dtype="bfloat16", int4=True, int4_group=32, int4_attn=int4_attn)
+    layer = eng.model.layers[0]
+    assert layer._native.moe_plan.fmt == native.FMT_INT4 and layer._native.moe_plan.shared
+    assert (type(layer.mlp.shared_expert.gate_proj).__name__ == "Int4Linear") == int4_attn
+    assert (layer.mlp.native_shared()[0].gate.kind == native.FMT_INT4) == int4_attn
     assert torch.equal(got, ref)
 
 
