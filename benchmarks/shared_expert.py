@@ -9,7 +9,10 @@ TPOT, three ways alternating in one process:
 - `module, shared torch (before)`: the module path with the shared expert as torch ops (three
   projections, silu, mul, sigmoid, each rounded to bf16), as every shared-expert layer ran before.
 
-    python benchmarks/shared_expert.py [--threads 1] [--batch 1,16] [-r 7] [--out FILE]
+    python benchmarks/shared_expert.py [--threads 1] [--batch 1,16] [-r 7] [--int4] [--out FILE]
+
+--int4: the routed experts, attention and shared expert 4-bit (RTN at load: --int4 --int4-attn), as a
+published GPTQ checkpoint holds them.
 """
 from __future__ import annotations
 
@@ -44,6 +47,8 @@ def main() -> None:
     ap.add_argument("--batch", default="1,16")
     ap.add_argument("-r", "--rounds", type=int, default=7)
     ap.add_argument("--model", default=None, help="checkpoint directory (default: written to a temporary one)")
+    ap.add_argument("--int4", action="store_true",
+                    help="4-bit: routed experts (--int4) and attention / shared expert (--int4-attn), RTN at load")
     ap.add_argument("--out", default=None, help="JSON file for the rows (default: print only)")
     a = ap.parse_args()
     from lynx_edge import Engine
@@ -55,7 +60,8 @@ def main() -> None:
     path = make_checkpoint(Path(a.model) if a.model else Path(tempfile.mkdtemp()) / "qwen15-moe-2l")
     set_threads(a.threads, explicit=True)  # importing the tests' conftest set torch's threads
     sizes = [int(b) for b in a.batch.split(",")]
-    eng = Engine.from_pretrained(str(path), device="cpu", dtype="bfloat16", max_num_seqs=max(sizes))
+    quant = dict(int4=True, int4_attn=True) if a.int4 else {}
+    eng = Engine.from_pretrained(str(path), device="cpu", dtype="bfloat16", max_num_seqs=max(sizes), **quant)
     real = MoEBlock.native_shared
     variants = {"layer call": (True, real), "module, shared native": (False, real),
                 "module, shared torch (before)": (False, lambda self: None)}
@@ -79,6 +85,7 @@ def main() -> None:
         print(json.dumps(row), flush=True)
     if a.out:
         Path(a.out).write_text(json.dumps({"model": "qwen2_moe, Qwen1.5-MoE-A2.7B layer shapes, 2 layers, bf16",
+                                           "int4": a.int4,
                                            "rounds": a.rounds, "torch": torch.__version__,
                                            "isa": torch.backends.cpu.get_cpu_capability(), "rows": rows}, indent=1) + "\n")
 
