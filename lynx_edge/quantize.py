@@ -1,5 +1,6 @@
-"""`lynx-edge quantize`: GPTQ (or RTN) the experts of a checkpoint — with `attention=True` (`--attn`)
-its attention q/k/v/o too, as published GPTQ checkpoints are — layer by layer, into a GPTQ checkpoint.
+"""`lynx-edge quantize`: GPTQ (or RTN) the experts of a checkpoint (a shared expert too) — with
+`attention=True` (`--attn`) its attention q/k/v/o too, as published GPTQ checkpoints are — layer by
+layer, into a GPTQ checkpoint.
 
 `quantize_model(src, out)` never holds the model: it streams one decoder layer at a time from
 the source checkpoint's mmap (in fp32), runs the calibration activations through it, GPTQ-
@@ -131,6 +132,7 @@ def quantize_model(src, out_dir, method: str = "gptq", group_size: int = 128, sy
         load_weights(_OneLayer(cfg, i, layer), ckpt, family)
         tensors = {n: _copy16(ckpt.get(n)) for n in by_layer.get(i, []) if ".experts." not in n}
         attn = _AttnCapture(layer, G, x is not None) if attention else None
+        shared = _SharedCapture(layer, G, x is not None) if cfg.moe_layers[i] else None
         if cfg.moe_layers[i]:
             ex = layer.mlp.experts
             if x is not None:
@@ -147,6 +149,8 @@ def quantize_model(src, out_dir, method: str = "gptq", group_size: int = 128, sy
             x = _run_layer(layer, x, rope, family.cache_spec(cfg, i, x.shape[1]))
         if attn is not None:
             tensors = attn.quantize(tensors, by_layer.get(i, []), family, sym)
+        if shared is not None:
+            tensors = shared.quantize(tensors, by_layer.get(i, []), family, sym)
         weight_map.update(_write_shard(out, f"model-{i:05d}-of-{cfg.num_layers:05d}.safetensors", tensors))
         del layer, tensors
         if progress:
@@ -162,24 +166,30 @@ def quantize_model(src, out_dir, method: str = "gptq", group_size: int = 128, sy
     return out
 
 
-class _AttnCapture:
-    """One layer's attention linears for `attention=True`: the inputs GPTQ needs (hooks on the
-    attention module — q/k/v's input — and on o_proj) while the float layer runs, then the swap of
-    their 16-bit tensors for GPTQ ones. Only q_proj/k_proj/v_proj/o_proj plain Linears whose input
-    widths the group size divides; otherwise nothing is captured or changed."""
+class _LinearsCapture:
+    """One layer's plain Linears of one module (PREFIX), quantized in GROUPS of parts that share an
+    input: the inputs GPTQ needs (a hook on the module for the first group, on the first part of each
+    other group) while the float layer runs, then the swap of their 16-bit tensors for GPTQ ones.
+    Only when every part is a plain Linear whose input width the group size divides; otherwise nothing
+    is captured or changed."""
 
-    PARTS = ("q_proj", "k_proj", "v_proj", "o_proj")
+    PREFIX: str = ""
+    GROUPS: tuple = ()  # (key, parts)
 
     def __init__(self, layer: DecoderLayer, G: int, calibrate: bool):
         from .models.layers import Linear
 
-        a = getattr(layer, "self_attn", None)
-        lins = {p: getattr(a, p, None) for p in self.PARTS}
-        ok = all(type(m) is Linear and m.weight.shape[1] % G == 0 for m in lins.values())
+        owner = self.owner(layer)
+        lins = {p: getattr(owner, p, None) for _, parts in self.GROUPS for p in parts} if owner is not None else {}
+        ok = bool(lins) and all(type(m) is Linear and m.weight.shape[1] % G == 0 for m in lins.values())
         self.lins, self.G, self.H, self.hooks = (lins if ok else {}), G, {}, []
         if ok and calibrate:
-            self.hooks = [a.register_forward_pre_hook(lambda m, args: self._add("qkv", args[0])),
-                          lins["o_proj"].register_forward_pre_hook(lambda m, args: self._add("o", args[0]))]
+            for n, (key, parts) in enumerate(self.GROUPS):
+                at = owner if n == 0 else lins[parts[0]]
+                self.hooks.append(at.register_forward_pre_hook(lambda m, args, key=key: self._add(key, args[0])))
+
+    def owner(self, layer: DecoderLayer):
+        raise NotImplementedError
 
     def _add(self, key: str, x: torch.Tensor) -> None:
         """Accumulate Σ xᵀx in fp64 (the rows themselves are not kept) and the row count."""
@@ -188,7 +198,7 @@ class _AttnCapture:
         self.H[key] = (h + x.t() @ x, n + x.shape[0])
 
     def quantize(self, tensors: dict, names: list[str], family, sym: bool) -> dict:
-        """tensors (the layer's 16-bit ones, checkpoint names) with q/k/v/o swapped for GPTQ tensors."""
+        """tensors (the layer's 16-bit ones, checkpoint names) with the parts swapped for GPTQ tensors."""
         from .quant.gptq import gptq_quantize, gptq_tensors
         from .quant.int4 import quantize_rtn
 
@@ -196,7 +206,7 @@ class _AttnCapture:
             h.remove()
         if not self.lins:
             return tensors
-        for key, parts in (("qkv", ("q_proj", "k_proj", "v_proj")), ("o", ("o_proj",))):
+        for key, parts in self.GROUPS:
             w = torch.cat([self.lins[p].weight.data.float() for p in parts])  # [ΣN, in]
             if key in self.H:  # H = 2/n·Σxᵀx, as quant.gptq.hessian
                 h, n = self.H[key]
@@ -208,11 +218,35 @@ class _AttnCapture:
                 rows = self.lins[p].weight.shape[0]
                 q, s, z = codes[0][at : at + rows], codes[1][:, at : at + rows], codes[2][:, at : at + rows]
                 at += rows
-                name = next(n for n in names if internal_name(n, family.RENAMES).endswith(f"self_attn.{p}.weight"))
+                name = next(n for n in names if internal_name(n, family.RENAMES).endswith(f"{self.PREFIX}.{p}.weight"))
                 del tensors[name]
                 base = name[: -len(".weight")]
                 tensors.update({f"{base}.{k}": t.contiguous() for k, t in gptq_tensors((q, s, z), self.G).items()})
         return tensors
+
+
+class _AttnCapture(_LinearsCapture):
+    """The attention's q/k/v (one input) and o_proj, for `attention=True`."""
+
+    PREFIX, GROUPS = "self_attn", (("qkv", ("q_proj", "k_proj", "v_proj")), ("o", ("o_proj",)))
+
+    def owner(self, layer: DecoderLayer):
+        return getattr(layer, "self_attn", None)
+
+
+class _SharedCapture(_LinearsCapture):
+    """A MoE layer's shared expert (Qwen2-MoE, DeepSeek): gate/up (the block's input) and down, 4-bit
+    as the routed experts are and as published GPTQ checkpoints hold it; its one-row gate stays 16-bit.
+    The block's native shared-expert call is switched off for the capture, so the hooks see its inputs."""
+
+    PREFIX, GROUPS = "shared_expert", (("gu", ("gate_proj", "up_proj")), ("down", ("down_proj",)))
+
+    def owner(self, layer: DecoderLayer):
+        mlp = getattr(layer, "mlp", None)
+        shared = getattr(mlp, "shared_expert", None)
+        if shared is not None:
+            mlp.native_shared = lambda: None  # this throwaway float layer runs the torch path (hooked)
+        return shared
 
 
 def _copy16(t: torch.Tensor) -> torch.Tensor:
