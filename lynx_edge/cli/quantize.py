@@ -1,5 +1,5 @@
 """`lynx-edge quantize MODEL -o DIR [--attn]`: write a GPTQ-format INT4 copy of a checkpoint's experts
-(and attention)."""
+(a shared expert too; and attention)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -20,8 +20,8 @@ def quantize(
     attn: Annotated[bool, typer.Option("--attn", help="quantize attention q/k/v/o too (as published GPTQ "
                                                       "checkpoints do; read packed on a CPU)")] = False,
 ) -> None:
-    """Quantize a model's experts (and with --attn its attention) to INT4 (GPTQ or RTN) and save a
-    GPTQ-format checkpoint."""
+    """Quantize a model's experts — a shared expert too — (and with --attn its attention) to INT4
+    (GPTQ or RTN) and save a GPTQ-format checkpoint."""
     from ..hub import resolve_model
     from ..quantize import quantize_model
 
