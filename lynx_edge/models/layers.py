@@ -686,15 +686,19 @@ class MoEBlock(nn.Module):
             scores, probs = self.scorer(logits)
             ids, weights = self.ctx.route(scores, is_decode, self.layer, probs=probs)
         self.ctx.stats.add(self.layer, ids)
-        y = self.experts(x, ids, weights)
-        if self.shared_expert is not None:
-            plan = self.native_shared() if x.device.type == "cpu" else None
-            if plan is not None and x.shape[0] <= plan[2]:  # one native call, fp32 inside (as the layer call's)
-                y = (y.float() + native.shared_expert(plan[0], x)).to(y.dtype)
-            else:
-                s = self.shared_expert(x)
-                y = y + (s if self.shared_expert_gate is None else torch.sigmoid(self.shared_expert_gate(x)) * s)
-        return y.view(shape)
+        return self.with_shared(self.experts(x, ids, weights), x).view(shape)
+
+    def with_shared(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """y (the routed experts' output [N, D]) plus the shared expert over x [N, D], if there is one:
+        on a CPU one native call, fp32 inside, added to y's rounded values (what lynx_layer_moe does);
+        elsewhere, or past its native rows, torch ops."""
+        if self.shared_expert is None:
+            return y
+        plan = self.native_shared() if x.device.type == "cpu" else None
+        if plan is not None and x.shape[0] <= plan[2]:
+            return (y.float() + native.shared_expert(plan[0], x)).to(y.dtype)
+        s = self.shared_expert(x)
+        return y + (s if self.shared_expert_gate is None else torch.sigmoid(self.shared_expert_gate(x)) * s)
 
     _shared: tuple | None = None  # (key, native_shared's answer)
 

@@ -76,9 +76,11 @@ class NativeLayer:
             return None
         if type(mlp) is not MoEBlock or mlp.scorer is not None:
             return None
-        shared = mlp.native_shared() if mlp.shared_expert is not None else None  # Qwen2-MoE, Qwen3-Next, DeepSeek
-        if mlp.shared_expert is not None and shared is None:
-            return None
+        shared = None
+        if mlp.shared_expert is not None:  # Qwen2-MoE, Qwen3-Next, DeepSeek: inside the call, or not at all
+            shared = mlp.native_shared()
+            if shared is None:
+                return None
         if full is not None and (full[0].dtype != dt or full[1].dtype != dt or attn.H * attn.hd > 4096
                                  or not (native.dense_ok(full[0]) and native.dense_ok(full[1]))):
             return None
@@ -157,10 +159,8 @@ class NativeLayer:
         if self.moe_plan is not None and ids.numel() <= self.max_slots:
             out = native.layer_moe(self.moe_plan, h2, ids, weights, x1)
         else:  # another expert backend (offload), or past the native slots: the backend's own call
-            y = mlp.experts(h2.to(x1.dtype), ids, weights)
-            if mlp.shared_expert is not None:  # as lynx_layer_moe and the module path add it
-                y = (y.float() + native.shared_expert(mlp.native_shared()[0], h2)).to(y.dtype)
-            out = x1 + y
+            h = h2.to(x1.dtype)
+            out = x1 + mlp.with_shared(mlp.experts(h, ids, weights), h)  # the module path's own sum
         return out.view(x.shape)
 
 
