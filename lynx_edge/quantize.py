@@ -10,6 +10,8 @@ moves on; the float layer's outputs feed the next layer (as gptqmodel does witho
 sequential error feedback). Memory bound, beyond one layer's weights in fp32:
     calibration hidden states   calib_tokens × D × 4 bytes (×2 while a layer runs)
     captured expert inputs      calib_tokens × top_k × D × 4 bytes (GPTQ only)
+    a shared expert's Hessians  (D² + I_shared²) × 8 bytes (GPTQ only: Qwen1.5-MoE-A2.7B 0.29 GB,
+                                Qwen2-57B-A14B's 20480-wide one 3.4 GB), and --attn's D² + (H·hd)² × 8
 The output loads with Engine.from_pretrained as INT4 experts. Glossary: D hidden, L layers.
 """
 from __future__ import annotations
