@@ -1,12 +1,17 @@
-"""gpt-oss's decode attention on the CPU: the native kernel with the sinks in its softmax
-(lynx_attn_decode) against the torch path (SinkAttention.sdpa), same engine, alternating rounds.
+"""gpt-oss's CPU decode, two paths side by side in one engine, alternating rounds:
+
+- `--compare sinks` (default): the decode attention's native kernel with the sinks in its softmax
+  (lynx_attn_decode) against the torch path (SinkAttention.sdpa);
+- `--compare layer`: the whole-layer native call (models/native_layer.py: attention with sinks and
+  the window layers' ring, the biased router, the MXFP4 experts; all layers in one call a step)
+  against the module path (the same kernels, ~40 Python and torch calls a layer between them).
 
 The checkpoint is vs_llamacpp.py's `--models oss` (benchmarks/oss_checkpoint.py: gpt-oss-20b's
 layer shapes, 8 layers, MXFP4 experts), written first if absent. Decode tok/s over 32 tokens after
 8-token prompts (B = 1) or 16-token ones (B = 16), medians and the median paired ratio.
 
-    python benchmarks/oss_sinks.py [--batch 1,16] [--threads 1] [-r 5]
-Appends a run to benchmarks/results/oss_sinks.json.
+    python benchmarks/oss_sinks.py [--compare sinks|layer] [--batch 1,16] [--threads 1] [-r 5]
+Appends a run to benchmarks/results/oss_sinks.json (--compare layer: oss_layer_call.json).
 """
 from __future__ import annotations
 
@@ -29,17 +34,26 @@ def main() -> None:
     ap.add_argument("--batch", default="1,16")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("-r", "--rounds", type=int, default=5)
-    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/oss_sinks.json"))
+    ap.add_argument("--compare", choices=("sinks", "layer"), default="sinks")
+    ap.add_argument("--out", default=None)
     a = ap.parse_args()
     from lynx_edge import Engine
     from lynx_edge.bench import cpu_isa, synthetic_prompts
+    from lynx_edge.models import native_layer
     from lynx_edge.models.layers import Attention
     from lynx_edge.threads import set_threads
 
     set_threads(a.threads, explicit=True)
     path = write_oss(CACHE / "models/oss-gptoss", OSS_LAYERS)
-    native = Attention._decode_native
-    paths = {"native": native, "torch": lambda self, x, ab, kv: None}
+    out = Path(a.out or ROOT / f"benchmarks/results/{'oss_sinks' if a.compare == 'sinks' else 'oss_layer_call'}.json")
+    if a.compare == "sinks":
+        native = Attention._decode_native
+        paths = {"native": lambda: setattr(Attention, "_decode_native", native),
+                 "torch": lambda: setattr(Attention, "_decode_native", lambda self, x, ab, kv: None)}
+    else:
+        paths = {"layer_call": lambda: setattr(native_layer, "NATIVE_LAYERS", True),
+                 "module_path": lambda: setattr(native_layer, "NATIVE_LAYERS", False)}
+    new, old = paths  # the path measured, the one it is measured against
     rows = []
     for B in (int(b) for b in a.batch.split(",")):
         eng = Engine.from_pretrained(path, device="cpu", max_num_seqs=B, dtype="bfloat16")
@@ -47,20 +61,21 @@ def main() -> None:
         tok_s = {k: [] for k in paths}
         try:
             for r in range(a.rounds + 1):  # round 0: warm-up
-                for k, fn in paths.items():
-                    Attention._decode_native = fn
+                for k, use in paths.items():
+                    use()
                     v = ours(eng, prompts, 32 if r else 4, "off")
                     if r:
                         tok_s[k].append(v)
         finally:
-            Attention._decode_native = native
-        row = {"batch": B, "threads": a.threads, "tok_s": {k: round(statistics.median(v), 2) for k, v in tok_s.items()},
-               "native_vs_torch": round(statistics.median(n / t for n, t in zip(tok_s["native"], tok_s["torch"])), 3)}
+            paths[new]()
+        row = {"batch": B, "threads": a.threads, "compare": a.compare,
+               "tok_s": {k: round(statistics.median(v), 2) for k, v in tok_s.items()},
+               f"{new}_vs_{old}": round(statistics.median(n / t for n, t in zip(tok_s[new], tok_s[old])), 3)}
         rows.append(row)
         print(row, flush=True)
         del eng
-    append_run(Path(a.out), {"benchmark": __doc__.split("\n")[0], "isa": cpu_isa(), "rounds": a.rounds,
-                             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rows": rows})
+    append_run(out, {"benchmark": __doc__.split("\n")[0], "isa": cpu_isa(), "rounds": a.rounds,
+                     "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rows": rows})
 
 
 if __name__ == "__main__":

@@ -184,13 +184,16 @@ def test_batched_equals_single_and_cached_decode_equals_recompute(ckpt):
 def test_decode_attention_runs_native_with_sinks(ckpt, monkeypatch):
     """A CPU decode step's sink attention runs the native kernel with the sinks in its softmax (full
     and 8-token-window layers: the prompt runs past the window) and gives the torch path's logits;
-    the kernel without the sinks does not."""
+    the kernel without the sinks does not. The module path's attention (the whole-layer call runs the
+    same kernel, bit-equal to it: test_native_layer.py's gpt-oss cases)."""
     from conftest import greedy_logits
     from lynx_edge.kernels import native
+    from lynx_edge.models import native_layer
     from lynx_edge.models.layers import Attention
 
     if native.lib() is None:
         pytest.skip("native kernels not built")
+    monkeypatch.setattr(native_layer, "NATIVE_LAYERS", False)
     eng = Engine.from_pretrained(ckpt, device="cpu", dtype=torch.float32)
     ids = prompt_ids(20)
     real, sinks = native.attn_decode, []
@@ -521,9 +524,13 @@ class _Watch(RouteSpy):
         return is_decode, ids, exact_ids, w
 
 
-def test_lynx_invariants(ckpt):
+def test_lynx_invariants(ckpt, monkeypatch):
     from lynx_edge.lynx import LynxConfig
+    from lynx_edge.models import native_layer
 
+    # the spy sees the router's Python calls: the module path (the layer call routes by the same rule
+    # natively, bit-identical to it: test_native_route.py)
+    monkeypatch.setattr(native_layer, "NATIVE_LAYERS", False)
     eng = Engine.from_pretrained(ckpt, device="cpu", dtype=torch.float32, lynx=LynxConfig(mode="lynx", j=0))
     watch = _Watch(eng.model.routing.route, eng.model.routing.spec)
     eng.model.routing.route = watch

@@ -446,3 +446,65 @@ def test_changed_qk_norm_weights_are_read(model, how, request, monkeypatch):
     assert torch.equal(got_module, ref)
     untouched = _decode(Engine.from_pretrained(path, device="cpu", dtype="bfloat16", max_num_seqs=2), 2)
     assert not torch.equal(ref, untouched)  # the change reaches the logits at all
+
+
+@pytest.fixture(scope="module")
+def oss(tmp_path_factory):
+    """gpt-oss (test_gpt_oss's tiny checkpoint, 16-bit, and the same packed as published MXFP4): sinks,
+    q/k/v/o biases, window-8 layers on a ring between full ones, a biased router, biased experts with
+    the clamped SwiGLU."""
+    import test_gpt_oss
+
+    root = tmp_path_factory.mktemp("oss")
+    ckpt = test_gpt_oss.build(root / "bf16")
+    return ckpt, test_gpt_oss.pack_mxfp4(ckpt, root / "mxfp4")
+
+
+@pytest.mark.parametrize("case", [("bf16", "bfloat16", 1, {}), ("bf16", "bfloat16", 3, {}), ("bf16", "float32", 2, {}),
+                                  ("mxfp4", "bfloat16", 2, {}), ("mxfp4", "float32", 3, dict(int4_act="f32")),
+                                  ("mxfp4", "bfloat16", 2, dict(int4_act="q8")), ("bf16", "bfloat16", 2, dict(int4=True)),
+                                  ("mxfp4", "bfloat16", 4, dict(lynx="on"))],
+                         ids=["bf16-B1", "bf16-B3", "fp32-B2", "mxfp4", "mxfp4-f32", "mxfp4-q8", "int4-as-mxfp4", "lynx"])
+def test_gpt_oss_layer_call_bit_equal(oss, case, monkeypatch):
+    """gpt-oss's layers run the layer call (sinks and ring inside the attention half, the biased router,
+    the MXFP4 or 16-bit experts with their biases and clamped SwiGLU in the MoE half; the stack call
+    over ring and full caches alike) bit-equal to the module path, over 12 steps that run past the
+    window and rows of different lengths."""
+    ckpt, kw = oss[case[0] == "mxfp4"], dict(dtype=case[1], **case[3])
+    B = case[2]
+    eng = Engine.from_pretrained(ckpt, device="cpu", max_num_seqs=B, **kw)
+    assert eng._cache(B).rings == [72, 0, 72, 0]  # window layers on a ring (kv_cache.ring_period)
+    got = torch.stack([_decode(eng, B, steps=12)])
+    nls = [layer._native for layer in eng.model.layers]
+    assert all(isinstance(nl, NativeLayer) and nl.moe_plan is not None for nl in nls)
+    assert [nl.attn_plan.ring for nl in nls] == [72, 0, 72, 0] and all(nl.attn_plan.sinks for nl in nls)
+    assert nls[0].moe_plan.fmt == (native.FMT_MXFP4 if case[0] == "mxfp4" or kw.get("int4") else native._FMT[
+        getattr(torch, case[1])]) and nls[0].moe_plan.act_kind == 1
+    monkeypatch.setattr(native_layer, "NATIVE_LAYERS", False)
+    ref = torch.stack([_decode(Engine.from_pretrained(ckpt, device="cpu", max_num_seqs=B, **kw), B, steps=12)])
+    monkeypatch.setattr(native_layer, "NATIVE_LAYERS", True)
+    assert torch.equal(got, ref)
+
+
+def test_gpt_oss_sinks_biases_and_ring_are_read(oss, monkeypatch):
+    """The layer call reads what the module path reads: sinks, the router's and the experts' biases
+    written in place after the plan was made (copied to fp32 for it: the plan is rebuilt); a plan
+    without its sinks gives other logits."""
+    def changed_after_decoding(eng) -> torch.Tensor:
+        _decode(eng, 2)
+        with torch.no_grad():
+            for layer in eng.model.layers:
+                layer.self_attn.sinks.add_(1.0)
+                layer.mlp.gate.bias.mul_(-1.0)
+                layer.mlp.experts.gate_up_b.add_(0.25)
+        return _decode(eng, 2, steps=12)
+
+    eng = Engine.from_pretrained(oss[0], device="cpu", dtype="bfloat16", max_num_seqs=2)
+    got = changed_after_decoding(eng)
+    monkeypatch.setattr(native_layer, "NATIVE_LAYERS", False)
+    ref = changed_after_decoding(Engine.from_pretrained(oss[0], device="cpu", dtype="bfloat16", max_num_seqs=2))
+    monkeypatch.setattr(native_layer, "NATIVE_LAYERS", True)
+    assert torch.equal(got, ref)
+    plan = eng.model.layers[0]._native.attn_plan
+    plan.sinks = None  # the softmax without its sinks: the comparison must notice
+    assert not torch.equal(_decode(eng, 2, steps=12), ref)

@@ -3257,6 +3257,9 @@ typedef struct {
     lin_t qkv, o, gate;
     const uint8_t *qfw, *kfw;     /* OLMoE: q/k RMSNorm over all heads [H hd], [Hkv hd] (model dtype), or NULL */
     float clip;                   /* OLMoE's clip_qkv, 0: none */
+    const float *sinks;           /* gpt-oss: a learned sink logit per head [H] fp32 (lynx_attn_decode), or NULL */
+    int ring;                     /* > 0: a window layer's ring cache of `ring` positions (2 ring slots, whatever
+                                   * S the call passes: a stack's layers share one S, their full caches') */
 } attn_layer_t;
 
 /* x [B, D] (model dtype) -> x1 [B, D] (model dtype), h2 [B, D] fp32 (RMSNorm(x1) in the model
@@ -3284,7 +3287,7 @@ int lynx_layer_attn(const attn_layer_t *L, const uint8_t *x, int B, const float 
         goto done;
     }
     rc = lynx_attn_decode(q, B, L->H, L->Hkv, L->hd, L->rd, L->qn, L->kn, L->eps_qk, L->scale, cos, sin, pos, rows,
-                          kc, vc, cfmt, Bmax, S, L->window, a, nthreads, NULL, 0);
+                          kc, vc, cfmt, Bmax, L->ring ? 2L * L->ring : S, L->window, a, nthreads, L->sinks, L->ring);
     if (rc != 0) goto done;
     if (bf) round_bf16(a, (long)B * na);
     if (lin_run(&L->o, a, B, o, nthreads) != 0) { rc = -2; goto done; }
@@ -3311,6 +3314,9 @@ typedef struct {
     int bn, bk;
     int stream; /* dense experts: read from DRAM at each use (lynx_moe's stream) */
     const struct shared_s *shared; /* the always-on shared expert (lynx_shared_expert), or NULL */
+    const float *gub, *dnb; /* gpt-oss: gate_up [E, 2I] and down [E, D] biases fp32, or NULL */
+    int act_kind;           /* 0: SwiGLU; 1: gpt-oss's clamped one (limit, alpha) */
+    float limit, alpha;
 } moe_layer_t;
 
 /* A shared expert: an MLP every token runs beside its routed experts (Qwen2-MoE, Qwen3-Next,
@@ -3362,7 +3368,8 @@ int lynx_layer_moe(const moe_layer_t *M, int fmt, const float *h2, const int64_t
     if (!mem) return -1;
     float *y = b[0], *r = b[1], *sh = b[2];
     int rc = lynx_moe(M->fmt, h2, ids, w, M->perm, M->data, M->E, M->nbytes, M->offs, M->gu, M->dn, M->sym, M->G, D, M->I,
-                  B, K, y, nthreads, M->gus, M->dns, NULL, NULL, 0, 0.0f, 0.0f, M->act, M->bn, M->bk, M->stream);
+                  B, K, y, nthreads, M->gus, M->dns, M->gub, M->dnb, M->act_kind, M->limit, M->alpha, M->act, M->bn,
+                  M->bk, M->stream);
     if (rc == 0 && M->shared && (rc = lynx_shared_expert(M->shared, h2, B, sh, nthreads)) == 0)
         for (long i = 0; i < (long)B * D; i++) y[i] = (fmt == FMT_BF16 ? bf16_round(y[i]) : y[i]) + sh[i];
     if (rc == 0) residual_add(x1, fmt, y, B, D, r, out);

@@ -611,7 +611,8 @@ class AttnLayer(ctypes.Structure):
                 ("eps2", ctypes.c_float), ("eps_qk", ctypes.c_float), ("scale", ctypes.c_float),
                 ("norm1", ctypes.c_void_p), ("norm2", ctypes.c_void_p), ("qn", ctypes.c_void_p),
                 ("kn", ctypes.c_void_p), ("qkv", Lin), ("o", Lin), ("gate", Lin),
-                ("qfw", ctypes.c_void_p), ("kfw", ctypes.c_void_p), ("clip", ctypes.c_float)]  # OLMoE's (qk_full)
+                ("qfw", ctypes.c_void_p), ("kfw", ctypes.c_void_p), ("clip", ctypes.c_float),  # OLMoE's (qk_full)
+                ("sinks", ctypes.c_void_p), ("ring", ctypes.c_int)]  # gpt-oss's sinks [H] fp32; a ring cache's period
 
 
 class MoeLayer(ctypes.Structure):
@@ -622,7 +623,9 @@ class MoeLayer(ctypes.Structure):
                 ("dn", ctypes.c_void_p), ("sym", ctypes.c_int), ("G", ctypes.c_int), ("D", ctypes.c_int),
                 ("I", ctypes.c_int), ("act", ctypes.c_int), ("gus", ctypes.c_void_p), ("dns", ctypes.c_void_p),
                 ("bn", ctypes.c_int), ("bk", ctypes.c_int), ("stream", ctypes.c_int),
-                ("shared", ctypes.c_void_p)]  # a SharedExpert's address, or None
+                ("shared", ctypes.c_void_p),  # a SharedExpert's address, or None
+                ("gub", ctypes.c_void_p), ("dnb", ctypes.c_void_p), ("act_kind", ctypes.c_int),  # gpt-oss's biases
+                ("limit", ctypes.c_float), ("alpha", ctypes.c_float)]  # and clamped SwiGLU (act_kind 1)
 
 
 class SharedExpert(ctypes.Structure):
@@ -760,8 +763,11 @@ class Stack:
         self.keep = (attn, moe, plans)  # the arrays hold addresses only
         self.K, self.E = plans[0].K, [m.E for m in moe]
         kc = kv[0][0]
+        # one S for the call: the full caches' positions (a window layer's ring, kv_cache.RingKV, holds 2 x its
+        # period, which its plan's ring says)
+        S = next((c[0].shape[2] for c in kv if not getattr(c, "period", 0)), kc.shape[2])
         self.cache = (ptrs(*[c[0].data_ptr() for c in kv]), ptrs(*[c[1].data_ptr() for c in kv]), _FMT[kc.dtype],
-                      kc.shape[0], kc.shape[2])
+                      kc.shape[0], S)
         self.plans = (ptrs(*map(ctypes.addressof, attn)), ptrs(*map(ctypes.addressof, moe)),
                       ptrs(*map(ctypes.addressof, plans)))
 

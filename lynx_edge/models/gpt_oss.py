@@ -332,6 +332,25 @@ class OssExperts(nn.Module):
         return oss_moe_ref(x, ids, weights, self.num_experts, lambda e: self.expert(e, x.dtype),
                            self.limit, self.alpha)
 
+    def native_moe(self):
+        """(native.MoeLayer, max slots) for the native decode layer (models/native_layer.py): the
+        arguments forward's moe_oss call passes, so the layer call computes the same; (None, 0) where
+        that call would not run (no kernels, another device, a 16-bit dtype the kernels do not read).
+        The fp32 biases the plan points into stay on self (_biases32)."""
+        mx = self.mxfp4
+        if native.lib() is None or self.gate_up.device.type != "cpu" or not (mx or native.dense_ok(self.gate_up,
+                                                                                                   self.down)):
+            return None, 0
+        gb, db = self._biases32()
+        plan = native.MoeLayer(native.FMT_MXFP4 if mx else native._FMT[self.gate_up.dtype], None, self.num_experts,
+                               1 if mx else self.gate_up.element_size(), None, None, self.gate_up.data_ptr(),
+                               self.down.data_ptr(), 0, 0, self.hidden, self.inter,
+                               native.act_code(self.act) if mx else 0,
+                               self.gate_up_scales.data_ptr() if mx else None,
+                               self.down_scales.data_ptr() if mx else None, 0, 0, 1, None, gb.data_ptr(),
+                               db.data_ptr(), 1, float(self.limit), float(self.alpha))
+        return plan, 1 << 30
+
     def _biases32(self) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 copies of the biases for the native kernel."""
         return fp32_once(self, "_b32", self.gate_up_b, self.down_b)

@@ -20,9 +20,12 @@ result does not depend on the batch it runs in. The plan (pointers into the
 layer's weights) is built on the first decode step and checked against the weights' storage each
 step. OLMoE's attention (q/k RMSNorm over all heads, clip_qkv: Attention.native_qk_full) runs
 inside the call too (lynx_qk_full), and so does a shared expert (Qwen2-MoE's sigmoid-gated one,
-DeepSeek's plain one: lynx_shared_expert, which the module path calls too). Layers of another
-shape — a family's own attention or norm, a scorer, an offloaded or gpt-oss expert backend — and
-batches past the kernels' row limits run the module path.
+DeepSeek's plain one: lynx_shared_expert, which the module path calls too), and so does gpt-oss:
+its sinks and a window layer's ring cache in the attention half (the kernel the module path's
+decode attention runs), its biased router, and its experts (MXFP4 or 16-bit, biased, the clamped
+SwiGLU: the call OssExperts makes) in the MoE half. Layers of another shape — a family's own
+attention or norm, a scorer, an offloaded expert backend — and batches past the kernels' row
+limits run the module path.
 Glossary: B rows, D hidden, E experts, K top-k.
 """
 from __future__ import annotations
@@ -67,12 +70,12 @@ class NativeLayer:
         if not (native.dense_ok(n1.weight) and native.dense_ok(n2.weight)) or n1.weight.shape[0] > 4096:
             return None
         # the base's attention, or one that differs only in a project native_qk_full describes (OLMoE's
-        # norm over all heads and clip); no sinks (gpt-oss) and the base's forward, which this call replaces
+        # norm over all heads and clip) or in learned sinks (gpt-oss); the base's forward, which this call replaces
         form = attn.native_form() if isinstance(attn, Attention) else None
-        if form is None or form[0] or type(attn).forward is not Attention.forward:
+        if form is None or type(attn).forward is not Attention.forward:
             return None
-        full = form[1]
-        if type(attn) is not Attention and full is None:
+        sinks, full = form
+        if type(attn) is not Attention and full is None and not sinks:
             return None
         if type(mlp) is not MoEBlock or mlp.scorer is not None:
             return None
@@ -103,6 +106,10 @@ class NativeLayer:
                                 n1.eps, n2.eps, attn.q_norm.eps if head else 0.0, attn.hd ** -0.5,
                                 n1.weight.data_ptr(), n2.weight.data_ptr(),
                                 None if qn is None else qn.data_ptr(), None if kn is None else kn.data_ptr(), *lins)
+        if sinks:  # fp32 [H] (a copy made again when the sinks are written: _key follows them)
+            s32 = attn.native_sinks()
+            plan.sinks = s32.data_ptr()
+            keep.append(s32)
         if full is not None:
             plan.qfw, plan.kfw = full[0].data_ptr(), full[1].data_ptr()
             keep += [full[0], full[1]]
@@ -117,11 +124,15 @@ class NativeLayer:
         return _key(self.layer) == self.key
 
     def takes(self, x: torch.Tensor, ab: AttnBatch, kv) -> bool:
-        """Whether the layer calls take this step: x [B, 1, D], its batch and this layer's cache."""
+        """Whether the layer calls take this step: x [B, 1, D], its batch and this layer's cache (a
+        sliding-window layer's ring too: its period goes into the plan here)."""
         k_cache, v_cache = kv
-        return not (x.shape[0] > self.max_rows or (ab.cos is None and ab.rope is None) or getattr(kv, "period", 0)
-                    or k_cache.dtype != v_cache.dtype or k_cache.dtype not in NATIVE_ROWS
-                    or not (k_cache.is_contiguous() and v_cache.is_contiguous()) or not x.is_contiguous())
+        if (x.shape[0] > self.max_rows or (ab.cos is None and ab.rope is None) or k_cache.dtype != v_cache.dtype
+                or k_cache.dtype not in NATIVE_ROWS or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+                or not x.is_contiguous()):
+            return False
+        self.attn_plan.ring = getattr(kv, "period", 0)  # a window layer's ring (kv_cache.RingKV), this cache's
+        return True
 
     def route_plan(self, B: int):
         """The router's native plan for B tokens when the whole layer can run as one call (resident
@@ -345,11 +356,16 @@ def _key(layer) -> tuple:
     attn, mlp = m["self_attn"], m["mlp"]
     am, mm = attn._modules, mlp._modules
     ex = mm["experts"]
+    p = ex.__dict__.get("_parameters", {})
     if type(ex) is StackedExperts:
-        exp, dn = ex._parameters["gate_up"], ex._parameters["down"]
-    else:  # INT4: its block buffer; FP8: its gate_up and down codes (plain tensor attributes, not parameters)
+        exp, dn = p["gate_up"], p["down"]
+    else:  # INT4: its block buffer; FP8: its gate_up and down codes (plain tensor attributes); gpt-oss: parameters
         packed = ex.__dict__.get("packed")
-        exp, dn = (packed.data, None) if packed is not None else (ex.__dict__.get("gate_up"), ex.__dict__.get("down"))
+        exp, dn = (packed.data, None) if packed is not None else \
+            (ex.__dict__.get("gate_up", p.get("gate_up")), ex.__dict__.get("down", p.get("down")))
+    eb = p.get("gate_up_b")  # gpt-oss's expert biases (copied to fp32 for the plan)
+    eb = None if eb is None else (_written(eb), _written(p["down_b"]), _written(p.get("gate_up_scales")),
+                                  _written(p.get("down_scales")))
     qn, kn = am.get("q_norm"), am.get("k_norm")  # per-head norms (copied to fp32) or OLMoE's (pointed into)
     # biases (copied to fp32 by native_lin): each module's own, as load_state_dict writes them (q/k/v's are
     # views of the fused one, but a write through one view does not count on the others' version)
@@ -362,8 +378,10 @@ def _key(layer) -> tuple:
         sm, sg = sh._modules, mm.get("shared_expert_gate")
         sh = (sm["gate_proj"].storage(), sm["up_proj"].storage(), sm["down_proj"].storage(),
               None if sg is None else sg.storage())
+    rb, sk = mm["gate"]._parameters.get("bias"), attn._parameters.get("sinks")  # gpt-oss's (copied to fp32)
     return (am["q_proj"], am["q_proj"].storage(), am["o_proj"], am["o_proj"].storage(), mm["gate"],
-            mm["gate"]._parameters["weight"].data_ptr(), m["input_layernorm"]._parameters["weight"].data_ptr(),
+            mm["gate"]._parameters["weight"].data_ptr(), _written(rb), _written(sk), eb,
+            m["input_layernorm"]._parameters["weight"].data_ptr(),
             m["post_attention_layernorm"]._parameters["weight"].data_ptr(), ex,
             None if exp is None else exp.data_ptr(), None if dn is None else dn.data_ptr(),
             None if qn is None else _written(qn._parameters["weight"]),
