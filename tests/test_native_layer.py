@@ -460,11 +460,11 @@ def oss(tmp_path_factory):
     return ckpt, test_gpt_oss.pack_mxfp4(ckpt, root / "mxfp4")
 
 
-@pytest.mark.parametrize("case", [("bf16", "bfloat16", 1, {}), ("bf16", "bfloat16", 3, {}), ("bf16", "float32", 2, {}),
-                                  ("mxfp4", "bfloat16", 2, {}), ("mxfp4", "float32", 3, dict(int4_act="f32")),
-                                  ("mxfp4", "bfloat16", 2, dict(int4_act="q8")), ("bf16", "bfloat16", 2, dict(int4=True)),
-                                  ("mxfp4", "bfloat16", 4, dict(lynx="on"))],
-                         ids=["bf16-B1", "bf16-B3", "fp32-B2", "mxfp4", "mxfp4-f32", "mxfp4-q8", "int4-as-mxfp4", "lynx"])
+@pytest.mark.parametrize("case", [
+    ("bf16", "bfloat16", 1, {}), ("bf16", "bfloat16", 3, {}), ("bf16", "float32", 2, {}), ("mxfp4", "bfloat16", 2, {}),
+    ("mxfp4", "float32", 3, dict(int4_act="f32")), ("mxfp4", "bfloat16", 2, dict(int4_act="q8")),
+    ("bf16", "bfloat16", 2, dict(int4=True)), ("mxfp4", "bfloat16", 4, dict(lynx="on"))],
+    ids=["bf16-B1", "bf16-B3", "fp32-B2", "mxfp4", "mxfp4-f32", "mxfp4-q8", "int4-as-mxfp4", "lynx"])
 def test_gpt_oss_layer_call_bit_equal(oss, case, monkeypatch):
     """gpt-oss's layers run the layer call (sinks and ring inside the attention half, the biased router,
     the MXFP4 or 16-bit experts with their biases and clamped SwiGLU in the MoE half; the stack call
@@ -474,14 +474,15 @@ def test_gpt_oss_layer_call_bit_equal(oss, case, monkeypatch):
     B = case[2]
     eng = Engine.from_pretrained(ckpt, device="cpu", max_num_seqs=B, **kw)
     assert eng._cache(B).rings == [72, 0, 72, 0]  # window layers on a ring (kv_cache.ring_period)
-    got = torch.stack([_decode(eng, B, steps=12)])
+    got = _decode(eng, B, steps=12)
     nls = [layer._native for layer in eng.model.layers]
     assert all(isinstance(nl, NativeLayer) and nl.moe_plan is not None for nl in nls)
     assert [nl.attn_plan.ring for nl in nls] == [72, 0, 72, 0] and all(nl.attn_plan.sinks for nl in nls)
-    assert nls[0].moe_plan.fmt == (native.FMT_MXFP4 if case[0] == "mxfp4" or kw.get("int4") else native._FMT[
-        getattr(torch, case[1])]) and nls[0].moe_plan.act_kind == 1
+    mx = case[0] == "mxfp4" or kw.get("int4")
+    assert nls[0].moe_plan.fmt == (native.FMT_MXFP4 if mx else native._FMT[getattr(torch, case[1])])
+    assert nls[0].moe_plan.act_kind == 1
     monkeypatch.setattr(native_layer, "NATIVE_LAYERS", False)
-    ref = torch.stack([_decode(Engine.from_pretrained(ckpt, device="cpu", max_num_seqs=B, **kw), B, steps=12)])
+    ref = _decode(Engine.from_pretrained(ckpt, device="cpu", max_num_seqs=B, **kw), B, steps=12)
     monkeypatch.setattr(native_layer, "NATIVE_LAYERS", True)
     assert torch.equal(got, ref)
 

@@ -338,8 +338,8 @@ class OssExperts(nn.Module):
         that call would not run (no kernels, another device, a 16-bit dtype the kernels do not read).
         The fp32 biases the plan points into stay on self (_biases32)."""
         mx = self.mxfp4
-        if native.lib() is None or self.gate_up.device.type != "cpu" or not (mx or native.dense_ok(self.gate_up,
-                                                                                                   self.down)):
+        on_cpu = native.lib() is not None and self.gate_up.device.type == "cpu"
+        if not on_cpu or not (mx or native.dense_ok(self.gate_up, self.down)):
             return None, 0
         gb, db = self._biases32()
         plan = native.MoeLayer(native.FMT_MXFP4 if mx else native._FMT[self.gate_up.dtype], None, self.num_experts,
