@@ -110,3 +110,29 @@ def test_burst_lynx_telemetry_in_one_report(q3, monkeypatch):
     assert len(tel.steps) == len(ref.steps)
     for a, b in zip(tel.steps, ref.steps):
         assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in b)
+
+
+def test_argmax_is_torchs_first_max():
+    """lynx_argmax (the greedy burst's choice) against torch.argmax: ties go to the first index, a NaN
+    counts as largest (the first NaN), at lengths around the vector width and the demo's vocabulary;
+    a last-lane or tail maximum, all-equal rows and -inf rows."""
+    so = native.lib()
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for n in (1, 2, 7, 8, 9, 15, 16, 17, 23, 24, 31, 33, 4096, 4101):
+        x = torch.randint(-3, 4, (n,), generator=g).float()  # many ties
+        rows += [x, torch.randn(n, generator=g), torch.zeros(n), torch.full((n,), float("-inf"))]
+        for at in {0, n // 2, n - 1}:
+            y = torch.randn(n, generator=g)
+            y[at] = 9.0
+            rows.append(y)
+            z = x.clone()
+            z[at] = float("nan")
+            rows.append(z)
+            if n > 1:
+                z = z.clone()
+                z[(at + 1) % n] = float("nan")
+                rows.append(z)
+    for r in rows:
+        r = r.contiguous()
+        assert so.lynx_argmax(r.data_ptr(), r.numel()) == int(torch.argmax(r)), r

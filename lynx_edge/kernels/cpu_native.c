@@ -3654,6 +3654,42 @@ int lynx_layers(int n, const attn_layer_t *const *L, const moe_layer_t *const *M
     return rc;
 }
 
+/* The first index of the largest of v[0..n) (n >= 1), a NaN counting as largest (the first NaN): torch.argmax's
+ * choice. Eight lanes of running maxima, each keeping its first index (strict >), then the lanes' best with ties
+ * to the lower index; a NaN anywhere goes back to the scalar loop (rare: a model that has gone wrong). Over the
+ * demo's 4096 logits x 16 rows the scalar loop was ~2% of a greedy decode step. */
+long lynx_argmax(const float *v, long n) {
+    long i = 0, best = 0;
+#if VEC_PATHS
+    if (n >= 16) {
+        __m256 mx = _mm256_loadu_ps(v), nan = _mm256_cmp_ps(mx, mx, _CMP_UNORD_Q);
+        __m256i at = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), cur = at;
+        const __m256i eight = _mm256_set1_epi32(8);
+        for (i = 8; i + 8 <= n; i += 8) {
+            const __m256 x = _mm256_loadu_ps(v + i), gt = _mm256_cmp_ps(x, mx, _CMP_GT_OQ);
+            cur = _mm256_add_epi32(cur, eight);
+            nan = _mm256_or_ps(nan, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+            mx = _mm256_blendv_ps(mx, x, gt);
+            at = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(at), _mm256_castsi256_ps(cur), gt));
+        }
+        if (_mm256_movemask_ps(nan)) {
+            i = 0;
+        } else {
+            float m[8];
+            int32_t ix[8];
+            _mm256_storeu_ps(m, mx);
+            _mm256_storeu_si256((__m256i *)ix, at);
+            best = ix[0];
+            for (int l = 1; l < 8; l++)
+                if (m[l] > v[best] || (m[l] == v[best] && ix[l] < best)) best = ix[l];
+        }
+    }
+#endif
+    for (i = i ? i : 1; i < n; i++)
+        if (v[i] > v[best] || (isnan(v[i]) && !isnan(v[best]))) best = i;
+    return best;
+}
+
 /* Greedy decode in one call: up to `steps` decode steps of the whole model for B rows, each step's
  * argmax the next step's input, as the engine's greedy sampler would choose it (torch.argmax: the
  * first maximal index, NaN counting as maximal). emb [V, D] the embedding table (model dtype);
@@ -3692,10 +3728,7 @@ int lynx_decode(int n, const attn_layer_t *const *L, const moe_layer_t *const *M
         if (rc != 0) goto end;
         int stopped = 0;
         for (int b = 0; b < B; b++) {
-            const float *lg = logits + (size_t)b * N;
-            long best = 0;
-            for (long v = 1; v < N; v++)
-                if (lg[v] > lg[best] || (isnan(lg[v]) && !isnan(lg[best]))) best = v;
+            const long best = lynx_argmax(logits + (size_t)b * N, N);
             tok[b] = out[(long)s * B + b] = best;
             pos[b]++;
             for (int i = 0; i < n_stop; i++) stopped |= stop[i] == best;

@@ -177,6 +177,8 @@ def lib() -> ctypes.CDLL | None:
     so.lynx_layer.restype = i
     so.lynx_layers.argtypes = [i, p, p, p, p, i, p, p, p, p, p, p, i, L, L, p, p, p, p, p, f, p, p, i]
     so.lynx_layers.restype = i
+    so.lynx_argmax.argtypes = [p, L]
+    so.lynx_argmax.restype = L
     so.lynx_decode.argtypes = [i, p, p, p, p, L, p, i, p, p, L, p, p, p, p, i, L, L, p, p, p, p, f, p, i, p, i, p, p, i]
     so.lynx_decode.restype = i
     so.lynx_exp.argtypes = [p, L, p]
