@@ -422,3 +422,63 @@ def test_info_counts_match_the_checkpoint_and_the_published_totals(lfm):
     # model card: 1.5B active; counted as built (embeddings, all non-expert weights, 4 of 32 experts)
     # it is 1.56B, which the card's one-decimal figure truncates
     assert 1.5e9 <= p["active"] < 1.6e9
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("L,bias", [(3, False), (4, True), (2, True)])
+def test_native_short_conv_matches_the_torch_path(dtype, L, bias):
+    """native.short_conv (a decode step's gated short conv, one call) against the torch path it
+    replaces (state.causal_conv and the gating muls): rows out of order, one at position 0 over a
+    stale state (read as zeros), the rows' states updated identically; fp32 to fp32 rounding, bf16
+    within one bf16 step of the conv's rounding (observed: equal)."""
+    from lynx_edge.kernels import native
+    from lynx_edge.models.layers import AttnBatch
+    from lynx_edge.models.state import causal_conv
+
+    if native.lib() is None:
+        pytest.skip("native kernels not built")
+    g = torch.Generator().manual_seed(L)
+    B, D, Bmax = 3, 40, 5
+    bcx = torch.randn(B, 3 * D, generator=g).to(dtype)
+    w = torch.randn(D, 1, L, generator=g).to(dtype)
+    b = torch.randn(D, generator=g).to(dtype) if bias else None
+    state = torch.randn(Bmax, D, L - 1, generator=g).to(dtype)
+    rows, pos = torch.tensor([3, 0, 4]), torch.tensor([7, 0, 2])  # row 0 starts a new sequence
+    ref_state = state.clone()
+    ab = AttnBatch(positions=pos[:, None], rows=rows, kv_len=8)
+    bb, c, h = bcx[:, :, None].split(D, dim=1)  # [B, D, 1] each
+    want = (c * causal_conv(bb * h, w, ref_state, ab, b))[:, :, 0]
+    got = native.short_conv(bcx, w, b, state, rows, pos)
+    assert torch.equal(state, ref_state)  # the last L - 1 inputs B·x, fresh rows from zeros
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    else:
+        step = want.float().abs().clamp_min(1e-3) * 2 ** -7
+        assert ((got.float() - want.float()).abs() <= step).all()
+    with pytest.raises(IndexError):
+        native.short_conv(bcx, w, b, state, torch.tensor([0, 1, 5]), pos)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_runs_the_native_short_conv(lfm, dtype, monkeypatch):
+    """A CPU decode step's conv layers make one native.short_conv call each; the greedy tokens and
+    logits are the torch path's (bf16: equal; fp32: to fp32 rounding)."""
+    from lynx_edge.kernels import native
+
+    if native.lib() is None:
+        pytest.skip("native kernels not built")
+    short = FAMILIES["lfm2_moe"].ShortConv
+    eng = Engine.from_pretrained(lfm["conv4"], device="cpu", dtype=dtype)
+    n_conv = sum(isinstance(layer.self_attn, short) for layer in eng.model.layers)
+    real, calls = native.short_conv, []
+    monkeypatch.setattr(native, "short_conv", lambda *a: calls.append(1) or real(*a))
+    ids = [5, 9, 2, 33, 7]
+    toks, got = greedy_logits(eng, ids, n=6)
+    assert len(calls) == 6 * n_conv > 0
+    monkeypatch.setattr(short, "_native_ok", lambda self, x, state: False)  # the torch path
+    want_toks, want = greedy_logits(eng, ids, n=6)
+    assert toks == want_toks
+    if dtype == torch.bfloat16:
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -3171,6 +3171,47 @@ int lynx_rmsnorm(int fmt, const uint8_t *x, const uint8_t *w, float eps, long N,
     return 0;
 }
 
+/* --- LFM2's gated short convolution at decode --------------------------------------------------- */
+
+static inline float ld_elem(const uint8_t *p, int fmt, long i) {
+    return fmt == FMT_F32 ? ((const float *)p)[i] : bf16_f(((const uint16_t *)p)[i]);
+}
+static inline void st_elem(uint8_t *p, int fmt, long i, float v) { store_row(p + i * (fmt == FMT_F32 ? 4 : 2), fmt, &v, 1); }
+/* v as the model dtype holds it (a 16-bit op's result, rounded to nearest even) */
+static inline float as_dtype(int fmt, float v) { return fmt == FMT_F32 ? v : bf16_round(v); }
+
+/* One token per row: bcx [B, 3D] (model dtype fmt: the in_proj's B, C and x parts) -> out [B, D] =
+ * C * conv(B * x), where conv is the depthwise causal conv of kernel L (w [D, L], bias [D] or NULL,
+ * model dtype) over the row's last L - 1 conv inputs, kept in state [Bmax, D, L - 1] (model dtype;
+ * a row at position 0 starts a new sequence and reads zeros) and this token's, which the state then
+ * keeps. Rounded where the torch path's 16-bit ops round: B * x, the conv's output, C * y; the conv
+ * itself in fp32 (bias, then the taps oldest first). Returns 0, -1 for a row outside [0, Bmax). */
+int lynx_short_conv(int fmt, const uint8_t *bcx, int B, int D, int L, const uint8_t *w, const uint8_t *bias,
+                    uint8_t *state, long Bmax, const int64_t *rows, const int64_t *pos, uint8_t *out) {
+    const long es = fmt == FMT_F32 ? 4 : 2;
+    for (int b = 0; b < B; b++)
+        if (rows[b] < 0 || rows[b] >= Bmax) return -1;
+    for (int b = 0; b < B; b++) {
+        const uint8_t *row = bcx + (long)b * 3 * D * es;
+        uint8_t *st = state + rows[b] * (long)D * (L - 1) * es;
+        const int fresh = pos[b] == 0;
+        for (int d = 0; d < D; d++) {
+            const float bx = as_dtype(fmt, ld_elem(row, fmt, d) * ld_elem(row, fmt, 2L * D + d));
+            float acc = bias ? ld_elem(bias, fmt, d) : 0.0f;
+            for (int k = 0; k < L - 1; k++) {
+                const float past = fresh ? 0.0f : ld_elem(st, fmt, (long)d * (L - 1) + k);
+                acc += ld_elem(w, fmt, (long)d * L + k) * past;
+            }
+            acc += ld_elem(w, fmt, (long)d * L + L - 1) * bx;
+            for (int k = 0; k < L - 2; k++) /* the state moves on by one input */
+                st_elem(st, fmt, (long)d * (L - 1) + k, fresh ? 0.0f : ld_elem(st, fmt, (long)d * (L - 1) + k + 1));
+            if (L > 1) st_elem(st, fmt, (long)d * (L - 1) + L - 2, bx);
+            st_elem(out, fmt, (long)b * D + d, as_dtype(fmt, ld_elem(row, fmt, (long)D + d) * as_dtype(fmt, acc)));
+        }
+    }
+    return 0;
+}
+
 /* OLMoE's q/k: qkv [B, (H + 2 Hkv) hd] fp32 (values in the model dtype fmt) in place, q normed over
  * all its H hd values and k over its Hkv hd at once (not per head) by the weights qw [H hd], kw
  * [Hkv hd] (model dtype), then q, k and v clipped to [-clip, clip] (clip_qkv; 0: none) — the module

@@ -177,6 +177,8 @@ def lib() -> ctypes.CDLL | None:
     so.lynx_layer.restype = i
     so.lynx_layers.argtypes = [i, p, p, p, p, i, p, p, p, p, p, p, i, L, L, p, p, p, p, p, f, p, p, i]
     so.lynx_layers.restype = i
+    so.lynx_short_conv.argtypes = [i, p, i, i, i, p, p, p, L, p, p, p]
+    so.lynx_short_conv.restype = i
     so.lynx_argmax.argtypes = [p, L]
     so.lynx_argmax.restype = L
     so.lynx_decode.argtypes = [i, p, p, p, p, L, p, i, p, p, L, p, p, p, p, i, L, L, p, p, p, p, f, p, i, p, i, p, p, i]
@@ -414,6 +416,22 @@ def moe_oss(x, ids, weights, gate_up: torch.Tensor, down: torch.Tensor, gate_up_
                     1 if mx else gate_up.element_size(), None, gate_up.data_ptr(), down.data_ptr(), 0, 0, D, two_i // 2,
                     oss, act=act_code(act) if mx else 0)
     return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+
+def short_conv(bcx: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, state: torch.Tensor,
+               rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """LFM2's gated short convolution for one token per row (lynx_short_conv): bcx [B, 3D] (the
+    in_proj's B, C, x; model dtype fp32/bf16, contiguous), weight [D, 1, L] and bias [D] or None in
+    the same dtype, the rows' conv state [Bmax, D, L-1] (same dtype, contiguous; updated in place),
+    rows / pos int64 [B] (position 0: a new sequence, its state read as zeros) → C · conv(B · x) [B, D]."""
+    B, D = bcx.shape[0], bcx.shape[1] // 3
+    out = torch.empty(B, D, dtype=bcx.dtype)
+    rc = lib().lynx_short_conv(_FMT[bcx.dtype], bcx.data_ptr(), B, D, weight.shape[-1], weight.data_ptr(),
+                               None if bias is None else bias.data_ptr(), state.data_ptr(), state.shape[0],
+                               rows.data_ptr(), pos.data_ptr(), out.data_ptr())
+    if rc != 0:
+        raise IndexError(f"a conv state row outside the cache's {state.shape[0]} rows")
+    return out
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,0 +1,87 @@
+"""LFM2-MoE's CPU decode with its short convolutions as one native call a layer (native.short_conv:
+B·x, the depthwise causal conv over the row's state, C·y) against the torch path it replaced
+(state.causal_conv and the gating muls: ~12 torch ops a conv layer), same engine, alternating rounds.
+
+The checkpoint: a random LFM2-MoE at LFM2-8B-A1B's widths (hidden 2048, 32 heads / 8 kv heads, 32
+experts of 1792 top-4, kernel 3) with the published first 8 layers' types (6 conv, 2 attention), all
+MoE, vocabulary 4096 (tests/lfm2_tiny.py, written once under ~/.cache/lynx-edge/bench). Decode tok/s
+over 24 tokens after 16-token prompts, medians and the median paired ratio; bf16, and `--int4`
+experts (what a laptop runs).
+
+    python benchmarks/lfm2_decode.py [--batch 1,16] [--threads 1] [-r 5] [--out benchmarks/results/lfm2_decode_s37.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests")]
+
+from vs_llamacpp import ours  # noqa: E402
+
+WIDTHS = dict(vocab_size=4096, hidden_size=2048, intermediate_size=7168, moe_intermediate_size=1792,
+              num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=8, num_dense_layers=0,
+              initializer_range=0.02)
+
+
+def checkpoint() -> Path:
+    path = Path.home() / ".cache/lynx-edge/bench/lfm2-8b-a1b-widths-8l"
+    if not (path / "config.json").is_file():
+        from lfm2_tiny import make_lfm2_moe  # needs transformers (the dev extra)
+
+        print(f"writing the random LFM2-MoE checkpoint {path} …", flush=True)
+        make_lfm2_moe(path, **WIDTHS)
+    return path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batch", default="1,16")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("-r", "--rounds", type=int, default=5)
+    ap.add_argument("--out", type=Path)
+    a = ap.parse_args()
+    from lynx_edge import Engine
+    from lynx_edge.bench import cpu_isa, synthetic_prompts
+    from lynx_edge.models.lfm2_moe import ShortConv
+    from lynx_edge.threads import set_threads
+
+    set_threads(a.threads, explicit=True)
+    path = checkpoint()
+    native_ok = ShortConv._native_ok
+    paths = {"native": native_ok, "torch": lambda self, x, state: False}
+    rows = []
+    for four_bit in (False, True):
+        for B in (int(b) for b in a.batch.split(",")):
+            eng = Engine.from_pretrained(path, device="cpu", max_num_seqs=B, dtype="bfloat16", int4=four_bit)
+            prompts = synthetic_prompts(eng, B, 16)
+            tok_s = {k: [] for k in paths}
+            try:
+                for r in range(a.rounds + 1):  # round 0: warm-up
+                    for k, fn in (paths.items() if r % 2 else reversed(paths.items())):
+                        ShortConv._native_ok = fn
+                        v = ours(eng, prompts, 24 if r else 4, "off")
+                        if r:
+                            tok_s[k].append(v)
+            finally:
+                ShortConv._native_ok = native_ok
+            row = {"experts": "int4" if four_bit else "bf16", "batch": B, "threads": a.threads,
+                   "tok_s": {k: round(statistics.median(v), 2) for k, v in tok_s.items()},
+                   "native_vs_torch": round(statistics.median(n / t for n, t in zip(tok_s["native"], tok_s["torch"])),
+                                            3)}
+            rows.append(row)
+            print(row, flush=True)
+            del eng
+    if a.out:
+        a.out.write_text(json.dumps({"benchmark": __doc__.split("\n")[0], "isa": cpu_isa(), "rounds": a.rounds,
+                                     "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                                     "widths": WIDTHS, "rows": rows}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
