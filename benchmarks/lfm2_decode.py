@@ -8,7 +8,14 @@ MoE, vocabulary 4096 (tests/lfm2_tiny.py, written once under ~/.cache/lynx-edge/
 over 24 tokens after 16-token prompts, medians and the median paired ratio; bf16, and `--int4`
 experts (what a laptop runs).
 
+`--compare int4attn`: `--int4` against `--int4 --int4-attn` on the same checkpoint (the convolutions'
+in/out projections, attention's q/k/v/o and the dense MLPs INT4 too, RTN at load) and against
+`--int4-attn` with the convolutions' projections left bf16 (what it did before session 37), the
+engines loaded once, rounds in turn (reversed every other round); with each engine's resident weights
+outside the experts (those every token reads: the packed experts live outside the module tree).
+
     python benchmarks/lfm2_decode.py [--batch 1,16] [--threads 1] [-r 5] [--out benchmarks/results/lfm2_decode_s37.json]
+    python benchmarks/lfm2_decode.py --compare int4attn [--out benchmarks/results/lfm2_int4attn_s37.json]
 """
 from __future__ import annotations
 
@@ -45,6 +52,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("-r", "--rounds", type=int, default=5)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--compare", choices=("conv", "int4attn"), default="conv")
     a = ap.parse_args()
     from lynx_edge import Engine
     from lynx_edge.bench import cpu_isa, synthetic_prompts
@@ -53,6 +61,8 @@ def main() -> None:
 
     set_threads(a.threads, explicit=True)
     path = checkpoint()
+    if a.compare == "int4attn":
+        return compare_int4_attn(path, a)
     native_ok = ShortConv._native_ok
     paths = {"native": native_ok, "torch": lambda self, x, state: False}
     rows = []
@@ -81,6 +91,45 @@ def main() -> None:
         a.out.write_text(json.dumps({"benchmark": __doc__.split("\n")[0], "isa": cpu_isa(), "rounds": a.rounds,
                                      "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                                      "widths": WIDTHS, "rows": rows}, indent=1) + "\n")
+
+
+def compare_int4_attn(path: Path, a) -> None:
+    from lynx_edge import Engine
+    from lynx_edge.bench import cpu_isa, synthetic_prompts
+
+    from lynx_edge.models.lfm2_moe import ShortConv
+
+    batches = [int(b) for b in a.batch.split(",")]
+    load = lambda **kw: Engine.from_pretrained(path, device="cpu", max_num_seqs=max(batches),  # noqa: E731
+                                               dtype="bfloat16", int4=True, **kw)
+    engines = {"int4": load(), "int4+attn": load(int4_attn=True)}
+    conv = ShortConv.INT4_PROJECTIONS
+    ShortConv.INT4_PROJECTIONS = ()  # what --int4-attn made INT4 before session 37: the convolutions stay bf16
+    try:
+        engines["int4+attn, conv bf16"] = load(int4_attn=True)
+    finally:
+        ShortConv.INT4_PROJECTIONS = conv
+    non_expert_mb = {k: round(sum(t.nbytes for t in [*e.model.parameters(), *e.model.buffers()]) / 2**20, 1)
+                  for k, e in engines.items()}
+    rows = []
+    for B in batches:
+        prompts = synthetic_prompts(engines["int4"], B, 16)
+        tok_s = {k: [] for k in engines}
+        for r in range(a.rounds + 1):  # round 0: warm-up
+            for k, eng in (engines.items() if r % 2 else reversed(engines.items())):
+                v = ours(eng, prompts, 24 if r else 4, "off")
+                if r:
+                    tok_s[k].append(v)
+        row = {"batch": B, "threads": a.threads, "tok_s": {k: round(statistics.median(v), 2) for k, v in tok_s.items()},
+               **{f"{k}_vs_int4": round(statistics.median(n / t for n, t in zip(tok_s[k], tok_s["int4"])), 3)
+                  for k in engines if k != "int4"}}
+        rows.append(row)
+        print(row, flush=True)
+    print({"non_expert_mb": non_expert_mb}, flush=True)
+    if a.out:
+        a.out.write_text(json.dumps({"benchmark": "lfm2_decode.py --compare int4attn", "isa": cpu_isa(),
+                                     "rounds": a.rounds, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                                     "widths": WIDTHS, "non_expert_mb": non_expert_mb, "rows": rows}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -282,13 +282,15 @@ def _int8_head(model, dev, act: str | None, huge_pages: bool = False) -> bool:
 
 
 def _int4_linears(model, dev, group: int, act: str | None) -> int:
-    """`int4_attn`: on a CPU with the native kernels, the 16-bit q/k/v/o and dense / shared-expert
-    MLP projections (plain `Linear`s of the standard Attention and DenseMLP; not routers, not the
-    lm_head, not a family's own attention such as MLA) become Int4Linear that RTN-quantise their
-    weight as the loader streams it (group `group`, symmetric) — as llama.cpp's Q4_0 does to every
-    2-D weight. Elsewhere nothing changes (RuntimeWarning). → how many were made INT4."""
+    """`int4_attn`: on a CPU with the native kernels, the 16-bit projections a module lists in its
+    class's INT4_PROJECTIONS (plain `Linear`s: attention's q/k/v/o in Attention and its subclasses,
+    dense / shared-expert MLPs, LFM2's short-convolution in/out projections; not routers, not the
+    lm_head, not a module that reads its weights itself, such as MLA or a linear-attention layer)
+    become Int4Linear that RTN-quantise their weight as the loader streams it (group `group`,
+    symmetric) — as llama.cpp's Q4_0 does to every 2-D weight. Elsewhere nothing changes
+    (RuntimeWarning). → how many were made INT4."""
     from .kernels import native
-    from .models.layers import Attention, DenseMLP, Linear
+    from .models.layers import Linear
     from .quant.linear import Int4Linear
 
     if dev.type != "cpu" or native.lib() is None:
@@ -297,9 +299,7 @@ def _int4_linears(model, dev, group: int, act: str | None) -> int:
         return 0
     n = 0
     for owner in list(model.modules()):
-        if type(owner) not in (Attention, DenseMLP):
-            continue
-        for leaf in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
+        for leaf in getattr(type(owner), "INT4_PROJECTIONS", ()):
             old = getattr(owner, leaf, None)
             if type(old) is not Linear or old.weight.shape[1] % group:
                 continue

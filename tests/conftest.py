@@ -121,13 +121,16 @@ def q16_emulate(x: torch.Tensor, group: int) -> torch.Tensor:
     return q8_emulate(x, min(group, 128), 32767.0)
 
 
-def decode_logits(path, prompt: list[int], steps: int = 3, **options) -> tuple[torch.Tensor, object]:
-    """An fp32 CPU engine of `path` (Engine options as given): the prompt's logits for every position,
-    then `steps` greedy decode steps' → ([len(prompt) + steps, V], the engine)."""
+def decode_logits(path, prompt: list[int], steps: int = 3, prepare=None, **options) -> tuple[torch.Tensor, object]:
+    """An fp32 CPU engine of `path` (Engine options as given; prepare(engine) runs before its first
+    step): the prompt's logits for every position, then `steps` greedy decode steps' →
+    ([len(prompt) + steps, V], the engine)."""
     from lynx_edge import Engine
     from lynx_edge.step import decode_step, prefill
 
     eng = Engine.from_pretrained(path, device="cpu", dtype="float32", **options)
+    if prepare is not None:
+        prepare(eng)
     kv = eng._cache(1)
     out = [prefill(eng.model, kv, 0, prompt, 0, logits_for="all")[0]]
     tok = out[0][-1].argmax(-1, keepdim=True)

@@ -1,5 +1,6 @@
-"""`int4_attn` (`--int4-attn`): a 16-bit checkpoint's attention and dense projections quantised
-to INT4 at load on a CPU (RTN, symmetric, the --int4 group), read packed by the native kernels.
+"""`int4_attn` (`--int4-attn`): a 16-bit checkpoint's attention (and a family's other token mixers'
+projections: LFM2's short convolutions) and dense projections quantised to INT4 at load on a CPU
+(RTN, symmetric, the --int4 group), read packed by the native kernels.
 
 Reference: the same checkpoint with each of those weights replaced by its RTN dequantisation
 (quant.int4: the exact values the INT4 codes decode to), loaded as a plain float model with the
@@ -53,6 +54,73 @@ def test_int4_attention_matches_its_rtn_reference(pair):
     assert err < 2e-6, err  # observed 6.0e-7: the INT4 linear kernel vs fp32 GEMMs on the same values
     plain, _ = _logits(src)  # without the flag: attention 16-bit, logits differ by the quantisation
     assert (plain - ref).abs().max().item() > 100 * 2e-6
+
+
+def _family_checkpoint(family: str, root: Path) -> Path:
+    if family == "lfm2_moe":
+        from lfm2_tiny import make_lfm2_moe
+
+        return make_lfm2_moe(root, conv_bias=True, num_dense_layers=1)  # biased projections, a dense MLP
+    if family == "gpt_oss":
+        from test_gpt_oss import build
+
+        return build(root)
+    if family == "qwen3_next":
+        from test_qwen3_next import build_next
+
+        return build_next(root)
+    from conftest import make_tiny
+
+    return make_tiny(root, family)
+
+
+# every projection int4_attn makes INT4 in each family's tiny checkpoint (module class → names)
+FAMILY_INT4 = {
+    "lfm2_moe": {"ShortConv": ("in_proj", "out_proj"), "Attention": PROJ, "DenseMLP": ("gate_proj", "up_proj", "down_proj")},
+    "olmoe": {"OlmoeAttention": PROJ},
+    "gpt_oss": {"SinkAttention": PROJ},
+    "qwen3_next": {"GatedAttention": PROJ, "DenseMLP": ("gate_proj", "up_proj", "down_proj")},
+}
+
+
+# observed: lfm2_moe 2.0e-5 (logits to 4.6), gpt_oss 1.3e-5 (a prompt position whose sums the sinks'
+# softmax sharpens), olmoe 4.2e-7, qwen3_next 4.1e-6 (logits to 10)
+TOL = {"lfm2_moe": 4e-5, "gpt_oss": 2.5e-5, "olmoe": 2e-6, "qwen3_next": 1e-5}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_INT4))
+def test_family_projections_match_their_rtn_reference(family, tmp_path):
+    """A family's own token mixers' projections (LFM2's short convolutions, OLMoE's, gpt-oss's and
+    Qwen3-Next's attention subclasses) and its dense MLPs are INT4 under int4_attn (those whose inputs
+    split into groups), and the logits are those of the float model whose same weights hold their RTN
+    dequantisation (set in the reference engine before its first step), to the kernels' fp32 rounding
+    (the INT4 kernel's sums against fp32 GEMMs', through a few layers). Linear attention, routers and
+    the head stay 16-bit."""
+    from lynx_edge.models.layers import Linear
+    from lynx_edge.quant.linear import Int4Linear
+
+    path = _family_checkpoint(family, tmp_path / family)
+    plain, plain_eng = decode_logits(path, PROMPT, int4_group=G)
+    want = {f"{n}.{leaf}" for n, m in plain_eng.model.named_modules()
+            for leaf in FAMILY_INT4[family].get(type(m).__name__, ()) if getattr(m, leaf).weight.shape[1] % G == 0}
+    assert {type(plain_eng.model.get_submodule(n.rpartition(".")[0])).__name__ for n in want} == set(FAMILY_INT4[family])
+    got, eng = decode_logits(path, PROMPT, int4_attn=True, int4_group=G)
+    made = {n for n, m in eng.model.named_modules() if type(m) is Int4Linear}
+    assert made == want and eng.model.placement.packed_linears == len(want)
+
+    def rtn(ref_eng):
+        mods = dict(ref_eng.model.named_modules())
+        with torch.no_grad():
+            for n in made:
+                w = mods[n].weight
+                assert type(mods[n]) is Linear
+                codes, s, z = quantize_rtn(w, G, sym=True)
+                w.copy_(dequant(pack(codes), s, z, G))
+
+    ref, _ = decode_logits(path, PROMPT, prepare=rtn, int4_group=G)
+    err = (got - ref).abs().max().item()
+    assert err < TOL[family], err
+    assert (plain - ref).abs().max().item() > 100 * TOL[family]  # the check sees the quantisation
 
 
 def test_int4_attn_bad_shape_is_one_line(pair, tmp_path):

@@ -291,6 +291,10 @@ class Attention(nn.Module):
     and clip over all heads) or `sdpa` (the attention itself: e.g. gpt-oss's sinks).
     """
 
+    # the projections `int4_attn` may make INT4 (build._int4_linears): modules every subclass calls
+    # as modules, never reading their weights
+    INT4_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
     def __init__(self, cfg: ModelConfig, layer: int, dtype, device, o_bias: bool = False):
         super().__init__()
         D, H, Hkv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -513,6 +517,8 @@ def _ring_kv(k_cache, v_cache, k, v, ab: AttnBatch, R: int, W: int) -> tuple:
 
 
 class DenseMLP(nn.Module):
+    INT4_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")  # see Attention's
+
     def __init__(self, D: int, inter: int, dtype, device):
         super().__init__()
         self.gate_proj = Linear(inter, D, False, dtype, device)

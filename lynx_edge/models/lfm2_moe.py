@@ -106,6 +106,10 @@ class ShortConv(nn.Module):
     the row's conv state (its last L − 1 conv inputs, [Bmax, D, L − 1]; models/state.py: a row
     starting at position 0 reads zeros, the conv's causal padding); C gates the output; out_proj."""
 
+    # `int4_attn` makes both projections INT4 too: 18 of LFM2-8B-A1B's 24 layers are convolutions, and
+    # their 2048 -> 6144 -> 2048 projections are ~300 M of its ~1.5 B active parameters
+    INT4_PROJECTIONS = ("in_proj", "out_proj")
+
     def __init__(self, cfg, layer: int, dtype, device):
         super().__init__()
         D, a = cfg.hidden_size, cfg.arch
