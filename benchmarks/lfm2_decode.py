@@ -100,8 +100,10 @@ def compare_int4_attn(path: Path, a) -> None:
     from lynx_edge.models.lfm2_moe import ShortConv
 
     batches = [int(b) for b in a.batch.split(",")]
-    load = lambda **kw: Engine.from_pretrained(path, device="cpu", max_num_seqs=max(batches),  # noqa: E731
-                                               dtype="bfloat16", int4=True, **kw)
+
+    def load(**kw):
+        return Engine.from_pretrained(path, device="cpu", max_num_seqs=max(batches), dtype="bfloat16", int4=True, **kw)
+
     engines = {"int4": load(), "int4+attn": load(int4_attn=True)}
     conv = ShortConv.INT4_PROJECTIONS
     ShortConv.INT4_PROJECTIONS = ()  # what --int4-attn made INT4 before session 37: the convolutions stay bf16
@@ -110,7 +112,7 @@ def compare_int4_attn(path: Path, a) -> None:
     finally:
         ShortConv.INT4_PROJECTIONS = conv
     non_expert_mb = {k: round(sum(t.nbytes for t in [*e.model.parameters(), *e.model.buffers()]) / 2**20, 1)
-                  for k, e in engines.items()}
+                     for k, e in engines.items()}
     rows = []
     for B in batches:
         prompts = synthetic_prompts(engines["int4"], B, 16)
