@@ -4,14 +4,17 @@
   (lynx_attn_decode) against the torch path (SinkAttention.sdpa);
 - `--compare layer`: the whole-layer native call (models/native_layer.py: attention with sinks and
   the window layers' ring, the biased router, the MXFP4 experts; all layers in one call a step)
-  against the module path (the same kernels, ~40 Python and torch calls a layer between them).
+  against the module path (the same kernels, ~40 Python and torch calls a layer between them);
+- `--compare int4attn`: `--int4-attn` (attention's q/k/v/o 4-bit, RTN at load: a quarter of its
+  bf16 bytes) against bf16 attention, two engines loaded once (approximate: not bit-equal).
 
 The checkpoint is vs_llamacpp.py's `--models oss` (benchmarks/oss_checkpoint.py: gpt-oss-20b's
 layer shapes, 8 layers, MXFP4 experts), written first if absent. Decode tok/s over 32 tokens after
 8-token prompts (B = 1) or 16-token ones (B = 16), medians and the median paired ratio.
 
-    python benchmarks/oss_sinks.py [--compare sinks|layer] [--batch 1,16] [--threads 1] [-r 5]
-Appends a run to benchmarks/results/oss_sinks.json (--compare layer: oss_layer_call.json).
+    python benchmarks/oss_sinks.py [--compare sinks|layer|int4attn] [--batch 1,16] [--threads 1] [-r 5]
+Appends a run to benchmarks/results/oss_sinks.json (--compare layer: oss_layer_call.json; int4attn:
+oss_int4attn.json).
 """
 from __future__ import annotations
 
@@ -34,7 +37,7 @@ def main() -> None:
     ap.add_argument("--batch", default="1,16")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("-r", "--rounds", type=int, default=5)
-    ap.add_argument("--compare", choices=("sinks", "layer"), default="sinks")
+    ap.add_argument("--compare", choices=("sinks", "layer", "int4attn"), default="sinks")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     from lynx_edge import Engine
@@ -45,7 +48,10 @@ def main() -> None:
 
     set_threads(a.threads, explicit=True)
     path = write_oss(CACHE / "models/oss-gptoss", OSS_LAYERS)
-    out = Path(a.out or ROOT / f"benchmarks/results/{'oss_sinks' if a.compare == 'sinks' else 'oss_layer_call'}.json")
+    out = Path(a.out or ROOT / "benchmarks/results" / {"sinks": "oss_sinks.json", "layer": "oss_layer_call.json",
+                                                        "int4attn": "oss_int4attn.json"}[a.compare])
+    if a.compare == "int4attn":
+        return compare_int4_attn(path, out, a)
     if a.compare == "sinks":
         native = Attention._decode_native
         paths = {"native": lambda: setattr(Attention, "_decode_native", native),
@@ -75,6 +81,32 @@ def main() -> None:
         print(row, flush=True)
         del eng
     append_run(out, {"benchmark": __doc__.split("\n")[0], "isa": cpu_isa(), "rounds": a.rounds,
+                     "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rows": rows})
+
+
+def compare_int4_attn(path: Path, out: Path, a) -> None:
+    from lynx_edge import Engine
+    from lynx_edge.bench import cpu_isa, synthetic_prompts
+
+    batches = [int(b) for b in a.batch.split(",")]
+    engines = {k: Engine.from_pretrained(path, device="cpu", max_num_seqs=max(batches), dtype="bfloat16",
+                                         int4_attn=k == "int4_attn") for k in ("bf16_attn", "int4_attn")}
+    rows = []
+    for B in batches:
+        prompts = synthetic_prompts(engines["bf16_attn"], B, 8 if B == 1 else 16)
+        tok_s = {k: [] for k in engines}
+        for r in range(a.rounds + 1):  # round 0: warm-up
+            for k, eng in (engines.items() if r % 2 else reversed(engines.items())):
+                v = ours(eng, prompts, 32 if r else 4, "off")
+                if r:
+                    tok_s[k].append(v)
+        row = {"batch": B, "threads": a.threads, "compare": a.compare,
+               "tok_s": {k: round(statistics.median(v), 2) for k, v in tok_s.items()},
+               "int4_attn_vs_bf16_attn": round(statistics.median(
+                   n / t for n, t in zip(tok_s["int4_attn"], tok_s["bf16_attn"])), 3)}
+        rows.append(row)
+        print(row, flush=True)
+    append_run(out, {"benchmark": "oss_sinks.py --compare int4attn", "isa": cpu_isa(), "rounds": a.rounds,
                      "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rows": rows})
 
 

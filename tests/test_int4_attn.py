@@ -123,6 +123,33 @@ def test_family_projections_match_their_rtn_reference(family, tmp_path):
     assert (plain - ref).abs().max().item() > 100 * TOL[family]  # the check sees the quantisation
 
 
+def test_group_halves_where_it_does_not_divide(tmp_path):
+    """hidden 96 (as gpt-oss's 2880 is no multiple of 128): q/k/v over 96 inputs take groups of 32 where
+    --int4-group asks 128, o_proj over 128 inputs keeps 128; the logits are the RTN reference's at those
+    groups. The rule itself: halvings down to 32, else 16-bit."""
+    from lynx_edge.build import _rtn_group
+    from lynx_edge.quant.linear import Int4Linear
+    from conftest import make_tiny
+
+    assert [_rtn_group(n, 128) for n in (4096, 2880, 96, 48, 130)] == [128, 64, 32, 0, 0]
+    path = make_tiny(tmp_path / "h96", "qwen3_moe", hidden_size=96, head_dim=32)
+    got, eng = decode_logits(path, PROMPT, int4_attn=True, int4_group=128)
+    attn = eng.model.layers[0].self_attn
+    assert [getattr(attn, p).group_size for p in PROJ] == [32, 32, 32, 128]
+    groups = {n: m.group_size for n, m in eng.model.named_modules() if type(m) is Int4Linear}
+
+    def rtn(ref_eng):
+        mods = dict(ref_eng.model.named_modules())
+        with torch.no_grad():
+            for n, g in groups.items():
+                codes, s, z = quantize_rtn(mods[n].weight, g, sym=True)
+                mods[n].weight.copy_(dequant(pack(codes), s, z, g))
+
+    ref, _ = decode_logits(path, PROMPT, prepare=rtn)
+    err = (got - ref).abs().max().item()
+    assert err < 2e-6, err  # observed 8.3e-7
+
+
 def test_int4_attn_bad_shape_is_one_line(pair, tmp_path):
     """A weight of the wrong shape fails the load with one line naming the tensor."""
     from lynx_edge import Engine
