@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests")]
 
-from vs_llamacpp import ours  # noqa: E402
+from vs_llamacpp import engines_ab, ours, paired_ratio  # noqa: E402
 
 WIDTHS = dict(vocab_size=4096, hidden_size=2048, intermediate_size=7168, moe_intermediate_size=1792,
               num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=8, num_dense_layers=0,
@@ -96,6 +96,7 @@ def main() -> None:
 def compare_int4_attn(path: Path, a) -> None:
     from lynx_edge import Engine
     from lynx_edge.bench import cpu_isa, synthetic_prompts
+    from lynx_edge.modelinfo import dense_decode_bytes
 
     from lynx_edge.models.lfm2_moe import ShortConv
 
@@ -111,20 +112,13 @@ def compare_int4_attn(path: Path, a) -> None:
         engines["int4+attn, conv bf16"] = load(int4_attn=True)
     finally:
         ShortConv.INT4_PROJECTIONS = conv
-    non_expert_mb = {k: round(sum(t.nbytes for t in [*e.model.parameters(), *e.model.buffers()]) / 2**20, 1)
-                     for k, e in engines.items()}
+    # MiB every token reads outside the routed experts (modelinfo.dense_decode_bytes)
+    non_expert_mb = {k: round(dense_decode_bytes(e.model) / 2**20, 1) for k, e in engines.items()}
     rows = []
     for B in batches:
-        prompts = synthetic_prompts(engines["int4"], B, 16)
-        tok_s = {k: [] for k in engines}
-        for r in range(a.rounds + 1):  # round 0: warm-up
-            for k, eng in (engines.items() if r % 2 else reversed(engines.items())):
-                v = ours(eng, prompts, 24 if r else 4, "off")
-                if r:
-                    tok_s[k].append(v)
+        tok_s = engines_ab(engines, synthetic_prompts(engines["int4"], B, 16), a.rounds, 24)
         row = {"batch": B, "threads": a.threads, "tok_s": {k: round(statistics.median(v), 2) for k, v in tok_s.items()},
-               **{f"{k}_vs_int4": round(statistics.median(n / t for n, t in zip(tok_s[k], tok_s["int4"])), 3)
-                  for k in engines if k != "int4"}}
+               **{f"{k}_vs_int4": paired_ratio(tok_s[k], tok_s["int4"]) for k in engines if k != "int4"}}
         rows.append(row)
         print(row, flush=True)
     print({"non_expert_mb": non_expert_mb}, flush=True)

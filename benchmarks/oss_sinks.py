@@ -29,7 +29,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 from native_ab import append_run  # noqa: E402
 from oss_checkpoint import write_oss  # noqa: E402
-from vs_llamacpp import CACHE, OSS_LAYERS, ours  # noqa: E402
+from vs_llamacpp import CACHE, OSS_LAYERS, engines_ab, ours, paired_ratio  # noqa: E402
 
 
 def main() -> None:
@@ -93,17 +93,10 @@ def compare_int4_attn(path: Path, out: Path, a) -> None:
                                          int4_attn=k == "int4_attn") for k in ("bf16_attn", "int4_attn")}
     rows = []
     for B in batches:
-        prompts = synthetic_prompts(engines["bf16_attn"], B, 8 if B == 1 else 16)
-        tok_s = {k: [] for k in engines}
-        for r in range(a.rounds + 1):  # round 0: warm-up
-            for k, eng in (engines.items() if r % 2 else reversed(engines.items())):
-                v = ours(eng, prompts, 32 if r else 4, "off")
-                if r:
-                    tok_s[k].append(v)
+        tok_s = engines_ab(engines, synthetic_prompts(engines["bf16_attn"], B, 8 if B == 1 else 16), a.rounds, 32)
         row = {"batch": B, "threads": a.threads, "compare": a.compare,
                "tok_s": {k: round(statistics.median(v), 2) for k, v in tok_s.items()},
-               "int4_attn_vs_bf16_attn": round(statistics.median(
-                   n / t for n, t in zip(tok_s["int4_attn"], tok_s["bf16_attn"])), 3)}
+               "int4_attn_vs_bf16_attn": paired_ratio(tok_s["int4_attn"], tok_s["bf16_attn"])}
         rows.append(row)
         print(row, flush=True)
     append_run(out, {"benchmark": "oss_sinks.py --compare int4attn", "isa": cpu_isa(), "rounds": a.rounds,

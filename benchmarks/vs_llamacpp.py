@@ -102,7 +102,14 @@ MODEL_NOTES = {"a3b": (
     f"sinks, 128-token windows every other layer) at {OSS_LAYERS} of its 24 layers, random weights, MXFP4 experts "
     "as published and bf16 attention, the demo's 4096-token vocabulary. Per decode token at B=1 a layer reads "
     "4 experts' 49.6 MB of MXFP4 and 53 MB of bf16 attention, as the real model's layers do; its head is 24 MB "
-    "(the real vocabulary's: 1.16 GB).")}
+    "(the real vocabulary's: 1.16 GB)."),
+    "lfm2": (
+    "lfm2: LFM2-8B-A1B's widths (hidden 2048, 32 experts of 1792, top-4 by sigmoid scores with an expert bias, "
+    "32/8 heads of 64, short convolutions of kernel 3) at 8 of its 24 layers with the published first 8 layer "
+    "types (6 convolutions, 2 attention; all MoE here, where the real model's first 2 are dense), random "
+    "weights, the demo's 4096-token vocabulary (benchmarks/lfm2_decode.py). Per decode token at B=1 a layer "
+    "reads 4 experts (44 MB bf16) and its token mixer (a convolution's in/out projections 34 MB bf16)."),
+}
 # issue 16's targets: lynx-edge / llama.cpp at the same bits
 TARGET = {("B1", "16bit"): 0.9, ("B1", "4bit"): 0.8, ("Bn", "16bit"): 1.0, ("Bn", "4bit"): 1.0,
           ("B1", "8bit"): 0.9, ("Bn", "8bit"): 1.0}  # 8-bit: issue 16 names none; the 16-bit ones
@@ -279,6 +286,24 @@ def ours(engine, prompts: list[list[int]], n: int, lynx: str) -> float:
     return float(stats["decode_tok_s"])
 
 
+def engines_ab(engines: dict, prompts: list[list[int]], rounds: int, n: int, lynx: str = "off") -> dict:
+    """Decode tok/s of each engine on the same prompts over n tokens: an untimed warm-up round (4
+    tokens), then `rounds` timed ones, the engines in turn, the order reversed every other round (a
+    drift in the machine's load hits all alike) → name → [tok/s a round]."""
+    tok_s = {k: [] for k in engines}
+    for r in range(rounds + 1):
+        for k, eng in (engines.items() if r % 2 else reversed(engines.items())):
+            v = ours(eng, prompts, n if r else 4, lynx)
+            if r:
+                tok_s[k].append(v)
+    return tok_s
+
+
+def paired_ratio(new: list[float], old: list[float]) -> float:
+    """The median of the per-round ratios new / old."""
+    return round(statistics.median(a / b for a, b in zip(new, old)), 3)
+
+
 def ours_pp(engine, ids: list[int]) -> float:
     """One prefill of the prompt ids from an empty cache → prompt tok/s (after an untimed one, as
     llama-bench warms up)."""
@@ -404,8 +429,8 @@ def run(args) -> dict:
            "loadavg_start": os.getloadavg(), "models": {}, "rows": []}
     t_start = time.time()
     for model in args.models.split(","):
-        if model not in ("demo", "oss", *RANDOMS):
-            raise SystemExit(f"unknown model {model!r}: demo, oss, {', '.join(RANDOMS)}")
+        if model not in ("demo", "oss", "lfm2", *RANDOMS):
+            raise SystemExit(f"unknown model {model!r}: demo, oss, lfm2, {', '.join(RANDOMS)}")
         if (model == "oss") != all(k.startswith("mxfp4") for k in kinds):
             raise SystemExit("--models oss runs --bits mxfp4,mxfp4-q8,mxfp4-f32 (and only it does)")
         if model == "oss":  # MXFP4 experts as published: one GGUF, its experts MXFP4, the rest bf16
@@ -417,7 +442,9 @@ def run(args) -> dict:
             res["models"][model] = {"path": str(path), "checkpoint_bytes": ckpt_bytes(path),
                                     "gguf_bytes": {"mxfp4": mx.stat().st_size}}
         else:
-            path = resolve_model("demo") if model == "demo" else \
+            if model == "lfm2":
+                from lfm2_decode import checkpoint as lfm2_checkpoint
+            path = resolve_model("demo") if model == "demo" else lfm2_checkpoint() if model == "lfm2" else \
                 write_random(work / ("random-qwen3moe" if model == "random" else f"{model}-qwen3moe"), RANDOMS[model])
             ggufs = to_ggufs(src, bins, work, model, path, kinds, threads)
             res["models"][model] = {"path": str(path), "checkpoint_bytes_bf16": ckpt_bytes(path),
@@ -611,7 +638,9 @@ def main() -> None:
                          "6.1 GB bf16: run it with --bits bf16,int4attn-q8 on a 24 GB box) and/or a3b48 (the "
                          "same at 48 layers of 16 experts, 10.3 GB bf16: --bits int4attn --batch 1), a3b-attn "
                          "(its attention in 4 layers with small experts, 0.18 GB: for --depth) or oss "
-                         "(gpt-oss-20b's layers, 8 of 24, MXFP4 experts: --models oss --bits mxfp4,mxfp4-f32)")
+                         "(gpt-oss-20b's layers, 8 of 24, MXFP4 experts: --models oss --bits mxfp4,mxfp4-f32) or "
+                         "lfm2 (LFM2-8B-A1B's widths, 8 of its 24 layers: 6 conv, 2 attention; "
+                         "benchmarks/lfm2_decode.py's checkpoint)")
     ap.add_argument("--bits", default="f32,bf16,int4,int4attn,int4attn-q8",
                     help="pairs: f32 (F32 vs fp32), bf16, int4 (Q4_0 vs --int4), int4attn (Q4_0 vs a lynx-edge "
                          "4-bit checkpoint with 4-bit attention), int4attn-q8 (the same with --int4-act q8), "
