@@ -294,8 +294,9 @@ def _int8_head(model, dev, act: str | None, huge_pages: bool = False) -> bool:
 def _int4_linears(model, dev, group: int, act: str | None) -> int:
     """`int4_attn`: on a CPU with the native kernels, the 16-bit projections a module lists in its
     class's INT4_PROJECTIONS (plain `Linear`s: attention's q/k/v/o in Attention and its subclasses,
-    dense / shared-expert MLPs, LFM2's short-convolution in/out projections; not routers, not the
-    lm_head, not a module that reads its weights itself, such as MLA or a linear-attention layer)
+    dense / shared-expert MLPs, LFM2's short-convolution in/out projections, MLA's but kv_b_proj; not
+    routers, not the lm_head, not a weight its module reads itself, such as MLA's kv_b_proj or a
+    linear-attention layer's)
     become Int4Linear that RTN-quantise their weight as the loader streams it (group `group`, or a
     smaller one where it does not divide the inputs: _rtn_group; symmetric) — as llama.cpp's Q4_0
     does to every 2-D weight. Elsewhere nothing changes

@@ -65,6 +65,10 @@ def _family_checkpoint(family: str, root: Path) -> Path:
         from test_gpt_oss import build
 
         return build(root)
+    if family.startswith("deepseek_v2"):  # V2-Lite's q_proj, or V2's low-rank q_a_proj → q_b_proj
+        from test_deepseek_v2 import build
+
+        return build(root, **({"q_lora_rank": 32} if family.endswith("lora") else {}))
     if family == "qwen3_next":
         from test_qwen3_next import build_next
 
@@ -80,22 +84,28 @@ FAMILY_INT4 = {
     "olmoe": {"OlmoeAttention": PROJ},
     "gpt_oss": {"SinkAttention": PROJ},
     "qwen3_next": {"GatedAttention": PROJ, "DenseMLP": ("gate_proj", "up_proj", "down_proj")},
+    "deepseek_v2": {"MLAttention": ("q_proj", "kv_a_proj_with_mqa", "o_proj"),
+                    "DenseMLP": ("gate_proj", "up_proj", "down_proj")},
+    "deepseek_v2_lora": {"MLAttention": ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj"),
+                         "DenseMLP": ("gate_proj", "up_proj", "down_proj")},
 }
 
 
 # observed: lfm2_moe 2.0e-5 (logits to 4.6), gpt_oss 1.3e-5 (a prompt position whose sums the sinks'
-# softmax sharpens), olmoe 4.2e-7, qwen3_next 4.1e-6 (logits to 10)
-TOL = {"lfm2_moe": 4e-5, "gpt_oss": 2.5e-5, "olmoe": 2e-6, "qwen3_next": 1e-5}
+# softmax sharpens), olmoe 4.2e-7, qwen3_next 4.1e-6 (logits to 10), deepseek_v2 2.5e-7, its lora 2.1e-7
+TOL = {"lfm2_moe": 4e-5, "gpt_oss": 2.5e-5, "olmoe": 2e-6, "qwen3_next": 1e-5, "deepseek_v2": 1e-6,
+       "deepseek_v2_lora": 1e-6}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILY_INT4))
 def test_family_projections_match_their_rtn_reference(family, tmp_path):
-    """A family's own token mixers' projections (LFM2's short convolutions, OLMoE's, gpt-oss's and
-    Qwen3-Next's attention subclasses) and its dense MLPs are INT4 under int4_attn (those whose inputs
-    split into groups), and the logits are those of the float model whose same weights hold their RTN
-    dequantisation (set in the reference engine before its first step), to the kernels' fp32 rounding
-    (the INT4 kernel's sums against fp32 GEMMs', through a few layers). Linear attention, routers and
-    the head stay 16-bit."""
+    """A family's own token mixers' projections (LFM2's short convolutions; OLMoE's, gpt-oss's and
+    Qwen3-Next's attention subclasses; DeepSeek's MLA but its kv_b_proj, which the absorbed path
+    reads itself) and its dense MLPs are INT4 under int4_attn (those whose inputs split into
+    groups), and the logits are those of the float model whose same weights hold their RTN
+    dequantisation (set in the reference engine before its first step), to the kernels' fp32
+    rounding (the INT4 kernel's sums against fp32 GEMMs', through a few layers). Linear attention,
+    routers and the head stay 16-bit."""
     from lynx_edge.models.layers import Linear
     from lynx_edge.quant.linear import Int4Linear
 

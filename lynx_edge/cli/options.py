@@ -17,7 +17,7 @@ Lynx = Annotated[str, typer.Option("--lynx", help="expert selection: off (exact)
 # boolean options are plain flags: help shows `--int4`, not `--int4 <bool>` (cli/main.py, for every flag)
 Offload = Annotated[bool, typer.Option("--offload", help="keep experts in host memory, cache hot ones on the GPU")]
 Int4 = Annotated[bool, typer.Option("--int4", help="INT4 experts (quantized at load time or from a GPTQ checkpoint)")]
-Int4Attn = Annotated[bool, typer.Option("--int4-attn", help="CPU: attention (LFM2: short-conv) and dense projections INT4 "
+Int4Attn = Annotated[bool, typer.Option("--int4-attn", help="CPU: attention (also MLA, LFM2 short-conv) and dense projections INT4 "
                                          "too, quantized at load (RTN; approximate, like llama.cpp's Q4_0)")]
 Int8Head = Annotated[bool, typer.Option("--int8-head", help="CPU: the output head int8 with a scale per "
                                         "row, quantized at load (half of bf16's bytes per token; approximate)")]

@@ -133,6 +133,9 @@ class MLAttention(nn.Module):
     """Multi-head latent attention over a latent cache [Bmax, S, r + dr] per layer."""
 
     mode = "auto"  # auto | absorbed | expanded
+    # what `int4_attn` may make INT4: the projections forward calls as modules; not kv_b_proj, whose
+    # weight the absorbed path reads itself (kv_b_heads)
+    INT4_PROJECTIONS = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj")
 
     def __init__(self, cfg, layer: int, dtype, device):
         super().__init__()
