@@ -1,6 +1,12 @@
-"""LFM2-MoE's CPU decode with its short convolutions as one native call a layer (native.short_conv:
-B·x, the depthwise causal conv over the row's state, C·y) against the torch path it replaced
-(state.causal_conv and the gating muls: ~12 torch ops a conv layer), same engine, alternating rounds.
+"""LFM2-MoE's CPU decode, two paths side by side in one engine, alternating rounds:
+
+- `--compare conv` (default): on the module path, the short convolutions as one native call a layer
+  (native.short_conv: B·x, the depthwise causal conv over the row's state, C·y) against the torch
+  path it replaced (state.causal_conv and the gating muls: ~12 torch ops a conv layer);
+- `--compare layer`: the MoE layers in the native layer call (models/native_layer.py: the norm, the
+  convolution or attention, the residual, the norm and the router logits in one call; the sigmoid
+  scorer and routing in torch; the experts and the residual in a second call) against the module
+  path (its convolution native too), bf16 and `--int4 --int4-attn`.
 
 The checkpoint: a random LFM2-MoE at LFM2-8B-A1B's widths (hidden 2048, 32 heads / 8 kv heads, 32
 experts of 1792 top-4, kernel 3) with the published first 8 layers' types (6 conv, 2 attention), all
@@ -14,7 +20,7 @@ in/out projections, attention's q/k/v/o and the dense MLPs INT4 too, RTN at load
 engines loaded once, rounds in turn (reversed every other round); with each engine's resident weights
 outside the experts (those every token reads: the packed experts live outside the module tree).
 
-    python benchmarks/lfm2_decode.py [--batch 1,16] [--threads 1] [-r 5] [--out benchmarks/results/lfm2_decode_s37.json]
+    python benchmarks/lfm2_decode.py [--compare conv|layer] [--batch 1,16] [--threads 1] [-r 5] [--out benchmarks/results/lfm2_decode_s37.json]
     python benchmarks/lfm2_decode.py --compare int4attn [--out benchmarks/results/lfm2_int4attn_s37.json]
 """
 from __future__ import annotations
@@ -29,7 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests")]
 
-from vs_llamacpp import engines_ab, ours, paired_ratio  # noqa: E402
+from vs_llamacpp import engines_ab, paired_ratio  # noqa: E402
 
 WIDTHS = dict(vocab_size=4096, hidden_size=2048, intermediate_size=7168, moe_intermediate_size=1792,
               num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=8, num_dense_layers=0,
@@ -52,7 +58,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("-r", "--rounds", type=int, default=5)
     ap.add_argument("--out", type=Path)
-    ap.add_argument("--compare", choices=("conv", "int4attn"), default="conv")
+    ap.add_argument("--compare", choices=("conv", "layer", "int4attn"), default="conv")
     a = ap.parse_args()
     from lynx_edge import Engine
     from lynx_edge.bench import cpu_isa, synthetic_prompts
@@ -63,30 +69,32 @@ def main() -> None:
     path = checkpoint()
     if a.compare == "int4attn":
         return compare_int4_attn(path, a)
-    native_ok = ShortConv._native_ok
-    paths = {"native": native_ok, "torch": lambda self, x, state: False}
+    from lynx_edge.models import native_layer
+
+    native_ok, layers_on = ShortConv._native_ok, native_layer.NATIVE_LAYERS
+    if a.compare == "conv":  # the module path's convolution (a layer call runs its own)
+        def use(k):
+            native_layer.NATIVE_LAYERS = False
+            ShortConv._native_ok = native_ok if k == "native" else lambda self, x, state: False
+        names, configs = ("native", "torch"), ({}, {"int4": True})
+    else:  # the layer call against the module path (its convolution native too)
+        def use(k):
+            native_layer.NATIVE_LAYERS = k == "layer_call"
+        names, configs = ("layer_call", "module_path"), ({}, {"int4": True, "int4_attn": True})
     rows = []
-    for four_bit in (False, True):
-        for B in (int(b) for b in a.batch.split(",")):
-            eng = Engine.from_pretrained(path, device="cpu", max_num_seqs=B, dtype="bfloat16", int4=four_bit)
-            prompts = synthetic_prompts(eng, B, 16)
-            tok_s = {k: [] for k in paths}
-            try:
-                for r in range(a.rounds + 1):  # round 0: warm-up
-                    for k, fn in (paths.items() if r % 2 else reversed(paths.items())):
-                        ShortConv._native_ok = fn
-                        v = ours(eng, prompts, 24 if r else 4, "off")
-                        if r:
-                            tok_s[k].append(v)
-            finally:
-                ShortConv._native_ok = native_ok
-            row = {"experts": "int4" if four_bit else "bf16", "batch": B, "threads": a.threads,
-                   "tok_s": {k: round(statistics.median(v), 2) for k, v in tok_s.items()},
-                   "native_vs_torch": round(statistics.median(n / t for n, t in zip(tok_s["native"], tok_s["torch"])),
-                                            3)}
-            rows.append(row)
-            print(row, flush=True)
-            del eng
+    try:
+        for kw in configs:
+            for B in (int(b) for b in a.batch.split(",")):
+                eng = Engine.from_pretrained(path, device="cpu", max_num_seqs=B, dtype="bfloat16", **kw)
+                tok_s = engines_ab(dict.fromkeys(names, eng), synthetic_prompts(eng, B, 16), a.rounds, 24, use=use)
+                row = {"experts": "int4" if kw else "bf16", "int4_attn": bool(kw.get("int4_attn")), "batch": B,
+                       "threads": a.threads, "tok_s": {k: round(statistics.median(v), 2) for k, v in tok_s.items()},
+                       f"{names[0]}_vs_{names[1]}": paired_ratio(tok_s[names[0]], tok_s[names[1]])}
+                rows.append(row)
+                print(row, flush=True)
+                del eng
+    finally:
+        ShortConv._native_ok, native_layer.NATIVE_LAYERS = native_ok, layers_on
     if a.out:
         a.out.write_text(json.dumps({"benchmark": __doc__.split("\n")[0], "isa": cpu_isa(), "rounds": a.rounds,
                                      "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

@@ -286,13 +286,16 @@ def ours(engine, prompts: list[list[int]], n: int, lynx: str) -> float:
     return float(stats["decode_tok_s"])
 
 
-def engines_ab(engines: dict, prompts: list[list[int]], rounds: int, n: int, lynx: str = "off") -> dict:
+def engines_ab(engines: dict, prompts: list[list[int]], rounds: int, n: int, lynx: str = "off", use=None) -> dict:
     """Decode tok/s of each engine on the same prompts over n tokens: an untimed warm-up round (4
     tokens), then `rounds` timed ones, the engines in turn, the order reversed every other round (a
-    drift in the machine's load hits all alike) → name → [tok/s a round]."""
+    drift in the machine's load hits all alike) → name → [tok/s a round]. use(name), when given, runs
+    before each name's turn (one engine under several names: the switch between its paths)."""
     tok_s = {k: [] for k in engines}
     for r in range(rounds + 1):
         for k, eng in (engines.items() if r % 2 else reversed(engines.items())):
+            if use is not None:
+                use(k)
             v = ours(eng, prompts, n if r else 4, lynx)
             if r:
                 tok_s[k].append(v)

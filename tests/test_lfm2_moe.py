@@ -461,9 +461,13 @@ def test_native_short_conv_matches_the_torch_path(dtype, L, bias):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_runs_the_native_short_conv(lfm, dtype, monkeypatch):
-    """A CPU decode step's conv layers make one native.short_conv call each; the greedy tokens and
-    logits are the torch path's (bf16: equal; fp32: to fp32 rounding)."""
+    """On the module path (the MoE layers' layer call runs its own conv: test_native_layer.py), a CPU
+    decode step's conv layers make one native.short_conv call each; the greedy tokens and logits are
+    the torch path's (bf16: equal; fp32: to fp32 rounding)."""
     from lynx_edge.kernels import native
+    from lynx_edge.models import native_layer
+
+    monkeypatch.setattr(native_layer, "NATIVE_LAYERS", False)
 
     if native.lib() is None:
         pytest.skip("native kernels not built")

@@ -509,3 +509,57 @@ def test_gpt_oss_sinks_biases_and_ring_are_read(oss, monkeypatch):
     plan = eng.model.layers[0]._native.attn_plan
     plan.sinks = None  # the softmax without its sinks: the comparison must notice
     assert not torch.equal(_decode(eng, 2, steps=12), ref)
+
+
+@pytest.fixture(scope="module")
+def lfm2(tmp_path_factory):
+    from lfm2_tiny import make_lfm2_moe
+
+    # conv and projection biases, a state of 3 (kernel 4), the published first layers' types (conv and
+    # attention), the first 2 layers dense (module path), sigmoid-scored router with expert bias
+    return make_lfm2_moe(tmp_path_factory.mktemp("nl") / "lfm2", seed=1, conv_bias=True, conv_L_cache=4,
+                         num_dense_layers=2)
+
+
+@pytest.mark.parametrize("dtype,B,four_bit", [("bfloat16", 1, False), ("bfloat16", 3, False), ("float32", 2, False),
+                                              ("bfloat16", 3, True)])
+def test_lfm2_layer_call_equals_the_module_path(lfm2, dtype, B, four_bit, monkeypatch):
+    """LFM2's MoE layers in the layer call — a short convolution (in_proj, the conv over the row's
+    state, out_proj: lynx_layer_attn's conv branch) or attention in the first half, its sigmoid scorer
+    with expert bias between the calls, the experts in the second — against the module path with the
+    torch convolution (state.causal_conv, not the native call the layer call shares its code with):
+    bit-equal in bf16 (and with --int4 --int4-attn), fp32 to rounding. Every MoE layer takes the call."""
+    from lynx_edge.models.lfm2_moe import ShortConv
+
+    kw = dict(dtype=dtype, int4=four_bit, int4_attn=four_bit, int4_group=32)
+    eng = Engine.from_pretrained(lfm2, device="cpu", max_num_seqs=B, **kw)
+    calls = []
+    real = native.layer_attn
+    monkeypatch.setattr(native, "layer_attn", lambda plan, *a: calls.append(bool(plan.conv_w)) or real(plan, *a))
+    got = _decode(eng, B)
+    layers = eng.model.layers
+    moe = [layer for layer in layers if layer.is_moe]
+    assert all(isinstance(layer._native, NativeLayer) for layer in moe) and not any(layer._native for layer in layers
+                                                                                   if not layer.is_moe)
+    n_conv = sum(isinstance(layer.self_attn, ShortConv) for layer in moe)
+    assert 0 < n_conv < len(moe) and calls.count(True) == 5 * n_conv and calls.count(False) == 5 * (len(moe) - n_conv)
+    monkeypatch.setattr(native_layer, "NATIVE_LAYERS", False)
+    monkeypatch.setattr(ShortConv, "_native_ok", lambda self, x, state: False)
+    ref = _decode(Engine.from_pretrained(lfm2, device="cpu", max_num_seqs=B, **kw), B)
+    if dtype == "bfloat16":
+        assert torch.equal(got, ref)
+    else:
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_lfm2_layer_call_follows_a_rewritten_conv(lfm2):
+    """The plan points into the conv's weight: a weight written in place is read at the next step, a
+    replaced one rebuilds the plan (its key follows both)."""
+    eng = Engine.from_pretrained(lfm2, device="cpu", dtype="bfloat16")
+    layer = next(layer for layer in eng.model.layers if layer.is_moe and hasattr(layer.self_attn, "native_conv"))
+    before = _decode(eng, 1)
+    plan = layer._native
+    with torch.no_grad():
+        layer.self_attn.conv.weight.mul_(0.5)
+    after = _decode(eng, 1)
+    assert not torch.equal(before, after) and layer._native is not plan  # the key saw the in-place write

@@ -3180,23 +3180,24 @@ static inline void st_elem(uint8_t *p, int fmt, long i, float v) { store_row(p +
 /* v as the model dtype holds it (a 16-bit op's result, rounded to nearest even) */
 static inline float as_dtype(int fmt, float v) { return fmt == FMT_F32 ? v : bf16_round(v); }
 
-/* One token per row: bcx [B, 3D] (model dtype fmt: the in_proj's B, C and x parts) -> out [B, D] =
- * C * conv(B * x), where conv is the depthwise causal conv of kernel L (w [D, L], bias [D] or NULL,
- * model dtype) over the row's last L - 1 conv inputs, kept in state [Bmax, D, L - 1] (model dtype;
- * a row at position 0 starts a new sequence and reads zeros) and this token's, which the state then
- * keeps. Rounded where the torch path's 16-bit ops round: B * x, the conv's output, C * y; the conv
- * itself in fp32 (bias, then the taps oldest first). Returns 0, -1 for a row outside [0, Bmax). */
-int lynx_short_conv(int fmt, const uint8_t *bcx, int B, int D, int L, const uint8_t *w, const uint8_t *bias,
-                    uint8_t *state, long Bmax, const int64_t *rows, const int64_t *pos, uint8_t *out) {
+/* One token per row: bcx [B, 3D] fp32 (values in the model dtype fmt: the in_proj's B, C and x parts)
+ * -> out [B, D] fp32 = C * conv(B * x) (values in the model dtype), where conv is the depthwise causal
+ * conv of kernel L (w [D, L], bias [D] or NULL, model dtype) over the row's last L - 1 conv inputs,
+ * kept in state [Bmax, D, L - 1] (model dtype; a row at position 0 starts a new sequence and reads
+ * zeros) and this token's, which the state then keeps. Rounded where the torch path's 16-bit ops
+ * round: B * x, the conv's output, C * y; the conv itself in fp32 (bias, then the taps oldest first).
+ * Returns 0, -1 for a row outside [0, Bmax) (nothing written). */
+static int short_conv_rows(int fmt, const float *bcx, int B, int D, int L, const uint8_t *w, const uint8_t *bias,
+                           uint8_t *state, long Bmax, const int64_t *rows, const int64_t *pos, float *out) {
     const long es = fmt == FMT_F32 ? 4 : 2;
     for (int b = 0; b < B; b++)
         if (rows[b] < 0 || rows[b] >= Bmax) return -1;
     for (int b = 0; b < B; b++) {
-        const uint8_t *row = bcx + (long)b * 3 * D * es;
+        const float *row = bcx + (long)b * 3 * D;
         uint8_t *st = state + rows[b] * (long)D * (L - 1) * es;
         const int fresh = pos[b] == 0;
         for (int d = 0; d < D; d++) {
-            const float bx = as_dtype(fmt, ld_elem(row, fmt, d) * ld_elem(row, fmt, 2L * D + d));
+            const float bx = as_dtype(fmt, row[d] * row[2L * D + d]);
             float acc = bias ? ld_elem(bias, fmt, d) : 0.0f;
             for (int k = 0; k < L - 1; k++) {
                 const float past = fresh ? 0.0f : ld_elem(st, fmt, (long)d * (L - 1) + k);
@@ -3206,10 +3207,25 @@ int lynx_short_conv(int fmt, const uint8_t *bcx, int B, int D, int L, const uint
             for (int k = 0; k < L - 2; k++) /* the state moves on by one input */
                 st_elem(st, fmt, (long)d * (L - 1) + k, fresh ? 0.0f : ld_elem(st, fmt, (long)d * (L - 1) + k + 1));
             if (L > 1) st_elem(st, fmt, (long)d * (L - 1) + L - 2, bx);
-            st_elem(out, fmt, (long)b * D + d, as_dtype(fmt, ld_elem(row, fmt, (long)D + d) * as_dtype(fmt, acc)));
+            out[(long)b * D + d] = as_dtype(fmt, row[D + d] * as_dtype(fmt, acc));
         }
     }
     return 0;
+}
+
+/* short_conv_rows over bcx and out in the model dtype fmt ([B, 3D] -> [B, D]): the module path's
+ * call (models/lfm2_moe.ShortConv). Returns 0, -1 for a row outside [0, Bmax), -2 out of memory. */
+int lynx_short_conv(int fmt, const uint8_t *bcx, int B, int D, int L, const uint8_t *w, const uint8_t *bias,
+                    uint8_t *state, long Bmax, const int64_t *rows, const int64_t *pos, uint8_t *out) {
+    const long es = fmt == FMT_F32 ? 4 : 2;
+    float *f = malloc(sizeof(float) * 4L * B * D);
+    if (!f) return -2;
+    for (int b = 0; b < B; b++) load_row(bcx + (long)b * 3 * D * es, fmt, f + (long)b * 3 * D, 3 * D);
+    const int rc = short_conv_rows(fmt, f, B, D, L, w, bias, state, Bmax, rows, pos, f + 3L * B * D);
+    if (rc == 0)
+        for (int b = 0; b < B; b++) store_row(out + (long)b * D * es, fmt, f + 3L * B * D + (long)b * D, D);
+    free(f);
+    return rc;
 }
 
 /* OLMoE's q/k: qkv [B, (H + 2 Hkv) hd] fp32 (values in the model dtype fmt) in place, q normed over
@@ -3301,6 +3317,10 @@ typedef struct {
     const float *sinks;           /* gpt-oss: a learned sink logit per head [H] fp32 (lynx_attn_decode), or NULL */
     int ring;                     /* > 0: a window layer's ring cache of `ring` positions (2 ring slots, whatever
                                    * S the call passes: a stack's layers share one S, their full caches') */
+    const uint8_t *conv_w, *conv_b; /* LFM2's short convolution in attention's place: w [D, conv_L], bias [D] or
+                                     * NULL (model dtype); qkv is its in_proj [3D, D], o its out_proj; the
+                                     * cache kc its conv state [Bmax, D, conv_L - 1] in the model dtype */
+    int conv_L;
 } attn_layer_t;
 
 /* x [B, D] (model dtype) -> x1 [B, D] (model dtype), h2 [B, D] fp32 (RMSNorm(x1) in the model
@@ -3310,8 +3330,8 @@ typedef struct {
 int lynx_layer_attn(const attn_layer_t *L, const uint8_t *x, int B, const float *cos, const float *sin,
                     const int64_t *pos, const int64_t *rows, uint8_t *kc, uint8_t *vc, int cfmt, long Bmax, long S,
                     uint8_t *x1, float *h2, float *logits, int nthreads) {
-    const int D = L->D, bf = L->fmt == FMT_BF16, es = bf ? 2 : 4, nq = L->qkv.N, na = L->H * L->hd;
-    if (D > 4096) return -1;
+    const int D = L->D, bf = L->fmt == FMT_BF16, es = bf ? 2 : 4, nq = L->qkv.N, na = L->conv_w ? D : L->H * L->hd;
+    if (D > 4096 || (L->conv_w && cfmt != L->fmt)) return -1;
     const size_t f4 = sizeof(float), sz[] = {(size_t)B * D * es, B * D * f4, B * nq * f4, B * na * f4, B * D * f4};
     void *buf[5];
     uint8_t *mem = scratch(sz, 5, buf);
@@ -3323,6 +3343,11 @@ int lynx_layer_attn(const attn_layer_t *L, const uint8_t *x, int B, const float 
     for (int b = 0; b < B; b++) load_row(h + (size_t)b * D * es, L->fmt, hf + (size_t)b * D, D);
     if ((rc = lin_run(&L->qkv, hf, B, q, nthreads)) != 0) { rc = -2; goto done; }
     if (bf) round_bf16(q, (long)B * nq);
+    if (L->conv_w) { /* the short convolution: its output rounded as the model dtype already */
+        if ((rc = short_conv_rows(L->fmt, q, B, D, L->conv_L, L->conv_w, L->conv_b, kc, Bmax, rows, pos, a)) != 0)
+            goto done;
+        goto mixed;
+    }
     if (L->qfw && lynx_qk_full(q, B, L->H, L->Hkv, L->hd, L->fmt, L->qfw, L->kfw, L->eps_qk, L->clip) != 0) {
         rc = -1;
         goto done;
@@ -3331,6 +3356,7 @@ int lynx_layer_attn(const attn_layer_t *L, const uint8_t *x, int B, const float 
                           kc, vc, cfmt, Bmax, L->ring ? 2L * L->ring : S, L->window, a, nthreads, L->sinks, L->ring);
     if (rc != 0) goto done;
     if (bf) round_bf16(a, (long)B * na);
+mixed:
     if (lin_run(&L->o, a, B, o, nthreads) != 0) { rc = -2; goto done; }
     residual_add(x, L->fmt, o, B, D, hf, x1);
     lynx_rmsnorm(L->fmt, x1, L->norm2, L->eps2, B, D, h, nthreads);

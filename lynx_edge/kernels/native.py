@@ -429,6 +429,8 @@ def short_conv(bcx: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     rc = lib().lynx_short_conv(_FMT[bcx.dtype], bcx.data_ptr(), B, D, weight.shape[-1], weight.data_ptr(),
                                None if bias is None else bias.data_ptr(), state.data_ptr(), state.shape[0],
                                rows.data_ptr(), pos.data_ptr(), out.data_ptr())
+    if rc == -2:
+        raise MemoryError("the native short convolution could not allocate its scratch")
     if rc != 0:
         raise IndexError(f"a conv state row outside the cache's {state.shape[0]} rows")
     return out
@@ -632,7 +634,8 @@ class AttnLayer(ctypes.Structure):
                 ("norm1", ctypes.c_void_p), ("norm2", ctypes.c_void_p), ("qn", ctypes.c_void_p),
                 ("kn", ctypes.c_void_p), ("qkv", Lin), ("o", Lin), ("gate", Lin),
                 ("qfw", ctypes.c_void_p), ("kfw", ctypes.c_void_p), ("clip", ctypes.c_float),  # OLMoE's (qk_full)
-                ("sinks", ctypes.c_void_p), ("ring", ctypes.c_int)]  # gpt-oss's sinks [H] fp32; a ring cache's period
+                ("sinks", ctypes.c_void_p), ("ring", ctypes.c_int),  # gpt-oss's sinks [H] fp32; a ring cache's period
+                ("conv_w", ctypes.c_void_p), ("conv_b", ctypes.c_void_p), ("conv_L", ctypes.c_int)]  # LFM2's conv
 
 
 class MoeLayer(ctypes.Structure):

@@ -129,6 +129,11 @@ class ShortConv(nn.Module):
         y = causal_conv(b * h, self.conv.weight, cache[0], ab, self.conv.bias)  # [B, D, T]
         return self.out_proj((c * y).transpose(1, 2))  # [B, T, D]
 
+    def native_conv(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(weight [D, 1, L], bias [D] or None) for the native decode layer (models/native_layer.py),
+        which runs this module's decode step — in_proj, the convolution, out_proj — inside its call."""
+        return self.conv.weight, self.conv.bias
+
     def _native_ok(self, x: torch.Tensor, state: torch.Tensor) -> bool:
         """Whether native.short_conv takes this decode step (a CPU, fp32/bf16 throughout, contiguous
         state): the same sums as the torch path's fp32 conv, ~2 us against ~0.4 ms of ~12 torch ops a

@@ -23,9 +23,11 @@ inside the call too (lynx_qk_full), and so does a shared expert (Qwen2-MoE's sig
 DeepSeek's plain one: lynx_shared_expert, which the module path calls too), and so does gpt-oss:
 its sinks and a window layer's ring cache in the attention half (the kernel the module path's
 decode attention runs), its biased router, and its experts (MXFP4 or 16-bit, biased, the clamped
-SwiGLU: the call OssExperts makes) in the MoE half. Layers of another shape — a family's own
-attention or norm, a scorer, an offloaded expert backend — and batches past the kernels' row
-limits run the module path.
+SwiGLU: the call OssExperts makes) in the MoE half, and so does LFM2: a short convolution in the
+attention half's place (in_proj, the conv over the row's state, out_proj: ShortConv.native_conv),
+its scorer (sigmoid scores with an expert bias) applied in torch between the two calls, as
+MoEBlock.forward applies it. Layers of another shape — a family's own attention or norm, an
+offloaded expert backend — and batches past the kernels' row limits run the module path.
 Glossary: B rows, D hidden, E experts, K top-k.
 """
 from __future__ import annotations
@@ -69,15 +71,19 @@ class NativeLayer:
             return None
         if not (native.dense_ok(n1.weight) and native.dense_ok(n2.weight)) or n1.weight.shape[0] > 4096:
             return None
-        # the base's attention, or one that differs only in a project native_qk_full describes (OLMoE's
-        # norm over all heads and clip) or in learned sinks (gpt-oss); the base's forward, which this call replaces
+        # a token mixer that describes its decode step as a short convolution (LFM2), or the base's
+        # attention, or one that differs only in a project native_qk_full describes (OLMoE's norm over all
+        # heads and clip) or in learned sinks (gpt-oss); the base's forward, which this call replaces
+        conv = attn.native_conv() if hasattr(attn, "native_conv") else None
+        if conv is not None:
+            return cls._make_conv(layer, conv, dt)
         form = attn.native_form() if isinstance(attn, Attention) else None
         if form is None or type(attn).forward is not Attention.forward:
             return None
         sinks, full = form
         if type(attn) is not Attention and full is None and not sinks:
             return None
-        if type(mlp) is not MoEBlock or mlp.scorer is not None:
+        if not _moe_block(mlp):
             return None
         shared = None
         if mlp.shared_expert is not None:  # Qwen2-MoE, Qwen3-Next, DeepSeek: inside the call, or not at all
@@ -120,12 +126,37 @@ class NativeLayer:
         key = _key(layer)
         return cls(layer, plan, moe, keep, key, max_rows, slots)
 
+    @classmethod
+    def _make_conv(cls, layer, conv: tuple, dt) -> "NativeLayer | None":
+        """The plans of a layer whose token mixer is LFM2's short convolution (conv: its native_conv,
+        (weight [D, 1, L], bias [D] or None), in the model dtype dt): the attention half runs its
+        in_proj, the convolution over the row's state and its out_proj (lynx_layer_attn's conv branch)."""
+        n1, attn, mlp = layer.input_layernorm, layer.self_attn, layer.mlp
+        if not _moe_block(mlp) or mlp.shared_expert is not None:
+            return None
+        w, b = conv
+        got = [_lin(attn.in_proj), _lin(attn.out_proj), _lin(mlp.gate)]
+        if (any(g is None for g in got) or mlp.gate.weight.dtype != dt or w.dtype != dt or not w.is_contiguous()
+                or (b is not None and (b.dtype != dt or not b.is_contiguous()))):
+            return None
+        keep = [t for g in got for t in g[1] if t is not None]
+        plan = native.AttnLayer(native._FMT[dt], n1.weight.shape[0], 0, 0, 0, 0, 0, n1.eps,
+                                layer.post_attention_layernorm.eps, 0.0, 1.0, n1.weight.data_ptr(),
+                                layer.post_attention_layernorm.weight.data_ptr(), None, None, *[g[0] for g in got])
+        plan.conv_w, plan.conv_b, plan.conv_L = w.data_ptr(), None if b is None else b.data_ptr(), w.shape[-1]
+        moe, slots = _moe_plan(mlp.experts, keep, dt)
+        return cls(layer, plan, moe, keep, _key(layer), min(g[2] for g in got), slots)
+
     def valid(self) -> bool:
         return _key(self.layer) == self.key
 
     def takes(self, x: torch.Tensor, ab: AttnBatch, kv) -> bool:
         """Whether the layer calls take this step: x [B, 1, D], its batch and this layer's cache (a
         sliding-window layer's ring too: its period goes into the plan here)."""
+        if self.attn_plan.conv_w:  # the conv state [Bmax, D, L - 1] in the model dtype
+            state = kv[0]
+            return (x.shape[0] <= self.max_rows and (ab.cos is not None or ab.rope is not None)
+                    and state.dtype == x.dtype and state.is_contiguous() and x.is_contiguous())
         k_cache, v_cache = kv
         if (x.shape[0] > self.max_rows or (ab.cos is None and ab.rope is None) or k_cache.dtype != v_cache.dtype
                 or k_cache.dtype not in NATIVE_ROWS or not (k_cache.is_contiguous() and v_cache.is_contiguous())
@@ -138,17 +169,17 @@ class NativeLayer:
         """The router's native plan for B tokens when the whole layer can run as one call (resident
         experts within the kernel's slots, a router with a native plan for this step), else None."""
         plan_of = getattr(self.mlp.ctx.route, "native_plan", None)  # ExactRouter, LynxRouter
-        if plan_of is None or self.moe_plan is None or B * self.top_k > self.max_slots:
-            return None
+        if plan_of is None or self.moe_plan is None or B * self.top_k > self.max_slots or self.mlp.scorer is not None:
+            return None  # (a scorer, LFM2's: routed in torch between the two calls)
         return plan_of(self.mlp.layer, B)
 
     def forward(self, x: torch.Tensor, ab: AttnBatch, kv, is_decode: torch.Tensor) -> torch.Tensor | None:
         """x [B, 1, D] → the layer's output, or None (the module path runs: nothing was written)."""
         B = x.shape[0]
         mlp = self.mlp
-        k_cache, v_cache = kv
         if not self.takes(x, ab, kv):
             return None
+        k_cache, v_cache = (kv[0], kv[0]) if self.attn_plan.conv_w else kv  # a conv layer: its state
         step = ab.native_step()
         self.attn_plan.rd = step[2].shape[-1]  # RoPE dims per head (partial rotary: < hd)
         plan = self.route_plan(B)
@@ -165,7 +196,11 @@ class NativeLayer:
         if got is None:
             return None
         x1, h2, logits = got
-        ids, weights = mlp.ctx.route(logits, is_decode, mlp.layer)
+        if mlp.scorer is None:
+            ids, weights = mlp.ctx.route(logits, is_decode, mlp.layer)
+        else:  # as MoEBlock.forward: the family's scores and probabilities
+            scores, probs = mlp.scorer(logits)
+            ids, weights = mlp.ctx.route(scores, is_decode, mlp.layer, probs=probs)
         mlp.ctx.stats.add(mlp.layer, ids)
         if self.moe_plan is not None and ids.numel() <= self.max_slots:
             out = native.layer_moe(self.moe_plan, h2, ids, weights, x1)
@@ -173,6 +208,12 @@ class NativeLayer:
             h = h2.to(x1.dtype)
             out = x1 + mlp.with_shared(mlp.experts(h, ids, weights), h)  # the module path's own sum
         return out.view(x.shape)
+
+
+def _moe_block(mlp) -> bool:
+    """Whether mlp is an MoEBlock whose forward is the base's (a family's scorer, LFM2's, is applied
+    between the two calls as that forward applies it)."""
+    return isinstance(mlp, MoEBlock) and type(mlp).forward is MoEBlock.forward
 
 
 def native_of(layer) -> "NativeLayer | None":
@@ -367,19 +408,22 @@ def _key(layer) -> tuple:
     eb = None if eb is None else (_written(eb), _written(p["down_b"]), _written(p.get("gate_up_scales")),
                                   _written(p.get("down_scales")))
     qn, kn = am.get("q_norm"), am.get("k_norm")  # per-head norms (copied to fp32) or OLMoE's (pointed into)
+    cv = am.get("conv")  # LFM2's short convolution: in_proj / out_proj in q_proj / o_proj's place
+    qp, op = (am["in_proj"], am["out_proj"]) if cv is not None else (am["q_proj"], am["o_proj"])
     # biases (copied to fp32 by native_lin): each module's own, as load_state_dict writes them (q/k/v's are
     # views of the fused one, but a write through one view does not count on the others' version)
-    qb, ob = am["q_proj"]._parameters.get("bias"), am["o_proj"]._parameters.get("bias")
-    bs = (None if qb is None else (_written(qb), _written(am["k_proj"]._parameters.get("bias")),
-                                   _written(am["v_proj"]._parameters.get("bias"))),
-          None if ob is None else _written(ob))
+    qb, ob = qp._parameters.get("bias"), op._parameters.get("bias")
+    bs = (None if qb is None else (_written(qb),) if cv is not None else
+          (_written(qb), _written(am["k_proj"]._parameters.get("bias")), _written(am["v_proj"]._parameters.get("bias"))),
+          None if ob is None else _written(ob),
+          None if cv is None else (_written(cv._parameters["weight"]), _written(cv._parameters.get("bias"))))
     sh = mm.get("shared_expert")
     if sh is not None:  # its projections' storage (MoEBlock.native_shared points into them)
         sm, sg = sh._modules, mm.get("shared_expert_gate")
         sh = (sm["gate_proj"].storage(), sm["up_proj"].storage(), sm["down_proj"].storage(),
               None if sg is None else sg.storage())
     rb, sk = mm["gate"]._parameters.get("bias"), attn._parameters.get("sinks")  # gpt-oss's (copied to fp32)
-    return (am["q_proj"], am["q_proj"].storage(), am["o_proj"], am["o_proj"].storage(), mm["gate"],
+    return (qp, qp.storage(), op, op.storage(), mm["gate"],
             mm["gate"]._parameters["weight"].data_ptr(), _written(rb), _written(sk), eb,
             m["input_layernorm"]._parameters["weight"].data_ptr(),
             m["post_attention_layernorm"]._parameters["weight"].data_ptr(), ex,
