@@ -296,11 +296,10 @@ def _int4_linears(model, dev, group: int, act: str | None) -> int:
     class's INT4_PROJECTIONS (plain `Linear`s: attention's q/k/v/o in Attention and its subclasses,
     dense / shared-expert MLPs, LFM2's short-convolution in/out projections, MLA's but kv_b_proj; not
     routers, not the lm_head, not a weight its module reads itself, such as MLA's kv_b_proj or a
-    linear-attention layer's)
-    become Int4Linear that RTN-quantise their weight as the loader streams it (group `group`, or a
-    smaller one where it does not divide the inputs: _rtn_group; symmetric) — as llama.cpp's Q4_0
-    does to every 2-D weight. Elsewhere nothing changes
-    (RuntimeWarning). → how many were made INT4."""
+    linear-attention layer's) become Int4Linear that RTN-quantise their weight as the loader streams
+    it (group `group`, or a smaller one where it does not divide the inputs: _rtn_group; symmetric)
+    — as llama.cpp's Q4_0 does to every 2-D weight. Elsewhere nothing changes (RuntimeWarning).
+    → how many were made INT4."""
     from .kernels import native
     from .models.layers import Linear
     from .quant.linear import Int4Linear

@@ -131,7 +131,7 @@ class NativeLayer:
         """The plans of a layer whose token mixer is LFM2's short convolution (conv: its native_conv,
         (weight [D, 1, L], bias [D] or None), in the model dtype dt): the attention half runs its
         in_proj, the convolution over the row's state and its out_proj (lynx_layer_attn's conv branch)."""
-        n1, attn, mlp = layer.input_layernorm, layer.self_attn, layer.mlp
+        n1, n2, attn, mlp = layer.input_layernorm, layer.post_attention_layernorm, layer.self_attn, layer.mlp
         if not _moe_block(mlp) or mlp.shared_expert is not None:
             return None
         w, b = conv
@@ -140,9 +140,9 @@ class NativeLayer:
                 or (b is not None and (b.dtype != dt or not b.is_contiguous()))):
             return None
         keep = [t for g in got for t in g[1] if t is not None]
-        plan = native.AttnLayer(native._FMT[dt], n1.weight.shape[0], 0, 0, 0, 0, 0, n1.eps,
-                                layer.post_attention_layernorm.eps, 0.0, 1.0, n1.weight.data_ptr(),
-                                layer.post_attention_layernorm.weight.data_ptr(), None, None, *[g[0] for g in got])
+        # no heads (H = Hkv = hd = 0): lynx_layer_attn's conv branch reads conv_w / conv_b / conv_L instead
+        plan = native.AttnLayer(native._FMT[dt], n1.weight.shape[0], 0, 0, 0, 0, 0, n1.eps, n2.eps, 0.0, 1.0,
+                                n1.weight.data_ptr(), n2.weight.data_ptr(), None, None, *[g[0] for g in got])
         plan.conv_w, plan.conv_b, plan.conv_L = w.data_ptr(), None if b is None else b.data_ptr(), w.shape[-1]
         moe, slots = _moe_plan(mlp.experts, keep, dt)
         return cls(layer, plan, moe, keep, _key(layer), min(g[2] for g in got), slots)
