@@ -15,7 +15,6 @@ after 16-token prompts, rounds in turn (reversed every other round); medians and
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -25,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests")]
 
-from vs_llamacpp import engines_ab, paired_ratio  # noqa: E402
+from vs_llamacpp import ab_parser, engines_ab, paired_ratio  # noqa: E402
 
 REAL = ROOT / "tests/fixtures/real/deepseek-v2-lite-chat/config.json"
 LAYERS, VOCAB = 4, 4096
@@ -55,11 +54,7 @@ def checkpoint() -> Path:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--batch", default="1,16")
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("-r", "--rounds", type=int, default=5)
-    ap.add_argument("--out", type=Path)
+    ap = ab_parser(__doc__)
     a = ap.parse_args()
     from lynx_edge import Engine
     from lynx_edge.bench import cpu_isa, synthetic_prompts

@@ -25,7 +25,6 @@ outside the experts (those every token reads: the packed experts live outside th
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -35,7 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests")]
 
-from vs_llamacpp import engines_ab, paired_ratio  # noqa: E402
+from vs_llamacpp import ab_parser, engines_ab, paired_ratio  # noqa: E402
 
 WIDTHS = dict(vocab_size=4096, hidden_size=2048, intermediate_size=7168, moe_intermediate_size=1792,
               num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=8, num_dense_layers=0,
@@ -53,11 +52,7 @@ def checkpoint() -> Path:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--batch", default="1,16")
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("-r", "--rounds", type=int, default=5)
-    ap.add_argument("--out", type=Path)
+    ap = ab_parser(__doc__)
     ap.add_argument("--compare", choices=("conv", "layer", "int4attn"), default="conv")
     a = ap.parse_args()
     from lynx_edge import Engine

@@ -302,6 +302,16 @@ def engines_ab(engines: dict, prompts: list[list[int]], rounds: int, n: int, lyn
     return tok_s
 
 
+def ab_parser(doc: str) -> argparse.ArgumentParser:
+    """The side-by-side scripts' common flags: --batch (comma-separated B), --threads, -r/--rounds, --out."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap.add_argument("--batch", default="1,16")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("-r", "--rounds", type=int, default=5)
+    ap.add_argument("--out", type=Path)
+    return ap
+
+
 def paired_ratio(new: list[float], old: list[float]) -> float:
     """The median of the per-round ratios new / old."""
     return round(statistics.median(a / b for a, b in zip(new, old)), 3)
