@@ -3218,13 +3218,16 @@ static int short_conv_rows(int fmt, const float *bcx, int B, int D, int L, const
 int lynx_short_conv(int fmt, const uint8_t *bcx, int B, int D, int L, const uint8_t *w, const uint8_t *bias,
                     uint8_t *state, long Bmax, const int64_t *rows, const int64_t *pos, uint8_t *out) {
     const long es = fmt == FMT_F32 ? 4 : 2;
-    float *f = malloc(sizeof(float) * 4L * B * D);
-    if (!f) return -2;
+    const size_t sz[2] = {sizeof(float) * 3 * B * (size_t)D, sizeof(float) * B * (size_t)D};
+    void *buf[2];
+    uint8_t *mem = scratch(sz, 2, buf);
+    if (!mem) return -2;
+    float *f = buf[0], *y = buf[1];
     for (int b = 0; b < B; b++) load_row(bcx + (long)b * 3 * D * es, fmt, f + (long)b * 3 * D, 3 * D);
-    const int rc = short_conv_rows(fmt, f, B, D, L, w, bias, state, Bmax, rows, pos, f + 3L * B * D);
+    const int rc = short_conv_rows(fmt, f, B, D, L, w, bias, state, Bmax, rows, pos, y);
     if (rc == 0)
-        for (int b = 0; b < B; b++) store_row(out + (long)b * D * es, fmt, f + 3L * B * D + (long)b * D, D);
-    free(f);
+        for (int b = 0; b < B; b++) store_row(out + (long)b * D * es, fmt, y + (long)b * D, D);
+    scratch_free(mem);
     return rc;
 }
 
