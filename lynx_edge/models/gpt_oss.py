@@ -347,8 +347,8 @@ class OssExperts(nn.Module):
                                self.down.data_ptr(), 0, 0, self.hidden, self.inter,
                                native.act_code(self.act) if mx else 0,
                                self.gate_up_scales.data_ptr() if mx else None,
-                               self.down_scales.data_ptr() if mx else None, 0, 0, 1, None, gb.data_ptr(),
-                               db.data_ptr(), 1, float(self.limit), float(self.alpha))
+                               self.down_scales.data_ptr() if mx else None, stream=1, gub=gb.data_ptr(),
+                               dnb=db.data_ptr(), act_kind=1, limit=float(self.limit), alpha=float(self.alpha))
         return plan, 1 << 30
 
     def _biases32(self) -> tuple[torch.Tensor, torch.Tensor]:
