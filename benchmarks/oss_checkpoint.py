@@ -12,10 +12,10 @@ vocabulary's is 1.16 GB of bf16).
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import torch
+from shards import normal_bf16, save_shards
 
 ROOT = Path(__file__).resolve().parents[1]
 REAL = ROOT / "tests/fixtures/real/gpt-oss-20b"
@@ -23,10 +23,6 @@ REAL = ROOT / "tests/fixtures/real/gpt-oss-20b"
 
 def write_oss(path: Path, layers: int = 8, vocab: int = 4096, seed: int = 0) -> Path:
     """→ path, written once (kept when its config.json is there)."""
-    from safetensors.torch import save_file
-
-    from lynx_edge.hub import resolve_model
-
     if (path / "config.json").is_file():
         return path
     print(f"writing the random gpt-oss checkpoint {path} …", flush=True)
@@ -36,9 +32,7 @@ def write_oss(path: Path, layers: int = 8, vocab: int = 4096, seed: int = 0) -> 
     D, I, E = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_local_experts"]
     H, KV, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
     g = torch.Generator().manual_seed(seed)
-
-    def bf16(*shape, std=0.02):
-        return (torch.randn(*shape, generator=g) * std).to(torch.bfloat16)
+    bf16 = normal_bf16(g)
 
     def codes(*shape):
         return torch.randint(0, 256, shape, dtype=torch.uint8, generator=g)
@@ -46,40 +40,27 @@ def write_oss(path: Path, layers: int = 8, vocab: int = 4096, seed: int = 0) -> 
     def scales(*shape):
         return torch.randint(121, 127, shape, dtype=torch.uint8, generator=g)
 
-    tmp = path.with_name(path.name + ".part")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    t = {"model.embed_tokens.weight": bf16(vocab, D), "model.norm.weight": torch.ones(D, dtype=torch.bfloat16),
-         "lm_head.weight": bf16(vocab, D)}
-    shard = 0
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        t |= {p + "input_layernorm.weight": torch.ones(D, dtype=torch.bfloat16),
-              p + "post_attention_layernorm.weight": torch.ones(D, dtype=torch.bfloat16),
-              p + "self_attn.q_proj.weight": bf16(H * hd, D), p + "self_attn.q_proj.bias": bf16(H * hd),
-              p + "self_attn.k_proj.weight": bf16(KV * hd, D), p + "self_attn.k_proj.bias": bf16(KV * hd),
-              p + "self_attn.v_proj.weight": bf16(KV * hd, D), p + "self_attn.v_proj.bias": bf16(KV * hd),
-              p + "self_attn.o_proj.weight": bf16(D, H * hd), p + "self_attn.o_proj.bias": bf16(D),
-              p + "self_attn.sinks": bf16(H, std=1.0),
-              p + "mlp.router.weight": bf16(E, D, std=0.1), p + "mlp.router.bias": bf16(E),
-              p + "mlp.experts.gate_up_proj_blocks": codes(E, 2 * I, D // 32, 16),
-              p + "mlp.experts.gate_up_proj_scales": scales(E, 2 * I, D // 32),
-              p + "mlp.experts.gate_up_proj_bias": bf16(E, 2 * I),
-              p + "mlp.experts.down_proj_blocks": codes(E, D, I // 32, 16),
-              p + "mlp.experts.down_proj_scales": scales(E, D, I // 32),
-              p + "mlp.experts.down_proj_bias": bf16(E, D)}
-        if i % 2 == 1 or i == layers - 1:  # shards of two layers: a few GB never sit in memory at once
-            save_file(t, tmp / f"model-{shard:05d}.safetensors", metadata={"format": "pt"})
-            shard, t = shard + 1, {}
-    index = {"metadata": {}, "weight_map": {}}
-    from safetensors import safe_open
+    def shards():  # two layers a shard: a few GB never sit in memory at once
+        t = {"model.embed_tokens.weight": bf16(vocab, D), "model.norm.weight": torch.ones(D, dtype=torch.bfloat16),
+             "lm_head.weight": bf16(vocab, D)}
+        for i in range(layers):
+            p = f"model.layers.{i}."
+            t |= {p + "input_layernorm.weight": torch.ones(D, dtype=torch.bfloat16),
+                  p + "post_attention_layernorm.weight": torch.ones(D, dtype=torch.bfloat16),
+                  p + "self_attn.q_proj.weight": bf16(H * hd, D), p + "self_attn.q_proj.bias": bf16(H * hd),
+                  p + "self_attn.k_proj.weight": bf16(KV * hd, D), p + "self_attn.k_proj.bias": bf16(KV * hd),
+                  p + "self_attn.v_proj.weight": bf16(KV * hd, D), p + "self_attn.v_proj.bias": bf16(KV * hd),
+                  p + "self_attn.o_proj.weight": bf16(D, H * hd), p + "self_attn.o_proj.bias": bf16(D),
+                  p + "self_attn.sinks": bf16(H, std=1.0),
+                  p + "mlp.router.weight": bf16(E, D, std=0.1), p + "mlp.router.bias": bf16(E),
+                  p + "mlp.experts.gate_up_proj_blocks": codes(E, 2 * I, D // 32, 16),
+                  p + "mlp.experts.gate_up_proj_scales": scales(E, 2 * I, D // 32),
+                  p + "mlp.experts.gate_up_proj_bias": bf16(E, 2 * I),
+                  p + "mlp.experts.down_proj_blocks": codes(E, D, I // 32, 16),
+                  p + "mlp.experts.down_proj_scales": scales(E, D, I // 32),
+                  p + "mlp.experts.down_proj_bias": bf16(E, D)}
+            if i % 2 == 1 or i == layers - 1:
+                yield t
+                t = {}
 
-    for f in sorted(tmp.glob("model-*.safetensors")):
-        with safe_open(f, "pt") as h:
-            index["weight_map"] |= {k: f.name for k in h.keys()}
-    (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
-    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-    for f in ("tokenizer.json", "tokenizer_config.json"):  # the demo's (4096 tokens)
-        shutil.copy(resolve_model("demo") / f, tmp / f)
-    tmp.rename(path)
-    return path
+    return save_shards(path, cfg, shards())

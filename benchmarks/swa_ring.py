@@ -6,9 +6,9 @@ alternating round by round: load under RssWatch, then `--batch` prompts of `--pr
 `--tokens` greedy tokens each (one untimed run first), timed; the peak anonymous memory of serving
 is measured from the process start. Medians over rounds; the tokens of every run are compared.
 
-    python benchmarks/swa_ring.py --model ~/.cache/lynx-edge/llamacpp/models/oss24-v201088 \
+    python benchmarks/swa_ring.py --model ~/.cache/lynx-edge/llamacpp/models/oss-24l-v201088 \
         --batch 16 --ctx 4096 --prompt 64 --tokens 16 -r 2 --threads 2 --out benchmarks/results/swa_ring_s31.json
-The checkpoint: benchmarks/oss_full.py writes it (random weights in gpt-oss-20b's published layout).
+The checkpoint: benchmarks/full_size.py writes it (random weights in gpt-oss-20b's published layout).
 """
 from __future__ import annotations
 

@@ -247,11 +247,11 @@ def llama_pp(bins: Path, gguf: Path, threads: int, p: int) -> float:
     return float(json.loads(out)[0]["avg_ts"])
 
 
-def llama_batched(bins: Path, gguf: Path, threads: int, batch: int, npp: int, ntg: int) -> float:
-    """One llama-batched-bench run at one batch size → aggregate decode tok/s (S_TG)."""
+def llama_batched(bins: Path, gguf: Path, threads: int, batch: int, npp: int, ntg: int, *flags: str) -> float:
+    """One llama-batched-bench run at one batch size (and any further flags) → aggregate decode tok/s (S_TG)."""
     ctx = batch * (npp + ntg) + 64
     out = sh([bins / "llama-batched-bench", "-m", gguf, "-c", ctx, "-b", 2048, "-ub", 512, "-t", threads,
-              "-tb", threads, "-npp", npp, "-ntg", ntg, "-npl", batch, "--output-format", "jsonl"], both=True)
+              "-tb", threads, "-npp", npp, "-ntg", ntg, "-npl", batch, "--output-format", "jsonl", *flags], both=True)
     rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     if not rows:
         raise RuntimeError(f"llama-batched-bench printed no result: {out[-500:]}")
