@@ -129,19 +129,21 @@ class ShortConv(nn.Module):
         y = causal_conv(b * h, self.conv.weight, cache[0], ab, self.conv.bias)  # [B, D, T]
         return self.out_proj((c * y).transpose(1, 2))  # [B, T, D]
 
-    def native_conv(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(weight [D, 1, L], bias [D] or None) for the native decode layer (models/native_layer.py),
-        which runs this module's decode step — in_proj, the convolution, out_proj — inside its call."""
-        return self.conv.weight, self.conv.bias
+    def native_conv(self, dt: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """(weight [D, 1, L], bias [D] or None) when both are contiguous and in dt, as the native
+        convolution reads them (native.short_conv here, and the native decode layer,
+        models/native_layer.py, which runs this module's decode step — in_proj, the convolution,
+        out_proj — inside its call), else None."""
+        w, b = self.conv.weight, self.conv.bias
+        ok = w.dtype == dt and w.is_contiguous() and (b is None or (b.dtype == dt and b.is_contiguous()))
+        return (w, b) if ok else None
 
     def _native_ok(self, x: torch.Tensor, state: torch.Tensor) -> bool:
         """Whether native.short_conv takes this decode step (a CPU, fp32/bf16 throughout, contiguous
         state): the same sums as the torch path's fp32 conv, ~2 us against ~0.4 ms of ~12 torch ops a
         layer (LFM2-8B-A1B's 2048 channels, one thread)."""
-        w, b = self.conv.weight, self.conv.bias
         return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and native.lib() is not None
-                and w.dtype == x.dtype and state.dtype == x.dtype and (b is None or b.dtype == x.dtype)
-                and state.is_contiguous() and w.is_contiguous())
+                and self.native_conv(x.dtype) is not None and state.dtype == x.dtype and state.is_contiguous())
 
 
 def attention(cfg, i: int, dtype, device) -> nn.Module:

@@ -74,9 +74,9 @@ class NativeLayer:
         # a token mixer that describes its decode step as a short convolution (LFM2), or the base's
         # attention, or one that differs only in a project native_qk_full describes (OLMoE's norm over all
         # heads and clip) or in learned sinks (gpt-oss); the base's forward, which this call replaces
-        conv = attn.native_conv() if hasattr(attn, "native_conv") else None
-        if conv is not None:
-            return cls._make_conv(layer, conv, dt)
+        if hasattr(attn, "native_conv"):
+            conv = attn.native_conv(dt)
+            return None if conv is None else cls._make_conv(layer, conv, dt)
         form = attn.native_form() if isinstance(attn, Attention) else None
         if form is None or type(attn).forward is not Attention.forward:
             return None
@@ -129,15 +129,14 @@ class NativeLayer:
     @classmethod
     def _make_conv(cls, layer, conv: tuple, dt) -> "NativeLayer | None":
         """The plans of a layer whose token mixer is LFM2's short convolution (conv: its native_conv,
-        (weight [D, 1, L], bias [D] or None), in the model dtype dt): the attention half runs its
-        in_proj, the convolution over the row's state and its out_proj (lynx_layer_attn's conv branch)."""
+        (weight [D, 1, L], bias [D] or None), contiguous in the model dtype dt): the attention half runs
+        its in_proj, the convolution over the row's state and its out_proj (lynx_layer_attn's conv branch)."""
         n1, n2, attn, mlp = layer.input_layernorm, layer.post_attention_layernorm, layer.self_attn, layer.mlp
         if not _moe_block(mlp) or mlp.shared_expert is not None:
             return None
         w, b = conv
         got = [_lin(attn.in_proj), _lin(attn.out_proj), _lin(mlp.gate)]
-        if (any(g is None for g in got) or mlp.gate.weight.dtype != dt or w.dtype != dt or not w.is_contiguous()
-                or (b is not None and (b.dtype != dt or not b.is_contiguous()))):
+        if any(g is None for g in got) or mlp.gate.weight.dtype != dt:
             return None
         keep = [t for g in got for t in g[1] if t is not None]
         # no heads (H = Hkv = hd = 0): lynx_layer_attn's conv branch reads conv_w / conv_b / conv_L instead
