@@ -266,16 +266,6 @@ def _keep_linears_packed(model, ckpt: Checkpoint, family, dev, act: str | None =
     return n
 
 
-def _rtn_group(n_in: int, group: int) -> int:
-    """The group for an `int4_attn` projection of n_in inputs: `group`, or where it does not divide
-    n_in the largest of its halvings down to 32 (llama.cpp Q4_0's block) that does — gpt-oss's hidden
-    2880 takes 64 — else 0 (the projection stays 16-bit)."""
-    g = group
-    while g >= 32 and n_in % g:
-        g //= 2
-    return g if g >= 32 and n_in % g == 0 else 0
-
-
 def _int8_head(model, dev, act: str | None, huge_pages: bool = False) -> bool:
     """`int8_head`: on a CPU with the native kernels the output head becomes int8 rows with fp32
     scales (quant/int8.py), read at half of bf16's bytes every token, with int8 activations when the
@@ -297,11 +287,11 @@ def _int4_linears(model, dev, group: int, act: str | None) -> int:
     dense / shared-expert MLPs, LFM2's short-convolution in/out projections, MLA's but kv_b_proj; not
     routers, not the lm_head, not a weight its module reads itself, such as MLA's kv_b_proj or a
     linear-attention layer's) become Int4Linear that RTN-quantise their weight as the loader streams
-    it (group `group`, or a smaller one where it does not divide the inputs: _rtn_group; symmetric)
+    it (group `group`, or a smaller one where it does not divide the inputs: rtn_group; symmetric)
     — as llama.cpp's Q4_0 does to every 2-D weight. Elsewhere nothing changes (RuntimeWarning).
     → how many were made INT4."""
     from .kernels import native
-    from .models.layers import Linear
+    from .models.layers import int4_projections
     from .quant.linear import Int4Linear
 
     if dev.type != "cpu" or native.lib() is None:
@@ -309,17 +299,12 @@ def _int4_linears(model, dev, group: int, act: str | None) -> int:
                       RuntimeWarning, stacklevel=3)
         return 0
     n = 0
-    for owner in list(model.modules()):
-        for leaf in getattr(type(owner), "INT4_PROJECTIONS", ()):
-            old = getattr(owner, leaf, None)
-            g = type(old) is Linear and _rtn_group(old.weight.shape[1], group)
-            if not g:
-                continue
-            out_f, in_f = old.weight.shape
-            new = Int4Linear(out_f, in_f, old.bias is not None, old.weight.dtype, dev, act)
-            new.rtn_group = g
-            setattr(owner, leaf, new)
-            n += 1
+    for owner, leaf, old, g in int4_projections(model, group):
+        out_f, in_f = old.weight.shape
+        new = Int4Linear(out_f, in_f, old.bias is not None, old.weight.dtype, dev, act)
+        new.rtn_group = g
+        setattr(owner, leaf, new)
+        n += 1
     return n
 
 
@@ -333,7 +318,8 @@ def _check_memory(cfg: ModelConfig, opts: LoadOptions, dev, dt, qc, file_bytes: 
     oo = OffloadOptions(device=str(dev), ctx=opts.ctx, batch=opts.batch, swa_full=opts.swa_full,
                         int4_group=opts.int4_group, **extra)
     plan = plan_memory(cfg, device=dev.type, dtype=dt, offload=opts.offload, int4=opts.int4, quant=qc,
-                       ctx=opts.ctx, batch=opts.batch, opts=oo, file_bytes=file_bytes)
+                       ctx=opts.ctx, batch=opts.batch, opts=oo, file_bytes=file_bytes, int4_attn=opts.int4_attn,
+                       int8_head=opts.int8_head)
     plan.check()
 
 

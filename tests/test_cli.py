@@ -93,6 +93,16 @@ def test_info_table_and_plan(tiny_models):
     assert plan["total_experts"] == 8 * 2 and plan["expert_slots"] == 16 and plan["fits"]
     r = invoke("info", tiny_models["mixtral"], "--profile", "no-such-profile")
     assert r.exit_code == 1 and r.stderr.startswith("error: unknown profile") and "lynx-edge profile" in r.stderr
+    # the CPU flags chat / bench / serve take: the plan counts the non-expert weights as they hold them
+    # (the bytes themselves: test_int4_attn.py's test_memory_plan_counts_the_flags_as_built)
+    ne = {}
+    for flags in ((), ("--int4-attn", "--int8-head")):
+        r = invoke("info", tiny_models["qwen3_moe"], "--device", "cpu", *flags, "-o", "json")
+        assert r.exit_code == 0, r.output
+        plan = json.loads(r.stdout)["memory"]
+        ne[flags] = plan["resources"][0]["parts"]["non-expert weights"]
+        assert any("--int4-attn" in n for n in plan["notes"]) == bool(flags)
+    assert ne[("--int4-attn", "--int8-head")] < ne[()]
 
 
 # errors ----------------------------------------------------------------------------------------

@@ -137,11 +137,11 @@ def test_group_halves_where_it_does_not_divide(tmp_path):
     """hidden 96 (as gpt-oss's 2880 is no multiple of 128): q/k/v over 96 inputs take groups of 32 where
     --int4-group asks 128, o_proj over 128 inputs keeps 128; the logits are the RTN reference's at those
     groups. The rule itself: halvings down to 32, else 16-bit."""
-    from lynx_edge.build import _rtn_group
+    from lynx_edge.models.layers import rtn_group
     from lynx_edge.quant.linear import Int4Linear
     from conftest import make_tiny
 
-    assert [_rtn_group(n, 128) for n in (4096, 2880, 96, 48, 130)] == [128, 64, 32, 0, 0]
+    assert [rtn_group(n, 128) for n in (4096, 2880, 96, 48, 130)] == [128, 64, 32, 0, 0]
     path = make_tiny(tmp_path / "h96", "qwen3_moe", hidden_size=96, head_dim=32)
     got, eng = decode_logits(path, PROMPT, int4_attn=True, int4_group=128)
     attn = eng.model.layers[0].self_attn
@@ -188,3 +188,27 @@ def test_cli_flag_reaches_the_engine():
     assert "int4_attn" not in engine_options(int4=True)
     for cmd in ("chat", "bench", "serve"):
         assert "--int4-attn" in CliRunner().invoke(app, [cmd, "--help"], env={"COLUMNS": "200"}).output
+
+
+@pytest.mark.parametrize("family", ["lfm2_moe", "olmoe", "gpt_oss"])
+def test_memory_plan_counts_the_flags_as_built(family, tmp_path):
+    """`info --int4-attn --int8-head` and the pre-load memory check count the non-expert weights
+    (offload/memory.non_expert_bytes, on the meta device) as a built engine holds them: every weight
+    outside the routed experts, the packed projections (codes and fp16 group scales; gpt-oss's hidden
+    2880 in groups of 64 where --int4-group does not divide it) and the int8 head with its row scales
+    — an untied lm_head's 16-bit weight freed, LFM2's tied one kept as the embedding."""
+    from lynx_edge import Engine
+    from lynx_edge.offload.memory import non_expert_bytes
+
+    path = _family_checkpoint(family, tmp_path / family)
+    group = 128 if family == "gpt_oss" else G
+    eng = Engine.from_pretrained(path, device="cpu", dtype="bfloat16", int4_attn=True, int8_head=True,
+                                 int4_group=group)
+    from lynx_edge.quant.linear import Int4Linear
+
+    m = eng.model
+    held = {t.data_ptr(): t for n, t in m.named_parameters() if ".mlp.experts." not in n}
+    held |= {t.data_ptr(): t for mod in m.modules() if type(mod) is Int4Linear for t in (mod.packed, mod.scales)}
+    built = sum(t.nbytes for t in held.values()) + sum(t.nbytes for t in m.head_int8)
+    plain = non_expert_bytes(eng.cfg, 2)
+    assert non_expert_bytes(eng.cfg, 2, int4_attn=True, int8_head=True, group=group) == built < plain

@@ -9,13 +9,15 @@ from typing import Annotated, Optional
 import typer
 
 from . import ui
-from .options import Device, Dtype, Int4, Model, Offload, Profile, SwaFull, TableJson
+from .options import Device, Dtype, Int4, Int4Attn, Int8Head, Model, Offload, Profile, SwaFull, TableJson
 
 
 def info(
     model: Model = "demo",
     offload: Offload = False,
     int4: Int4 = False,
+    int4_attn: Int4Attn = False,
+    int8_head: Int8Head = False,
     profile: Profile = None,
     device: Device = None,
     dtype: Dtype = None,
@@ -41,7 +43,7 @@ def info(
     ctx = ctx_size if ctx_size is not None else min(4096, cfg.max_position_embeddings)
     opts = OffloadOptions(gpu_budget_gib=gpu_budget, batch=batch, ctx=ctx, swa_full=swa_full)
     plan = plan_memory(cfg, device=dev, dtype=dt, offload=offload, int4=int4, quant=quant, ctx=ctx, batch=batch,
-                       opts=opts, profile=prof, file_bytes=file_bytes)
+                       opts=opts, profile=prof, file_bytes=file_bytes, int4_attn=int4_attn, int8_head=int8_head)
     expert_fmt = None if quant is None else "fp8" if quant.method == "fp8" else "int4"
     counts = param_counts(cfg, expert_fmt)
     config = describe(cfg)

@@ -731,3 +731,26 @@ __all__ = [
     "AttnBatch", "Attention", "DenseMLP", "Linear", "MoEBlock", "RMSNorm", "Rope",
     "RoutingContext", "StackedExperts", "expert_mlp",
 ]
+
+
+def rtn_group(n_in: int, group: int) -> int:
+    """The group for an `int4_attn` projection of n_in inputs: `group`, or where it does not divide
+    n_in the largest of its halvings down to 32 (llama.cpp Q4_0's block) that does — gpt-oss's hidden
+    2880 takes 64 — else 0 (the projection stays 16-bit)."""
+    g = group
+    while g >= 32 and n_in % g:
+        g //= 2
+    return g if g >= 32 and n_in % g == 0 else 0
+
+
+def int4_projections(model: nn.Module, group: int):
+    """→ (owner, leaf name, its Linear, its RTN group) for each projection `int4_attn` makes INT4: the
+    plain `Linear`s the owners' classes list in INT4_PROJECTIONS whose inputs a group divides
+    (rtn_group). build._int4_linears replaces them; the memory plan (offload/memory.py) counts them
+    on the meta device."""
+    for owner in list(model.modules()):
+        for leaf in getattr(type(owner), "INT4_PROJECTIONS", ()):
+            old = getattr(owner, leaf, None)
+            g = type(old) is Linear and rtn_group(old.weight.shape[1], group)
+            if g:
+                yield owner, leaf, old, g

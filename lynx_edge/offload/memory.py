@@ -255,12 +255,28 @@ def expert_block_bytes(cfg: ModelConfig, dtype: torch.dtype, four_bit: bool, gro
     return name, DenseFormat(name, D, I).nbytes
 
 
-def non_expert_bytes(cfg: ModelConfig, elem: int) -> int:
+def non_expert_bytes(cfg: ModelConfig, elem: int, int4_attn: bool = False, int8_head: bool = False,
+                     group: int = 128) -> int:
     """Bytes of every weight except the routed experts, as the family's modules allocate them
-    (counted on the meta device)."""
-    from ..models.transformer import count_params
+    (counted on the meta device: a weight in the model dtype at `elem` bytes, one a module keeps in
+    another dtype, such as LFM2's fp32 expert bias, at its own). int4_attn: the projections
+    models.layers.int4_projections picks count as packed INT4 (half a byte a weight, an fp16 scale per
+    group; biases stay); int8_head: the head as int8 rows with fp32 scales (an untied lm_head's 16-bit
+    weight freed, a tied one kept: it is the embedding) — both as a CPU with the native kernels holds them."""
+    from ..models.layers import int4_projections
+    from ..models.transformer import MoEForCausalLM
 
-    return count_params(cfg)[0] * elem
+    dt = torch.bfloat16
+    model = MoEForCausalLM(cfg, dt, torch.device("meta"))
+    total = sum(p.numel() * (elem if p.dtype is dt else p.element_size())
+                for n, p in model.named_parameters() if ".mlp.experts." not in n)
+    for _, _, lin, g in int4_projections(model, group) if int4_attn else ():
+        out_f, in_f = lin.weight.shape
+        total += out_f * in_f // 2 + out_f * (in_f // g) * 2 - lin.weight.numel() * elem
+    if int8_head:
+        V, D = model.head_weight().shape
+        total += V * D + V * 4 - (V * D * elem if model.lm_head is not None else 0)
+    return total
 
 
 def offload_slots(budget: int, fixed: int, scratch: int, eb: int, total: int) -> int:
@@ -272,21 +288,24 @@ def offload_slots(budget: int, fixed: int, scratch: int, eb: int, total: int) ->
 
 def plan_memory(cfg: ModelConfig, *, device: str, dtype: torch.dtype, offload: bool, int4: bool,
                 quant: QuantInfo | None = None, ctx: int, batch: int = 1, opts: OffloadOptions | None = None,
-                profile: Profile | str | None = None, file_bytes: int | None = None) -> MemoryPlan:
+                profile: Profile | str | None = None, file_bytes: int | None = None, int4_attn: bool = False,
+                int8_head: bool = False) -> MemoryPlan:
     """The memory plan of loading `cfg` this way (module doc); never raises for a plan that does
     not fit (see MemoryPlan.check), only for bad input (ConfigError). file_bytes: the checkpoint's
-    size on disk when known (else estimated from the config) for the page-cache line."""
+    size on disk when known (else estimated from the config) for the page-cache line. int4_attn /
+    int8_head (`--int4-attn`, `--int8-head`): on a CPU, the non-expert weights as those flags hold them."""
     from .hints import add_hints
 
     args = dict(device=device, dtype=dtype, offload=offload, int4=int4, quant=quant, ctx=ctx, batch=batch,
                 opts=opts or OffloadOptions(), profile=load_profile(profile) if isinstance(profile, str) else profile,
-                file_bytes=file_bytes)
+                file_bytes=file_bytes, int4_attn=int4_attn, int8_head=int8_head)
     plan = build(cfg, **args)
     add_hints(plan, cfg, args)
     return plan
 
 
-def build(cfg: ModelConfig, *, device, dtype, offload, int4, quant, ctx, batch, opts, profile, file_bytes) -> MemoryPlan:
+def build(cfg: ModelConfig, *, device, dtype, offload, int4, quant, ctx, batch, opts, profile, file_bytes,
+          int4_attn=False, int8_head=False) -> MemoryPlan:
     """plan_memory without hints (the hint search calls this for alternatives)."""
     dev = torch.device(device).type
     if dev not in ("cpu", "cuda"):
@@ -311,7 +330,9 @@ def build(cfg: ModelConfig, *, device, dtype, offload, int4, quant, ctx, batch, 
     elem = dtype.itemsize
     ckpt_elem = DTYPES.get(str(cfg.torch_dtype).replace("torch.", ""), torch.bfloat16).itemsize
     layer16 = E * 3 * D * I * ckpt_elem  # one layer's experts as they stream from a float checkpoint
-    ne = non_expert_bytes(cfg, elem)  # a 4-bit checkpoint's quantized non-expert linears: dequantized
+    # a 4-bit checkpoint's quantized non-expert linears: dequantized; --int4-attn / --int8-head: a CPU's only
+    int4_attn, int8_head = int4_attn and dev == "cpu", int8_head and dev == "cpu"
+    ne = non_expert_bytes(cfg, elem, int4_attn, int8_head, opts.int4_group)
     swa_full = opts.swa_full
     kv = KVCache.bytes_needed(cfg, batch, ctx, dtype, swa_full)
     if fp8:
@@ -383,6 +404,11 @@ def build(cfg: ModelConfig, *, device, dtype, offload, int4, quant, ctx, batch, 
     resources.append(Resource("page_cache", "page cache (reclaimable)", fb, fb, None, "info",
                               note="the checkpoint's mmap: file-backed, the OS drops it under pressure; "
                                    "not counted in host RAM" + ("" if file_bytes is not None else " (estimated)")))
+    if int4_attn or int8_head:
+        notes.append("non-expert weights with " + " and ".join(
+            f for f, on in ((f"--int4-attn (attention / dense projections INT4, group {opts.int4_group})", int4_attn),
+                            ("--int8-head (the output head int8 rows)", int8_head)) if on)
+                     + ", as the native CPU kernels hold them")
     if fp8:
         notes.append(f"fp8 checkpoint (e4m3, {quant.weight_block[0]}×{quant.weight_block[1]} blocks): experts "
                      + (("stored 8-bit in the offload store" if offload else "read 8-bit by the native CPU kernel")
