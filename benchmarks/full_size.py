@@ -142,28 +142,26 @@ def _page_in(path: Path) -> None:
             pass
 
 
-def _llama_bB(bins: Path, gguf: Path, args, flags: list | None) -> tuple[float, list]:
-    """llama-batched-bench's S_TG at --batch → (tok/s, the flags it ran with). Its CPU repack of Q4_0
-    (the default) segfaults on a multi-token batch of the full-size LFM2-8B-A1B (llama-cpp-python
-    0.3.36, AVX2; llama-bench's B=1 tg runs): then, and in every later round, it runs `--no-repack`,
-    and the result says so."""
-    from vs_llamacpp import llama_batched_retry
-
-    a = (bins, gguf, args.threads, args.batch, args.prompt, args.n16)
+def _repack_off_if_it_crashes(run, flags: list | None, off: list) -> tuple[float, list]:
+    """run(*flags) → (its result, the flags it ran with). llama.cpp's CPU repack of Q4_0 (its default)
+    segfaults on a multi-token batch of the full-size LFM2-8B-A1B (llama-cpp-python 0.3.36 on this
+    session's AVX-512 Xeon; llama-bench's B=1 tg runs): flags None (no run yet) tries the default and,
+    on that crash, runs with `off` (llama-batched-bench `--no-repack`, llama-bench `--repack 0`), as
+    every later round does; the result records the flags."""
     if flags is None:
         try:
-            return llama_batched_retry(*a), []
+            return run(), []
         except RuntimeError as e:
             if "exit -11" not in str(e):
                 raise
-            print("llama-batched-bench crashed (SIGSEGV) with its weights repacked: running it --no-repack", flush=True)
-            flags = ["--no-repack"]
-    return llama_batched_retry(*a, *flags), flags
+            print(f"llama.cpp crashed (SIGSEGV) with its weights repacked: running it {' '.join(off)}", flush=True)
+            flags = off
+    return run(*flags), flags
 
 
 def run(args) -> dict:
     import torch
-    from vs_llamacpp import PAIRS, cpu_flags, llama_tg
+    from vs_llamacpp import PAIRS, cpu_flags, llama_batched_retry, llama_tg
 
     bins, path, ggufs = prepare(args)
     if args.prefill:
@@ -175,7 +173,9 @@ def run(args) -> dict:
             _page_in(gguf)
             row["llama_b1"].append(llama_tg(bins, gguf, args.threads, args.n)["tok_s"])
             if args.batch > 1:
-                tg, row["llama_bB_flags"] = _llama_bB(bins, gguf, args, row.get("llama_bB_flags"))
+                tg, row["llama_bB_flags"] = _repack_off_if_it_crashes(
+                    lambda *f: llama_batched_retry(bins, gguf, args.threads, args.batch, args.prompt, args.n16, *f),
+                    row.get("llama_bB_flags"), ["--no-repack"])
                 row["llama_bB"].append(tg)
             row["ours"].append(_ours(args, path, bits))
             bb = f", {row['llama_bB'][-1]:.1f} B={args.batch} {' '.join(row['llama_bB_flags'])}" if args.batch > 1 else ""
@@ -211,8 +211,9 @@ def run_prefill(args, bins: Path, path: Path, ggufs: dict) -> dict:
         for tool in (("llama", "ours") if r % 2 == 0 else ("ours", "llama")):
             if tool == "llama":
                 _page_in(gguf)
-                out = sh([bins / "llama-bench", "-m", gguf, "-p", args.prefill, "-n", 0, "-t", args.threads, "-r", 1,
-                          "-o", "json"])
+                out, rows["llama_flags"] = _repack_off_if_it_crashes(
+                    lambda *f: sh([bins / "llama-bench", "-m", gguf, "-p", args.prefill, "-n", 0, "-t", args.threads,
+                                   "-r", 1, "-o", "json", *f]), rows.get("llama_flags"), ["--repack", "0"])
                 rows["llama_pp"].append(float(json.loads(out)[0]["avg_ts"]))
             else:
                 rows["ours_pp"].append(_ours(args, path, bits, args.prefill)["pp"])

@@ -215,8 +215,9 @@ def load_weights(model, ckpt: Checkpoint, family, quant=None, progress: Progress
                 n = u[1] + ".weight"
                 _copy(params[n], ql.dequant(params[n].dtype), ckpt.refs[tensors["qweight"]])
                 filled.add(n)
-        done += sum(ckpt.refs[x].nbytes for x in names) + sum(ckpt.refs[units.scales[x]].nbytes
-                                                             for x in names if x in units.scales)
+        scales = [units.scales[x] for x in names if x in units.scales]
+        done += sum(ckpt.refs[x].nbytes for x in [*names, *scales])
+        ckpt.release([*names, *scales])  # read once: their pages leave the process (page cache keeps them)
         if progress:
             progress(done, total)
     _check_complete(model, params, filled, experts, got, ckpt)
