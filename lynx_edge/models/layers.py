@@ -727,12 +727,6 @@ class MoEBlock(nn.Module):
         return self._shared[1]
 
 
-__all__ = [
-    "AttnBatch", "Attention", "DenseMLP", "Linear", "MoEBlock", "RMSNorm", "Rope",
-    "RoutingContext", "StackedExperts", "expert_mlp",
-]
-
-
 def rtn_group(n_in: int, group: int) -> int:
     """The group for an `int4_attn` projection of n_in inputs: `group`, or where it does not divide
     n_in the largest of its halvings down to 32 (llama.cpp Q4_0's block) that does — gpt-oss's hidden
@@ -754,3 +748,10 @@ def int4_projections(model: nn.Module, group: int):
             g = type(old) is Linear and rtn_group(old.weight.shape[1], group)
             if g:
                 yield owner, leaf, old, g
+
+
+__all__ = [
+    "AttnBatch", "Attention", "DenseMLP", "Linear", "MoEBlock", "RMSNorm", "Rope",
+    "RoutingContext", "StackedExperts", "expert_mlp", "int4_projections", "rtn_group",
+]
+
