@@ -52,8 +52,13 @@ def write_lfm2(path: Path, layers: int = 24, vocab: int = 65536, seed: int = 0) 
             if i < cfg["num_dense_layers"]:
                 t |= {f + "w1.weight": bf16(Id, D), f + "w3.weight": bf16(Id, D), f + "w2.weight": bf16(D, Id)}
             else:
-                # a sharper router than 0.02 (as trained ones are), so a token's top-4 are not near-ties
-                t |= {f + "gate.weight": bf16(E, D, std=0.1), f + "expert_bias": torch.zeros(E)}
+                # logits of std ~0.9 after the RMSNorm (0.02·√2048): sigmoid scores spread over (0, 1),
+                # not saturated (session 38's first writer: 0.1, logit std 4.5, every top-4 score ≈ 1;
+                # lfm2_full_s38.json ran on it). The expert bias is an untrained checkpoint's zeros: then
+                # a token's top-4 biased scores (x4, LYNX's units) lie within ~0.45 of each other, so
+                # LYNX keeps every expert (lfm2_lynx_s38.json); a bias of std 0.3 (tests/lfm2_tiny.py)
+                # opens gaps that let 29-39% of slots move
+                t |= {f + "gate.weight": bf16(E, D), f + "expert_bias": torch.zeros(E)}
                 for j in range(E):
                     t |= {f"{f}experts.{j}.w1.weight": bf16(I, D), f"{f}experts.{j}.w3.weight": bf16(I, D),
                           f"{f}experts.{j}.w2.weight": bf16(D, I)}
