@@ -128,6 +128,7 @@ def quantize_model(src, out_dir, method: str = "gptq", group_size: int = 128, sy
     rope = Rope(cfg, torch.device("cpu"))
     out.mkdir(parents=True, exist_ok=True)
     weight_map = _write_shard(out, "model-head.safetensors", {n: _copy16(ckpt.get(n)) for n in by_layer.get(-1, [])})
+    ckpt.release(by_layer.get(-1, []))  # written: its pages leave the process (Checkpoint.release)
     naming = "mixtral" if cfg.model_type == "mixtral" else "qwen"
     for i in range(cfg.num_layers):
         layer = DecoderLayer(cfg, i, RoutingContext(router_spec(cfg)), torch.float32, torch.device("cpu"))
@@ -154,6 +155,7 @@ def quantize_model(src, out_dir, method: str = "gptq", group_size: int = 128, sy
         if shared is not None:
             tensors = shared.quantize(tensors, by_layer.get(i, []), family, sym)
         weight_map.update(_write_shard(out, f"model-{i:05d}-of-{cfg.num_layers:05d}.safetensors", tensors))
+        ckpt.release(by_layer.get(i, []))  # the shard's 16-bit reads re-mapped what load_weights had released
         del layer, tensors
         if progress:
             progress(i + 1, cfg.num_layers)

@@ -174,3 +174,23 @@ def test_quantize_shared_expert_too(tmp_path, method, monkeypatch):
     ids = ref.tokenizer.encode(TEXT[-300:])
     assert abs(_ppl(eng, ids) / _ppl(ref, ids) - 1) < 0.05
     assert shared.gate_proj.storage() != ref.model.layers[1].mlp.shared_expert.gate_proj.storage()
+
+
+def test_quantize_hands_every_tensor_back_after_its_last_read(q_models, tmp_path, monkeypatch):
+    """quantize keeps no layer's checkpoint pages mapped once its shard is written: every tensor is
+    released (Checkpoint.release) after its last read — a layer's 16-bit tensors are read again for
+    its shard after load_weights released them — so a 16 GB source quantises in about a layer's
+    worth of mapped pages, not the whole file."""
+    from lynx_edge.checkpoint import Checkpoint
+
+    events: list[tuple[str, str]] = []
+    get, release = Checkpoint.get, Checkpoint.release
+    monkeypatch.setattr(Checkpoint, "get", lambda self, n: events.append(("get", n)) or get(self, n))
+    monkeypatch.setattr(Checkpoint, "release", lambda self, ns: events.extend(("rel", n) for n in ns) or release(self, ns))
+    quantize_model(q_models["qwen3_moe"], tmp_path / "q", method="rtn", group_size=32)
+    last = {}
+    for i, (kind, n) in enumerate(events):
+        last[kind, n] = i
+    read = {n for kind, n in last if kind == "get"}
+    assert read and all(last.get(("rel", n), -1) > last["get", n] for n in read), \
+        sorted(n for n in read if last.get(("rel", n), -1) < last["get", n])[:5]
