@@ -16,6 +16,7 @@ The output loads with Engine.from_pretrained as INT4 experts. Glossary: D hidden
 """
 from __future__ import annotations
 
+import gc
 import json
 import shutil
 from pathlib import Path
@@ -157,6 +158,10 @@ def quantize_model(src, out_dir, method: str = "gptq", group_size: int = 128, sy
         weight_map.update(_write_shard(out, f"model-{i:05d}-of-{cfg.num_layers:05d}.safetensors", tensors))
         ckpt.release(by_layer.get(i, []))  # the shard's 16-bit reads re-mapped what load_weights had released
         del layer, tensors
+        # the layer's modules and tensors sit in reference cycles (~800 objects a layer): without a
+        # collection here they wait for the cyclic GC, and LFM2-8B-A1B's quantize climbed to 10.5 GB
+        # anonymous / 15.7 GB peak RSS over 16 layers; collected, 3.1-4.5 GB and 5.5 GB (one layer's worth)
+        gc.collect()
         if progress:
             progress(i + 1, cfg.num_layers)
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))

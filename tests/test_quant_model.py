@@ -194,3 +194,21 @@ def test_quantize_hands_every_tensor_back_after_its_last_read(q_models, tmp_path
     read = {n for kind, n in last if kind == "get"}
     assert read and all(last.get(("rel", n), -1) > last["get", n] for n in read), \
         sorted(n for n in read if last.get(("rel", n), -1) < last["get", n])[:5]
+
+
+
+def test_quantize_frees_each_layer_before_the_next(q_models, tmp_path):
+    """Each layer's modules and tensors are collected before the next layer is built: they sit in
+    reference cycles, and waiting for the cyclic GC let LFM2-8B-A1B's quantize hold 10.5 GB of dead
+    layers (15.7 GB peak RSS; 5.5 GB collected). With the automatic GC off, a collection at the end
+    finds 99 objects here (what the run made after its last layer), 525 without the per-layer one."""
+    import gc
+
+    gc.collect()
+    gc.disable()
+    try:
+        quantize_model(q_models["qwen3_moe"], tmp_path / "q", method="rtn", group_size=32)
+        left = gc.collect()
+    finally:
+        gc.enable()
+    assert left < 200, left
