@@ -84,9 +84,9 @@ def _commit() -> str:
                           text=True).stdout.strip()
 
 
-# per model: its writer, full depth and vocabulary, and the bits it is compared at by default
-MODELS = {"oss": ("oss_checkpoint", "write_oss", 24, 201088, "mxfp4"),
-          "lfm2": ("lfm2_checkpoint", "write_lfm2", 24, 65536, "bf16,int4all")}
+# per model: its writer (module, function), full depth and vocabulary, and the bits it is compared at by default
+MODELS = {"oss": dict(writer=("oss_checkpoint", "write_oss"), layers=24, vocab=201088, bits="mxfp4"),
+          "lfm2": dict(writer=("lfm2_checkpoint", "write_lfm2"), layers=24, vocab=65536, bits="bf16,int4all")}
 
 
 def _engine_kw(args, bits: str) -> dict:
@@ -115,7 +115,7 @@ def prepare(args) -> tuple[Path, Path, dict]:
 
     from vs_llamacpp import CACHE, PAIRS, llamacpp_build, llamacpp_source, quantize, to_gguf
 
-    module, writer, _, _, _ = MODELS[args.model]
+    module, writer = MODELS[args.model]["writer"]
     work = CACHE / "models"
     work.mkdir(parents=True, exist_ok=True)
     src = llamacpp_source()
@@ -251,8 +251,8 @@ def main() -> None:
         print(json.dumps(child(args.child, args.threads, args.n, args.batch, args.n16, args.prompt,
                                json.loads(args.engine_kw), args.prefill)))
         return
-    _, _, layers, vocab, bits = MODELS[args.model]
-    args.layers, args.vocab, args.bits = args.layers or layers, args.vocab or vocab, args.bits or bits
+    m = MODELS[args.model]
+    args.layers, args.vocab, args.bits = args.layers or m["layers"], args.vocab or m["vocab"], args.bits or m["bits"]
     res = run(args)
     text = json.dumps(res, indent=1)
     print(json.dumps({k: v for k, v in res.items() if k in ("pp",)} or

@@ -412,10 +412,15 @@ def _key(layer) -> tuple:
     # biases (copied to fp32 by native_lin): each module's own, as load_state_dict writes them (q/k/v's are
     # views of the fused one, but a write through one view does not count on the others' version)
     qb, ob = qp._parameters.get("bias"), op._parameters.get("bias")
-    bs = (None if qb is None else (_written(qb),) if cv is not None else
-          (_written(qb), _written(am["k_proj"]._parameters.get("bias")), _written(am["v_proj"]._parameters.get("bias"))),
-          None if ob is None else _written(ob),
-          None if cv is None else (_written(cv._parameters["weight"]), _written(cv._parameters.get("bias"))))
+    if qb is None:
+        qkv_b = None
+    elif cv is not None:  # the in_proj's one bias
+        qkv_b = (_written(qb),)
+    else:
+        qkv_b = (_written(qb), _written(am["k_proj"]._parameters.get("bias")),
+                 _written(am["v_proj"]._parameters.get("bias")))
+    conv = None if cv is None else (_written(cv._parameters["weight"]), _written(cv._parameters.get("bias")))
+    bs = (qkv_b, None if ob is None else _written(ob), conv)
     sh = mm.get("shared_expert")
     if sh is not None:  # its projections' storage (MoEBlock.native_shared points into them)
         sm, sg = sh._modules, mm.get("shared_expert_gate")
