@@ -1175,6 +1175,125 @@ static void dense_block(const uint8_t *w, long rs, int fmt, int Kin, int R, cons
     else dense_bf16(w, rs, Kin, R, x0, ld, n, acc);
 }
 
+/* --- AMX bf16 tiles (bf16 experts on a CPU with AMX-BF16) --------------------------------------
+ *
+ * tdpbf16ps multiplies a 16 x 32 tile of bf16 weights (16 rows of an expert, 32 inputs: a plain
+ * row-major load, stride one row) by a 32 x n tile of bf16 activations laid out in input pairs
+ * ([16 pairs][n tokens][2]) into 16 x n fp32 sums: 8192 multiply-adds an instruction against 16 for
+ * an AVX-512 FMA, so the multi-token expert tiles that bound the row kernels at B = 16 (3-6 tokens an
+ * expert) stop costing more than the weights' read. The activations are fp32 here, so each is split
+ * exactly into three bf16 parts, x = hi + mid + lo (each the fp32 remainder of the ones before it
+ * rounded to bf16: 8 + 8 + 8 significant bits), and the tile sums the three products (bf16 x bf16
+ * products are exact in fp32); where every input of a pass is already a bf16 value (a bf16 model's
+ * normed hidden state) mid and lo are zero and one part runs. The sums are fp32 in the tile's own
+ * order — not the row kernels' 16-lane order — so a result differs from theirs within fp32 rounding;
+ * every token of a row runs this path at any token count, so a row's result does not depend on the
+ * batch. Linux only: the process asks the kernel for the tile state once (lynx_amx_enable). */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
+#define AMX_PATH 1
+#include <sys/syscall.h>
+#include <unistd.h>
+typedef struct {
+    uint8_t palette, start;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) tilecfg_t;
+#else
+#define AMX_PATH 0
+#endif
+#define AMX_PARTS 3 /* hi, mid, lo */
+static int g_amx = 0; /* lynx_amx_enable's answer */
+#ifndef AMX_PF_SHORT
+#define AMX_PF_SHORT 16384
+#endif
+#ifndef AMX_PF_LONG
+#define AMX_PF_LONG 1024
+#endif
+#ifndef AMX_HINT
+#define AMX_HINT PF_HINT
+#endif
+
+/* on: use the AMX tiles where they apply (asks Linux for the tile state: arch_prctl
+ * ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); 0 turns them off → whether they are on */
+int lynx_amx_enable(int on) {
+#if AMX_PATH
+    g_amx = on && syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    return g_amx;
+#else
+    (void)on;
+    return 0;
+#endif
+}
+
+#if AMX_PATH
+/* the pair layout of n rows of X (fp32, stride ld, Kin % 32 == 0) in AMX_PARTS parts:
+ * dst[p][k / 2][t][k % 2] (n tokens a pair row), part p at dst + p * Kin * n; → 1 when every input
+ * is a bf16 value (the parts after hi are zero), else AMX_PARTS */
+static int amx_pairs(const float *X, long ld, int Kin, int n, uint16_t *dst) {
+    const long plane = (long)Kin * n;
+    __m512 any = _mm512_setzero_ps();
+    for (int t = 0; t < n; t++)
+        for (int k = 0; k < Kin; k += 16) {
+            __m512 v = _mm512_loadu_ps(X + t * ld + k);
+            for (int p = 0; p < AMX_PARTS; p++) {
+                const __m256bh b = _mm512_cvtneps_pbh(v);
+                const __m512 back = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)b), 16));
+                uint32_t pr[8];
+                _mm256_storeu_si256((__m256i *)pr, (__m256i)b);
+                uint32_t *d = (uint32_t *)(dst + p * plane) + (long)(k / 2) * n + t;
+                for (int i = 0; i < 8; i++) d[(long)i * n] = pr[i];
+                v = _mm512_sub_ps(v, back);
+                if (p == 0) any = _mm512_or_ps(any, v);
+            }
+        }
+    return _mm512_cmpneq_ps_mask(any, _mm512_setzero_ps()) ? AMX_PARTS : 1;
+}
+
+/* acc[r * ROWS_LD + t - tb] for 16 adjacent bf16 rows at w (stride rs bytes, Kin % 32 == 0) and
+ * tokens [tb, tb + m) of the n whose pairs amx_pairs laid out at xv with `parts` parts; the tokens in
+ * tiles of up to 16 columns (m <= ROWS_LD).
+ * stream: rows that come from DRAM: short rows (a block of 16 within 16 KB) prefetch the blocks ahead
+ * in address order, long ones each row ahead of its own read. */
+static void amx_rows(const uint8_t *w, long rs, int Kin, const uint16_t *xv, int parts, int n, int tb, int m,
+                     float *acc, int stream) {
+    const long plane = (long)Kin * n;
+    const int steps = Kin / 32, shortrows = 16 * rs <= 16384;
+    for (int t0 = tb; t0 < tb + m; t0 += 16) {
+        const int nc = tb + m - t0 < 16 ? tb + m - t0 : 16;
+        tilecfg_t cfg;
+        memset(&cfg, 0, sizeof cfg);
+        cfg.palette = 1;
+        cfg.rows[0] = 16, cfg.colsb[0] = (uint16_t)(4 * nc); /* sums [16 rows][nc] fp32 */
+        cfg.rows[1] = 16, cfg.colsb[1] = 64;                 /* weights [16 rows][32] bf16 */
+        for (int p = 0; p < parts; p++) cfg.rows[2 + p] = 16, cfg.colsb[2 + p] = (uint16_t)(4 * nc); /* [16 pairs][nc][2] */
+        _tile_loadconfig(&cfg);
+        _tile_zero(0);
+        /* this chunk's pairs: pair row k of token t0 + j at xv + p * plane + (k * n + t0 + j) * 2 */
+        for (int s = 0; s < steps; s++) {
+            if (stream) {
+                if (shortrows)
+                    for (int l = 0; l < 16; l++) _mm_prefetch((const char *)w + AMX_PF_SHORT + (long)s * 1024 + 64 * l, AMX_HINT);
+                else
+                    for (int r = 0; r < 16; r++) _mm_prefetch((const char *)w + r * rs + (long)s * 64 + AMX_PF_LONG, AMX_HINT);
+            }
+            _tile_loadd(1, w + (long)s * 64, rs);
+            const uint16_t *b = xv + ((long)s * 16 * n + t0) * 2;
+            _tile_loadd(2, b, 4L * n);
+            _tile_dpbf16ps(0, 1, 2);
+            if (parts > 1) {
+                _tile_loadd(3, b + plane, 4L * n);
+                _tile_dpbf16ps(0, 1, 3);
+                _tile_loadd(4, b + 2 * plane, 4L * n);
+                _tile_dpbf16ps(0, 1, 4);
+            }
+        }
+        _tile_stored(0, acc + (t0 - tb), ROWS_LD * sizeof(float));
+    }
+    _tile_release();
+}
+#endif
+
 /* --- MXFP4 rows (gpt-oss) ---------------------------------------------------------------------- */
 
 static inline float e8m0(uint8_t s) { /* 2^(s - 127); s = 0 is the subnormal 2^-127 */
@@ -1679,6 +1798,10 @@ typedef struct {
     int bn, bk;
     int xq16, hq16; /* the codes at xqe / hqe are int16 (q16_block), else int8 */
     int stream; /* 16/32-bit experts that come from DRAM at each use (dense_block's stream), not from cache */
+    /* bf16 experts on AMX (amx_rows): xe's / he's pairs, each expert's at its first slot r0
+     * (xv + r0 * D * AMX_PARTS, hv + r0 * I * AMX_PARTS), with xparts / hparts parts; NULL: the row kernels */
+    const uint16_t *xv, *hv;
+    int xparts, hparts;
 } layer_t;
 
 /* e^x in fp32, Cephes' expf: x = n ln2 + r (|r| <= ln2/2), a degree-6 polynomial in r, times 2^n
@@ -1894,8 +2017,17 @@ static void gate_up_item(const void *arg, long item) {
                 const int m = (int)(n - c < ROWS_LD ? n - c : ROWS_LD);
                 const float *x = L->xe + (r0 + c) * D;
                 const int mode = L->stream & MOE_GU_PACKED ? ROWS_PACKED : L->stream & 1;
-                dense_block(gu + (long)i * D * es, (long)D * es, L->fmt, D, R, x, D, m, gate4, mode);
-                dense_block(gu + (long)(I + i) * D * es, (long)D * es, L->fmt, D, R, x, D, m, up4, mode);
+#if AMX_PATH
+                if (L->xv && R == ROW_BLOCK) { /* a whole block of rows: the tiles (see amx_rows) */
+                    const uint16_t *xv = L->xv + r0 * (long)D * AMX_PARTS;
+                    amx_rows(gu + (long)i * D * es, (long)D * es, D, xv, L->xparts, (int)n, (int)c, m, gate4, mode);
+                    amx_rows(gu + (long)(I + i) * D * es, (long)D * es, D, xv, L->xparts, (int)n, (int)c, m, up4, mode);
+                } else
+#endif
+                {
+                    dense_block(gu + (long)i * D * es, (long)D * es, L->fmt, D, R, x, D, m, gate4, mode);
+                    dense_block(gu + (long)(I + i) * D * es, (long)D * es, L->fmt, D, R, x, D, m, up4, mode);
+                }
                 for (int t = 0; t < m; t++) /* token by token (see linear_item) */
                     for (int r = 0; r < R; r++)
                         put_h(L, e, i + r, L->he + (r0 + c + t) * I + i + r, gate4[r * ROWS_LD + t], up4[r * ROWS_LD + t]);
@@ -1969,6 +2101,11 @@ static void down_item(const void *arg, long item) {
                 mx_block(0, L->dn + (e * (long)D + d) * (I / 2), I / 2, L->dns + (e * (long)D + d) * (I / 32), I / 32, R, I,
                          (const int8_t *)L->hqe + (r0 + c) * I, NULL, L->hd + (r0 + c) * (I / 32),
                          L->hz + (r0 + c) * (I / 32), I / 2, m, acc);
+#if AMX_PATH
+            else if (L->hv && R == ROW_BLOCK) /* a whole block of rows: the tiles (see amx_rows) */
+                amx_rows(L->dn + (e * (long)D * I + (long)d * I) * es, (long)I * es, I, L->hv + r0 * (long)I * AMX_PARTS,
+                         L->hparts, (int)n, (int)c, m, acc, L->stream & 1);
+#endif
             else if (L->fmt == FMT_F32 || L->fmt == FMT_BF16)
                 dense_block(L->dn + (e * (long)D * I + (long)d * I) * es, (long)I * es, L->fmt, I, R,
                             L->he + (r0 + c) * I, I, m, acc, L->stream & MOE_DN_PACKED ? ROWS_PACKED : L->stream & 1);
@@ -2151,15 +2288,19 @@ int lynx_moe(int fmt, const float *x, const int64_t *ids, const float *w, const 
     for (long i = 0; i < S; i++)
         if (ids[i] < 0 || ids[i] >= E) return -3; /* nothing written: the caller names the bad id */
     const int defer = act_kind == 0 && !gub; /* plain SwiGLU: one pass (lynx_silu_mul) */
+    /* bf16 experts in row-major rows on AMX: the tiles take whole blocks of 16 rows of 32-input steps */
+    const int amx = AMX_PATH && g_amx && fmt == FMT_BF16 && !(stream & (MOE_GU_PACKED | MOE_DN_PACKED)) && D % 32 == 0
+                    && I % 32 == 0;
     const size_t f4 = sizeof(float), i8 = sizeof(int64_t);
     const size_t sz[] = {(E + 1) * i8, E * i8, S * i8, S * i8, E * i8,          /* cnt fill order pos act */
                          S * D * f4, S * I * f4, S * D * f4, defer ? S * I * f4 : 0, /* xe he y ue */
                          int4 ? (S * (D / G) + 1) * f4 : 0, int4 ? (S * (I / G) + 1) * f4 : 0, /* xsum hsum */
                          act_bytes(ax, S, D), act_bytes(ah, S, I),                      /* xq hq */
                          act_floats(ax, S, D, G) * f4, act_floats(ah, S, I, G) * f4,    /* xd hd */
-                         mx && ax == ACT_Q16 ? S * (D / 8) * f4 : 0, mx && ah == ACT_Q16 ? S * (I / 8) * f4 : 0}; /* mx_lanes */
-    void *b[17];
-    uint8_t *mem = scratch(sz, 17, b);
+                         mx && ax == ACT_Q16 ? S * (D / 8) * f4 : 0, mx && ah == ACT_Q16 ? S * (I / 8) * f4 : 0, /* mx_lanes */
+                         amx ? S * D * AMX_PARTS * 2 : 0, amx ? S * I * AMX_PARTS * 2 : 0}; /* xv hv */
+    void *b[19];
+    uint8_t *mem = scratch(sz, 19, b);
     if (!mem) return -1;
     int64_t *cnt = b[0], *fill = b[1], *order = b[2], *pos = b[3], *act = b[4];
     float *xe = b[5], *he = b[6], *y = b[7], *ue = b[8], *xsum = b[9], *hsum = b[10];
@@ -2197,9 +2338,29 @@ int lynx_moe(int fmt, const float *x, const int64_t *ids, const float *w, const 
                  ax ? xq : NULL, ax ? act_odd(ax, xq, S, D) : NULL, /* hq: written after the gate/up pass */
                  ah ? hq : NULL, ah ? act_odd(ah, hq, S, I) : NULL,
                  xds, ax ? xd + S * ACT_DS(ax == ACT_Q16, D, G) : NULL, hds, ah ? hd + S * ACT_DS(ah == ACT_Q16, I, G) : NULL,
-                 bn, bk, ax == ACT_Q16, ah == ACT_Q16, stream};
+                 bn, bk, ax == ACT_Q16, ah == ACT_Q16, stream, NULL, NULL, 0, 0};
+#if AMX_PATH
+    if (amx) { /* each active expert's inputs in pairs; the parts the layer's inputs need */
+        L.xv = b[17];
+        for (long a = 0; a < A; a++) {
+            const int64_t r0 = cnt[act[a]], n = cnt[act[a] + 1] - r0;
+            const int p = amx_pairs(xe + r0 * D, D, D, (int)n, (uint16_t *)b[17] + r0 * (long)D * AMX_PARTS);
+            L.xparts = p > L.xparts ? p : L.xparts;
+        }
+    }
+#endif
     parallel(gate_up_item, &L, A * ((I + ROW_BLOCK - 1) / ROW_BLOCK), nthreads);
     if (ue) lynx_silu_mul(he, ue, S * (long)I);
+#if AMX_PATH
+    if (amx) { /* h in pairs, as x above */
+        L.hv = b[18];
+        for (long a = 0; a < A; a++) {
+            const int64_t r0 = cnt[act[a]], n = cnt[act[a] + 1] - r0;
+            const int p = amx_pairs(he + r0 * I, I, I, (int)n, (uint16_t *)b[18] + r0 * (long)I * AMX_PARTS);
+            L.hparts = p > L.hparts ? p : L.hparts;
+        }
+    }
+#endif
     if (mx && ah == ACT_Q8) quant_mx8(he, ho, S, I, hq, hd, hd + S * Q8_DS(I)); /* the layer's hz */
     else if (ah) quant_act(ah, he, ho, S, I, G, hq, hd);
     else if (int4) group_sums(he, ho, S, I, G, hsum);

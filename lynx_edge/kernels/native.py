@@ -187,6 +187,10 @@ def lib() -> ctypes.CDLL | None:
     so.lynx_exp.restype = None
     so.lynx_silu_mul.argtypes = [p, p, L]
     so.lynx_silu_mul.restype = None
+    if hasattr(so, "lynx_amx_enable"):  # an older build (benchmarks' A/B bases) has none
+        so.lynx_amx_enable.argtypes = [i]
+        so.lynx_amx_enable.restype = i
+        so.lynx_amx_enable(int(os.environ.get("LYNX_EDGE_AMX", "0") == "1"))  # opt-in: see results/amx_experts_s39.json
     return so
 
 
