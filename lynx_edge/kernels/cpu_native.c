@@ -923,6 +923,7 @@ void lynx_pack_copy(uint8_t *dst, const uint8_t *src, long R, long K, int es, in
 #define DT_N 16
 #define DT_A 16
 #define DT_TOK 4
+#define DT_LONG_RT 4 /* rows a tile of 3+ tokens over rows of 1024+ inputs (see dense_tiles) */
 #define DT_VL 16
 #define DT_VEC __m512
 #define DT_VZERO _mm512_setzero_ps
@@ -939,6 +940,7 @@ void lynx_pack_copy(uint8_t *dst, const uint8_t *src, long R, long K, int es, in
 #define DT_N 8
 #define DT_A 12
 #define DT_TOK 5
+#define DT_LONG_RT 2
 #define DT_VL 8
 #define DT_VEC __m256
 #define DT_VZERO _mm256_setzero_ps
@@ -955,6 +957,7 @@ void lynx_pack_copy(uint8_t *dst, const uint8_t *src, long R, long K, int es, in
 #define DT_N 16
 #define DT_A 16
 #define DT_TOK 4
+#define DT_LONG_RT 2
 #endif
 static inline __attribute__((always_inline)) void dense_tile(const uint8_t *w, const long rs, const int FMT, int Kin,
                                                              const int R, const float *const *x, const int NT,
@@ -1061,8 +1064,13 @@ static inline __attribute__((always_inline)) void dense_tile_m(const uint8_t *w,
  * - three tokens: 4 rows (on AVX2 12 sums, DT_A: 4 rows share each input load and reduction; at
  *   T = 3 the demo's bf16 head and q/k/v 1.10-1.24x, Qwen3-30B-A3B's bf16 o_proj from DRAM 1.22x and
  *   expert gate/up 1.07x, fp32 0.96-1.02x; a variant keeping fp32 at 2 x 3 measured bf16 0.80-0.87x
- *   with near-identical bf16 code: loop placement, so read these within ~10%); AVX-512 keeps 2 rows
- *   for long rows (unmeasured there); two: DT_N / 2 rows (short) or 4 (long);
+ *   with near-identical bf16 code: loop placement, so read these within ~10%); AVX-512 takes 4 rows
+ *   for long rows too (DT_LONG_RT; so do its tiles of four tokens and more), where 2 measured slower on
+ *   an AVX-512 Xeon (benchmarks/results/long_rows_s39.json: experts from DRAM at 3-4 tokens each,
+ *   bf16 at 3 / 4 tokens: zero-padded demo 9.6 / 8.9 -> 10.1 / 9.6 GB/s,
+ *   Qwen3-Next 10.4 / 9.8 -> 11.1 / 10.7, Qwen3-30B-A3B 11.0 / 10.6 -> 11.2 / 11.0; 6 tokens 1.06-1.13x, fp32
+ *   1.01-1.13x, 1-2 tokens unchanged, bit-equal; the padded demo end to end B=16 LYNX 1.045x, exact 1.01x); AVX2 keeps 2 (16 registers);
+ *   two: DT_N / 2 rows (short) or 4 (long);
  * - one token: 4 rows (16 at once measured 0.91x end to end at B = 1).
  * A last partial tile runs row by row. */
 static inline __attribute__((always_inline)) void dense_tiles(const uint8_t *w, long rs, const int FMT, int Kin, int R,
@@ -1077,7 +1085,7 @@ static inline __attribute__((always_inline)) void dense_tiles(const uint8_t *w, 
     const int wide = Kin < 1024;
     for (int i = 0; i < n && i < 4; i++) x[i] = x0 + i * ld;
     if (n < 4) { /* one token group: tiles of RT rows */
-        const int RT = n == 1 ? 4 : n == 2 ? (wide ? DT_N / 2 : 4) : (wide || DT_N == 8 ? 4 : 2);
+        const int RT = n == 1 ? 4 : n == 2 ? (wide ? DT_N / 2 : 4) : (wide || DT_N == 8 ? 4 : DT_LONG_RT);
         for (int r = 0; r < R;) {
             const int one = R - r < RT;
             if (one) dense_tile_m(TB(r), rs, FMT, Kin, 1, x, n, acc + r * ROWS_LD, STREAM);
@@ -1105,7 +1113,7 @@ static inline __attribute__((always_inline)) void dense_tiles(const uint8_t *w, 
         }
         return;
     }
-    const int RT = wide ? DT_N / 4 : 2; /* each tile's rows serve every token group before the next load */
+    const int RT = wide ? DT_N / 4 : DT_LONG_RT; /* each tile's rows serve every token group before the next load */
     const int n4 = DT_TOK > 4 && n % 4 == 1 ? n - 5 : n; /* tokens in groups of four: a one-token tail joins (above) */
     for (int r = 0; r < R;) {
         const int one = R - r < RT;
@@ -1117,7 +1125,7 @@ static inline __attribute__((always_inline)) void dense_tiles(const uint8_t *w, 
              * the whole-row loop reads slower (Mixtral-shaped bf16 experts at B = 16: 0.92x) */
             if (one) dense_tile_m(TB(r), rs, FMT, Kin, 1, x, m, a, 0);
             else if (wide) dense_tile_m(TB(r), rs, FMT, Kin, DT_N / 4, x, m, a, 0);
-            else dense_tile_m(TB(r), rs, FMT, Kin, 2, x, m, a, 0);
+            else dense_tile_m(TB(r), rs, FMT, Kin, DT_LONG_RT, x, m, a, 0);
         }
 #if DT_TOK > 4
         if (n4 < n) { /* the last five tokens in one tile (RT is 2 here) */
