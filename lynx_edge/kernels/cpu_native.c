@@ -1067,10 +1067,10 @@ static inline __attribute__((always_inline)) void dense_tile_m(const uint8_t *w,
  *   with near-identical bf16 code: loop placement, so read these within ~10%); AVX-512 takes 4 rows
  *   for long rows too (DT_LONG_RT; so do its tiles of four tokens and more), where 2 measured slower on
  *   an AVX-512 Xeon (benchmarks/results/long_rows_s39.json: experts from DRAM at 3-4 tokens each,
- *   bf16 at 3 / 4 tokens: zero-padded demo 9.6 / 8.9 -> 10.1 / 9.6 GB/s,
- *   Qwen3-Next 10.4 / 9.8 -> 11.1 / 10.7, Qwen3-30B-A3B 11.0 / 10.6 -> 11.2 / 11.0; 6 tokens 1.06-1.13x, fp32
- *   1.01-1.13x, 1-2 tokens unchanged, bit-equal; the padded demo end to end B=16 LYNX 1.045x, exact 1.01x); AVX2 keeps 2 (16 registers);
- *   two: DT_N / 2 rows (short) or 4 (long);
+ *   bf16 at 3 / 4 tokens: zero-padded demo 9.6 / 8.9 -> 10.1 / 9.6 GB/s, Qwen3-Next 10.4 / 9.8 ->
+ *   11.1 / 10.7, Qwen3-30B-A3B 11.0 / 10.6 -> 11.2 / 11.0; 6 tokens 1.06-1.13x, fp32 1.01-1.13x, 1-2
+ *   tokens unchanged, bit-equal; the padded demo end to end B=16 LYNX 1.045x, exact 1.01x); AVX2
+ *   keeps 2 (its 16 registers); two: DT_N / 2 rows (short) or 4 (long);
  * - one token: 4 rows (16 at once measured 0.91x end to end at B = 1).
  * A last partial tile runs row by row. */
 static inline __attribute__((always_inline)) void dense_tiles(const uint8_t *w, long rs, const int FMT, int Kin, int R,
@@ -1188,8 +1188,10 @@ static void dense_block(const uint8_t *w, long rs, int fmt, int Kin, int R, cons
  * tdpbf16ps multiplies a 16 x 32 tile of bf16 weights (16 rows of an expert, 32 inputs: a plain
  * row-major load, stride one row) by a 32 x n tile of bf16 activations laid out in input pairs
  * ([16 pairs][n tokens][2]) into 16 x n fp32 sums: 8192 multiply-adds an instruction against 16 for
- * an AVX-512 FMA, so the multi-token expert tiles that bound the row kernels at B = 16 (3-6 tokens an
- * expert) stop costing more than the weights' read. The activations are fp32 here, so each is split
+ * an AVX-512 FMA. Opt-in (LYNX_EDGE_AMX=1): measured against the AVX-512 rows on a Xeon
+ * (benchmarks/results/amx_experts_s39.json), experts from DRAM, the tiles lose at decode's 1-4 tokens
+ * an expert (0.76-1.00x: each tile load of 16 rows waits on memory, where the row loop keeps more
+ * misses in flight) and win from 6 (1.1-1.2x) to 32 (1.6-2.3x). The activations are fp32 here, so each is split
  * exactly into three bf16 parts, x = hi + mid + lo (each the fp32 remainder of the ones before it
  * rounded to bf16: 8 + 8 + 8 significant bits), and the tile sums the three products (bf16 x bf16
  * products are exact in fp32); where every input of a pass is already a bf16 value (a bf16 model's
@@ -1256,6 +1258,19 @@ static int amx_pairs(const float *X, long ld, int Kin, int n, uint16_t *dst) {
             }
         }
     return _mm512_cmpneq_ps_mask(any, _mm512_setzero_ps()) ? AMX_PARTS : 1;
+}
+
+/* each of the A active experts' slots (rows cnt[e] .. cnt[e + 1] of X [S, Kin], expert-major) in
+ * amx_pairs's layout at dst + cnt[e] * Kin * AMX_PARTS → the parts the layer's inputs need (the most
+ * any expert needs: an expert whose inputs are bf16 values adds exact zeros for the others) */
+static int amx_layer_pairs(const float *X, int Kin, const int64_t *cnt, const int64_t *act, long A, uint16_t *dst) {
+    int parts = 1;
+    for (long a = 0; a < A; a++) {
+        const int64_t r0 = cnt[act[a]], n = cnt[act[a] + 1] - r0;
+        const int p = amx_pairs(X + r0 * Kin, Kin, Kin, (int)n, dst + r0 * (long)Kin * AMX_PARTS);
+        parts = p > parts ? p : parts;
+    }
+    return parts;
 }
 
 /* acc[r * ROWS_LD + t - tb] for 16 adjacent bf16 rows at w (stride rs bytes, Kin % 32 == 0) and
@@ -2348,13 +2363,9 @@ int lynx_moe(int fmt, const float *x, const int64_t *ids, const float *w, const 
                  xds, ax ? xd + S * ACT_DS(ax == ACT_Q16, D, G) : NULL, hds, ah ? hd + S * ACT_DS(ah == ACT_Q16, I, G) : NULL,
                  bn, bk, ax == ACT_Q16, ah == ACT_Q16, stream, NULL, NULL, 0, 0};
 #if AMX_PATH
-    if (amx) { /* each active expert's inputs in pairs; the parts the layer's inputs need */
+    if (amx) { /* each active expert's inputs in pairs */
         L.xv = b[17];
-        for (long a = 0; a < A; a++) {
-            const int64_t r0 = cnt[act[a]], n = cnt[act[a] + 1] - r0;
-            const int p = amx_pairs(xe + r0 * D, D, D, (int)n, (uint16_t *)b[17] + r0 * (long)D * AMX_PARTS);
-            L.xparts = p > L.xparts ? p : L.xparts;
-        }
+        L.xparts = amx_layer_pairs(xe, D, cnt, act, A, b[17]);
     }
 #endif
     parallel(gate_up_item, &L, A * ((I + ROW_BLOCK - 1) / ROW_BLOCK), nthreads);
@@ -2362,11 +2373,7 @@ int lynx_moe(int fmt, const float *x, const int64_t *ids, const float *w, const 
 #if AMX_PATH
     if (amx) { /* h in pairs, as x above */
         L.hv = b[18];
-        for (long a = 0; a < A; a++) {
-            const int64_t r0 = cnt[act[a]], n = cnt[act[a] + 1] - r0;
-            const int p = amx_pairs(he + r0 * I, I, I, (int)n, (uint16_t *)b[18] + r0 * (long)I * AMX_PARTS);
-            L.hparts = p > L.hparts ? p : L.hparts;
-        }
+        L.hparts = amx_layer_pairs(he, I, cnt, act, A, b[18]);
     }
 #endif
     if (mx && ah == ACT_Q8) quant_mx8(he, ho, S, I, hq, hd, hd + S * Q8_DS(I)); /* the layer's hz */
