@@ -152,14 +152,14 @@ class NativeLayer:
     def takes(self, x: torch.Tensor, ab: AttnBatch, kv) -> bool:
         """Whether the layer calls take this step: x [B, 1, D], its batch and this layer's cache (a
         sliding-window layer's ring too: its period goes into the plan here)."""
+        if x.shape[0] > self.max_rows or (ab.cos is None and ab.rope is None) or not x.is_contiguous():
+            return False
         if self.attn_plan.conv_w:  # the conv state [Bmax, D, L - 1] in the model dtype
             state = kv[0]
-            return (x.shape[0] <= self.max_rows and (ab.cos is not None or ab.rope is not None)
-                    and state.dtype == x.dtype and state.is_contiguous() and x.is_contiguous())
+            return state.dtype == x.dtype and state.is_contiguous()
         k_cache, v_cache = kv
-        if (x.shape[0] > self.max_rows or (ab.cos is None and ab.rope is None) or k_cache.dtype != v_cache.dtype
-                or k_cache.dtype not in NATIVE_ROWS or not (k_cache.is_contiguous() and v_cache.is_contiguous())
-                or not x.is_contiguous()):
+        if (k_cache.dtype != v_cache.dtype or k_cache.dtype not in NATIVE_ROWS
+                or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
             return False
         self.attn_plan.ring = getattr(kv, "period", 0)  # a window layer's ring (kv_cache.RingKV), this cache's
         return True
