@@ -157,6 +157,7 @@ def load_weights(model, ckpt: Checkpoint, family, quant=None, progress: Progress
     total, done = ckpt.total_bytes or 1, 0
     filled: set[str] = set()
     got: dict[str, set] = defaultdict(set)  # expert prefix → {(e, part)}
+    held: list[str] = []  # the last "own" unit's tensors: its sink may read them in the next unit
     for u in units.order:
         kind = u[0]
         if kind == "param":
@@ -217,9 +218,14 @@ def load_weights(model, ckpt: Checkpoint, family, quant=None, progress: Progress
                 filled.add(n)
         scales = [units.scales[x] for x in names if x in units.scales]
         done += sum(ckpt.refs[x].nbytes for x in [*names, *scales])
-        ckpt.release([*names, *scales])  # read once: their pages leave the process (page cache keeps them)
+        # read once: their pages leave the process (page cache keeps them); a family's own reader may
+        # hold a tensor unread until the next one (gpt-oss's blocks wait for their scales), so the
+        # last "own" unit's tensors are handed back again after this one
+        ckpt.release([*held, *names, *scales])
+        held = names if kind == "own" else []
         if progress:
             progress(done, total)
+    ckpt.release(held)
     _check_complete(model, params, filled, experts, got, ckpt)
     for name, m in packed.items():
         if not m.loaded:
