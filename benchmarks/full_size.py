@@ -142,26 +142,9 @@ def _page_in(path: Path) -> None:
             pass
 
 
-def _repack_off_if_it_crashes(run, flags: list | None, off: list) -> tuple[float, list]:
-    """run(*flags) → (its result, the flags it ran with). llama.cpp's CPU repack of Q4_0 (its default)
-    segfaults on a multi-token batch of the full-size LFM2-8B-A1B (llama-cpp-python 0.3.36 on this
-    session's AVX-512 Xeon; llama-bench's B=1 tg runs): flags None (no run yet) tries the default and,
-    on that crash, runs with `off` (llama-batched-bench `--no-repack`, llama-bench `--repack 0`), as
-    every later round does; the result records the flags."""
-    if flags is None:
-        try:
-            return run(), []
-        except RuntimeError as e:
-            if "exit -11" not in str(e):
-                raise
-            print(f"llama.cpp crashed (SIGSEGV) with its weights repacked: running it {' '.join(off)}", flush=True)
-            flags = off
-    return run(*flags), flags
-
-
 def run(args) -> dict:
     import torch
-    from vs_llamacpp import PAIRS, cpu_flags, llama_batched_retry, llama_tg
+    from vs_llamacpp import PAIRS, cpu_flags, llama_batched_retry, llama_tg, repack_off_if_it_crashes
 
     bins, path, ggufs = prepare(args)
     if args.prefill:
@@ -173,7 +156,7 @@ def run(args) -> dict:
             _page_in(gguf)
             row["llama_b1"].append(llama_tg(bins, gguf, args.threads, args.n)["tok_s"])
             if args.batch > 1:
-                tg, row["llama_bB_flags"] = _repack_off_if_it_crashes(
+                tg, row["llama_bB_flags"] = repack_off_if_it_crashes(
                     lambda *f: llama_batched_retry(bins, gguf, args.threads, args.batch, args.prompt, args.n16, *f),
                     row.get("llama_bB_flags"), ["--no-repack"])
                 row["llama_bB"].append(tg)
@@ -203,7 +186,7 @@ def run_prefill(args, bins: Path, path: Path, ggufs: dict) -> dict:
     """Prompt processing, llama-bench pp and lynx-edge's prefill alternating round by round → medians
     (the first of --bits)."""
     import torch
-    from vs_llamacpp import cpu_flags, sh
+    from vs_llamacpp import cpu_flags, repack_off_if_it_crashes, sh
 
     bits, gguf = next(iter(ggufs.items()))
     rows = {"llama_pp": [], "ours_pp": []}
@@ -211,7 +194,7 @@ def run_prefill(args, bins: Path, path: Path, ggufs: dict) -> dict:
         for tool in (("llama", "ours") if r % 2 == 0 else ("ours", "llama")):
             if tool == "llama":
                 _page_in(gguf)
-                out, rows["llama_flags"] = _repack_off_if_it_crashes(
+                out, rows["llama_flags"] = repack_off_if_it_crashes(
                     lambda *f: sh([bins / "llama-bench", "-m", gguf, "-p", args.prefill, "-n", 0, "-t", args.threads,
                                    "-r", 1, "-o", "json", *f]), rows.get("llama_flags"), ["--repack", "0"])
                 rows["llama_pp"].append(float(json.loads(out)[0]["avg_ts"]))

@@ -258,6 +258,23 @@ def llama_batched(bins: Path, gguf: Path, threads: int, batch: int, npp: int, nt
     return float(rows[-1]["speed_tg"])
 
 
+def repack_off_if_it_crashes(run, flags: list | None, off: list) -> tuple[float, list]:
+    """run(*flags) → (its result, the flags it ran with). llama.cpp's CPU repack of Q4_0 (its default)
+    segfaults on a multi-token batch on an AVX-512 Xeon (llama-cpp-python 0.3.36, sessions 38-39: the
+    full-size LFM2-8B-A1B, the random qwen3_moe; llama-bench's B=1 tg runs): flags None (no run yet) tries the default and,
+    on that crash, runs with `off` (llama-batched-bench `--no-repack`, llama-bench `--repack 0`), as
+    every later round does; the result records the flags."""
+    if flags is None:
+        try:
+            return run(), []
+        except RuntimeError as e:
+            if "exit -11" not in str(e):
+                raise
+            print(f"llama.cpp crashed (SIGSEGV) with its weights repacked: running it {' '.join(off)}", flush=True)
+            flags = off
+    return run(*flags), flags
+
+
 def llama_batched_retry(*a, tries: int = 8) -> float:
     """llama-batched-bench now and then exits 0 with its output cut after the first log line (no
     result; cause not found; from a Python parent holding torch's OpenMP pool, 1 run in 6-16 by
@@ -490,8 +507,12 @@ def run(args) -> dict:
                     ours(eng, p1, args.n, "off")
                     b1["ours"].append(ours(eng, p1, args.n, "off"))
                 bB = {"llama": [], "off": [], "on": []}
+                bflags = None  # llama-batched-bench's repack flags (repack_off_if_it_crashes)
                 for _ in range(args.rounds if batched else 0):
-                    bB["llama"].append(llama_batched_retry(bins, ggufs[kind], th, args.batch, args.prompt, args.n16))
+                    tg, bflags = repack_off_if_it_crashes(
+                        lambda *f: llama_batched_retry(bins, ggufs[kind], th, args.batch, args.prompt, args.n16, *f),
+                        bflags, ["--no-repack"])
+                    bB["llama"].append(tg)
                     bB["off"].append(ours(eng, pB, args.n16, "off"))
                     bB["on"].append(ours(eng, pB, args.n16, "on"))
                 pp = {"llama": [], "ours": []}
@@ -520,7 +541,7 @@ def run(args) -> dict:
 
                 row(1, "off", b1["ours"], b1["llama"], TARGET["B1", bits])
                 for mode in ("off", "on") if batched else ():
-                    row(args.batch, mode, bB[mode], bB["llama"], TARGET["Bn", bits])
+                    row(args.batch, mode, bB[mode], bB["llama"], TARGET["Bn", bits], llama_flags=bflags or [])
                 if args.prefill:  # prompt processing: no target in issue 16 (shown against parity)
                     row(f"pp{args.prefill}", "off", pp["ours"], pp["llama"], None)
                 if args.depth:  # decode at depth: the B=1 target
