@@ -196,7 +196,6 @@ def test_quantize_hands_every_tensor_back_after_its_last_read(q_models, tmp_path
         sorted(n for n in read if last.get(("rel", n), -1) < last["get", n])[:5]
 
 
-
 def test_quantize_frees_each_layer_before_the_next(q_models, tmp_path):
     """Each layer's modules and tensors are collected before the next layer is built: they sit in
     reference cycles, and waiting for the cyclic GC let LFM2-8B-A1B's quantize hold 10.5 GB of dead

@@ -754,4 +754,3 @@ __all__ = [
     "AttnBatch", "Attention", "DenseMLP", "Linear", "MoEBlock", "RMSNorm", "Rope",
     "RoutingContext", "StackedExperts", "expert_mlp", "int4_projections", "rtn_group",
 ]
-
