@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from conftest import q8_emulate as _q8
 from conftest import q16_emulate as _q16
+from lynx_edge.cpuflags import cpu_flags
 from lynx_edge.kernels import native
 from lynx_edge.kernels.moe_gemm import moe_ref_loop
 
@@ -821,13 +822,16 @@ def test_int4_q16_linear_matches_emulation(T, N, Kin, G, sym, act_order):
 
 
 def test_int4_default_act_matches_the_build(monkeypatch):
-    """q16 is the default only where it was measured faster than the f32 rows, AVX2 without AVX-512
-    (run for the AVX2 and portable builds by test_other_isa_paths): the portable build keeps f32."""
+    """q16 is the default only where it was measured faster than the f32 rows: AVX2 without AVX-512
+    (run for the AVX2 and portable builds by test_other_isa_paths), and AVX-512 on an AMD CPU (a
+    Zen4); an Intel CPU's AVX-512 build and the portable build keep f32."""
     monkeypatch.setattr(native, "INT4_ACT", None)
     vec = bool(native.lib().lynx_q16_pays())
     arch = os.environ.get("LYNX_EDGE_NATIVE_ARCH")
     if arch in ("x86-64", "haswell"):
         assert vec == (arch == "haswell")
+    elif arch is None and "avx512f" in cpu_flags():  # this machine's AVX-512 build: by vendor
+        assert vec == ("AuthenticAMD" in Path("/proc/cpuinfo").read_text(encoding="utf-8"))
     assert native.default_int4_act() == ("q16" if vec else "f32")
 
 

@@ -35,6 +35,7 @@
 #include <pthread.h>
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
+#include <cpuid.h>
 #endif
 /* the vector paths (AVX-512, or AVX2 with FMA); without them the portable loops */
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
@@ -2650,14 +2651,21 @@ int lynx_linear_int8(const float *x, const int8_t *q, const float *scale, const 
 /* 1 when lynx_linear_int8 can run int8 activations (AVX512-VNNI or AVX2), else 0 */
 int lynx_i8_q8(void) { return I8_Q8; }
 
-/* whether q16 is measured to beat the fp32 rows in this build, so native.default_int4_act picks it:
- * AVX2 + FMA without AVX-512 (an AMD EPYC Zen3: 1.38-1.80x, benchmarks/results/int4_act_rows.json).
- * An AVX-512 build runs q16 in 256-bit vectors against fp32 rows in 512-bit ones (a nibble by
- * vpermps, 16 lanes): by op count q16 may lose there, unmeasured, so those builds keep f32 by
- * default; the portable loops are unmeasured too. */
+/* whether q16 is measured to beat the fp32 rows on this build and CPU, so native.default_int4_act
+ * picks it:
+ * - AVX2 + FMA without AVX-512 (an AMD EPYC Zen3: 1.38-1.80x, benchmarks/results/int4_act_rows.json);
+ * - AVX-512 on an AMD CPU, whose 512-bit ops run as two 256-bit halves (an AMD EPYC Zen4: the q16
+ *   rows, 256-bit integer dot products, 1.24-2.51x the fp32 rows at 1-16 tokens from DRAM,
+ *   int4_act_rows_s40.json; end to end at B=1 on a 4-bit checkpoint 1.6x: vs_llamacpp_s40_int4.json
+ *   against vs_llamacpp_s40.json's f32 rows).
+ * AVX-512 on other CPUs (an Intel Xeon's full-width FMAs) is unmeasured against q16 and keeps f32,
+ * as do the portable loops. */
 int lynx_q16_pays(void) {
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
     return 1;
+#elif defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && (defined(__x86_64__) || defined(__i386__))
+    unsigned a, b, c, d;
+    return __get_cpuid(0, &a, &b, &c, &d) && b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u; /* "AuthenticAMD" */
 #else
     return 0;
 #endif

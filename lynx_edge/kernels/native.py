@@ -200,9 +200,10 @@ FMT_INT4, FMT_F32, FMT_BF16, FMT_MXFP4, FMT_FP8, FMT_I8 = 0, 1, 2, 3, 4, 5
 # of its group's largest, 128× finer than bf16's own rounding; see q16_block in the C file) or "q8"
 # (int8 activations in blocks of 32: llama.cpp's Q4_0 × Q8_0 scheme, ~2^-8; see q8_rows).
 # Engine option int4_act per engine; LYNX_EDGE_INT4_ACT (INT4_ACT) sets the default, else
-# default_int4_act(): q16 where it is measured to beat the f32 rows — AVX2 builds without AVX-512
-# (lynx_q16_pays: 1.2-1.4x end to end at fp32's quality within KL 3e-6; benchmarks/results/
-# int4_act_q16_s24.md, int4_act_q16_f32_s24.md, int4_act_rows.json) — f32 elsewhere (AVX-512's
+# default_int4_act(): q16 where it is measured to beat the f32 rows (lynx_q16_pays) — AVX2 builds
+# without AVX-512 (1.2-1.4x end to end at fp32's quality within KL 3e-6; benchmarks/results/
+# int4_act_q16_s24.md, int4_act_q16_f32_s24.md, int4_act_rows.json) and AVX-512 builds on AMD CPUs
+# (a Zen4: 1.24-2.5x the f32 rows, int4_act_rows_s40.json) — f32 elsewhere (an Intel CPU's full-width
 # 512-bit fp32 rows and the portable loops are unmeasured against q16).
 INT4_ACTS = ("f32", "q16", "q8")
 INT4_ACT = os.environ.get("LYNX_EDGE_INT4_ACT") or None
@@ -210,8 +211,8 @@ _ACT_CODE = {"f32": 0, "q8": 1, "q16": 2}  # the C file's ACT_F32 / ACT_Q8 / ACT
 
 
 def default_int4_act() -> str:
-    """The INT4 activations when none is named: INT4_ACT, else q16 where this build measured it faster
-    than the f32 rows (AVX2 without AVX-512), else f32."""
+    """The INT4 activations when none is named: INT4_ACT, else q16 where it was measured faster than
+    the f32 rows (AVX2 without AVX-512; AVX-512 on an AMD CPU), else f32."""
     return INT4_ACT or ("q16" if _q16_pays() else "f32")
 
 
