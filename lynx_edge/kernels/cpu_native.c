@@ -681,6 +681,18 @@ static void quant_q16(const float *xe, const float *xo, long S, int Kin, int G, 
     }
 }
 
+#if defined(__AVX2__)
+/* acc + the int16 products of a and b, each int32 lane summing its pair: one vpdpwssd with
+ * AVX512-VNNI (and VL), else vpmaddwd and an add; exact int32 either way, so the same sums (the q16
+ * and MXFP4 int16 rows; on a Zen4 the q16 rows from DRAM 1.01-1.09x, int4_rows_vnni_s40.json) */
+static inline __m256i dot16_add(__m256i acc, __m256i a, __m256i b) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpwssd_epi32(acc, a, b);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+#endif
+}
+#endif
 /* acc[r * ald + t] for R adjacent packed rows and NT tokens (R * NT <= 4, as dot_tile_h), HB the
  * 16-byte halves of a group (G / 32), a compile-time constant */
 static inline __attribute__((always_inline)) void q16_tile(
@@ -710,9 +722,8 @@ static inline __attribute__((always_inline)) void q16_tile(
                     const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(qr + o)));
                     const __m256i lo = _mm256_and_si256(w, m4), hi = _mm256_srli_epi16(w, 4);
                     for (t = 0; t < NT; t++) {
-                        const __m256i pe = _mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)(xe[t] + o)));
-                        const __m256i po = _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(xo[t] + o)));
-                        ai[r * NT + t] = _mm256_add_epi32(ai[r * NT + t], _mm256_add_epi32(pe, po));
+                        ai[r * NT + t] = dot16_add(dot16_add(ai[r * NT + t], lo, _mm256_loadu_si256((const __m256i *)(xe[t] + o))),
+                                                   hi, _mm256_loadu_si256((const __m256i *)(xo[t] + o)));
                         /* the sum in its register now: left free, gcc hoists a group's 32 products ahead of
                          * the adds and spills them (multi-token tiles 0.5x) */
                         __asm__("" : "+x"(ai[r * NT + t]));
@@ -1517,9 +1528,9 @@ static inline __attribute__((always_inline)) void mxq_rows(const uint8_t *q, con
             const __m256 ex = _mm256_permutevar8x32_ps(ev, _mm256_loadu_si256((const __m256i *)MX_PAIR_IDX[j >> 1]));
             for (t = 0; t < NT; t++) {
                 const __m256i *ve = (const __m256i *)(xe[t] + 16 * g), *vo = (const __m256i *)(xo[t] + 16 * g);
-                const __m256i p = _mm256_add_epi32(
-                    _mm256_add_epi32(_mm256_madd_epi16(le, _mm256_loadu_si256(ve)), _mm256_madd_epi16(lo, _mm256_loadu_si256(ve + 1))),
-                    _mm256_add_epi32(_mm256_madd_epi16(he, _mm256_loadu_si256(vo)), _mm256_madd_epi16(ho, _mm256_loadu_si256(vo + 1))));
+                const __m256i p = dot16_add(dot16_add(dot16_add(_mm256_madd_epi16(le, _mm256_loadu_si256(ve)), lo,
+                                                                _mm256_loadu_si256(ve + 1)), he, _mm256_loadu_si256(vo)),
+                                            ho, _mm256_loadu_si256(vo + 1));
                 tot[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(ex, _mm256_loadu_ps(d[t] + 4 * g)), tot[t]);
             }
         }
@@ -1530,8 +1541,8 @@ static inline __attribute__((always_inline)) void mxq_rows(const uint8_t *q, con
             const __m256i we = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(lut1, _mm_and_si128(b, m41)));
             const __m256i wo = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(lut1, _mm_and_si128(_mm_srli_epi16(b, 4), m41)));
             for (t = 0; t < NT; t++) {
-                const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(we, _mm256_loadu_si256((const __m256i *)(xe[t] + 16 * g))),
-                                                   _mm256_madd_epi16(wo, _mm256_loadu_si256((const __m256i *)(xo[t] + 16 * g))));
+                const __m256i p = dot16_add(_mm256_madd_epi16(we, _mm256_loadu_si256((const __m256i *)(xe[t] + 16 * g))),
+                                            wo, _mm256_loadu_si256((const __m256i *)(xo[t] + 16 * g)));
                 tot[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(es[j] * d[t][4 * g]), tot[t]);
             }
         }
