@@ -45,7 +45,7 @@ class LoadOptions:
     offload: bool = False
     int4: bool = False
     int4_group: int = 128
-    int4_act: str | None = None  # CPU INT4 activations: "f32" (exact) | "q16" (int16, ~2^-16) | "q8" (int8, approximate); None: $LYNX_EDGE_INT4_ACT, else q16 on AVX2 without AVX-512, else f32
+    int4_act: str | None = None  # CPU INT4 activations: "f32" (exact) | "q16" (int16, ~2^-16) | "q8" (int8, approximate); None: $LYNX_EDGE_INT4_ACT, else q16 where measured faster (native.default_int4_act), else f32
     int4_attn: bool = False  # CPU: a 16-bit checkpoint's attention / dense projections INT4 too (RTN at load)
     int8_head: bool = False  # CPU: the output head int8 with row scales (quant/int8.py; approximate)
     huge_pages: bool = False  # CPU: weights on 2 MiB transparent huge pages (hugepages.py; slower load)
@@ -211,9 +211,9 @@ def load_model(model_dir: Path, cfg: ModelConfig, opts: LoadOptions, progress: P
 
 def int4_act(value: str | None, cpu: bool = True) -> str | None:
     """The CPU INT4 kernels' activations: value, else $LYNX_EDGE_INT4_ACT, else q16 where the native
-    kernels measured it faster than the f32 rows (AVX2 without AVX-512), else f32; checked. Off the
-    CPU (cpu False) an unnamed value stays None: the kernels resolve it if a CPU expert ever runs
-    (offload), without building them at load for a GPU model."""
+    kernels measured it faster than the f32 rows (AVX2 without AVX-512; AVX-512 on an AMD CPU), else
+    f32; checked. Off the CPU (cpu False) an unnamed value stays None: the kernels resolve it if a CPU
+    expert ever runs (offload), without building them at load for a GPU model."""
     from .kernels import native
 
     if value is None and not cpu:
