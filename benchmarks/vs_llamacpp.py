@@ -261,9 +261,9 @@ def llama_batched(bins: Path, gguf: Path, threads: int, batch: int, npp: int, nt
 def repack_off_if_it_crashes(run, flags: list | None, off: list) -> tuple[float, list]:
     """run(*flags) → (its result, the flags it ran with). llama.cpp's CPU repack of Q4_0 (its default)
     segfaults on a multi-token batch on an AVX-512 Xeon (llama-cpp-python 0.3.36, sessions 38-39: the
-    full-size LFM2-8B-A1B, the random qwen3_moe; llama-bench's B=1 tg runs): flags None (no run yet) tries the default and,
-    on that crash, runs with `off` (llama-batched-bench `--no-repack`, llama-bench `--repack 0`), as
-    every later round does; the result records the flags."""
+    full-size LFM2-8B-A1B, the random qwen3_moe; llama-bench's B=1 tg runs): flags None (no run yet)
+    tries the default and, on that crash, runs with `off` (llama-batched-bench `--no-repack`,
+    llama-bench `--repack 0`), as every later round does; the result records the flags."""
     if flags is None:
         try:
             return run(), []
