@@ -23,7 +23,7 @@ from native_ab import Builds, append_run, gb_row, parser  # noqa: E402  (beside 
 SHAPES = [(768, 131072), (2048, 65536), (4096, 32768)]  # K (inputs; rows of K/2 bytes), N (rows)
 
 
-def rows(builds, rounds: int, threads: int, kind: str, tokens: tuple = (1, 4)) -> list:
+def rows(builds, rounds: int, threads: int, kind: str, tokens: tuple = (1, 4), acts: tuple = ("f32", "q16", "q8")) -> list:
     from lynx_edge.kernels import native
 
     torch.set_num_threads(threads)
@@ -37,7 +37,7 @@ def rows(builds, rounds: int, threads: int, kind: str, tokens: tuple = (1, 4)) -
             N //= 2
             codes = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=g)
             scales = torch.rand(N, generator=g) * 0.01
-        for act in ("f32", "q16", "q8"):
+        for act in acts:
             for T in tokens:
                 x = torch.randn(T, K, generator=g)
 
@@ -58,11 +58,13 @@ def main() -> None:
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--kinds", default="int4,int8", help="int4 rows, int8 rows (the int8 head's kernel)")
     ap.add_argument("--tokens", default="1,4", help="tokens per call (B=1 decode: 1; a batch: 4, 16)")
+    ap.add_argument("--acts", default="f32,q16,q8", help="activation modes (int4_act_rows.py's)")
     a = ap.parse_args()
     builds = Builds(a.base, "int4_rows")
     run = builds.header("native INT4 rows from DRAM, this tree vs --base (same process, alternating rounds)", a.rounds)
     run["rows"] = [row for k in a.kinds.split(",") for t in a.threads.split(",") for row in rows(builds, a.rounds, int(t), k,
-                                                                                 tuple(int(n) for n in a.tokens.split(",")))]
+                                                                                 tuple(int(n) for n in a.tokens.split(",")),
+                                                                                 tuple(a.acts.split(",")))]
     append_run(Path(a.out), run)
 
 

@@ -803,7 +803,8 @@ TOL_Q16 = 1e-6  # vs the torch emulation of the same quantisation: observed max 
 
 @pytest.mark.parametrize("T,N,Kin,G,sym,act_order", [(1, 48, 128, 32, False, False), (1, 512, 2048, 128, True, False),
                                                      (3, 40, 256, 64, False, True), (6, 24, 384, 128, False, True),
-                                                     (5, 20, 512, 128, True, False)])
+                                                     (5, 20, 512, 128, True, False),
+                                                     (7, 31, 256, 32, False, False)])  # AVX-512 row pairs + a lone row
 def test_int4_q16_linear_matches_emulation(T, N, Kin, G, sym, act_order):
     ql, x, b, exact = _q4_problem(T, N, Kin, G, sym, act_order, True)
     p = None if ql.perm is None else ql.perm.to(torch.int32)
