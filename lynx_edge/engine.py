@@ -66,8 +66,10 @@ class EngineConfig:
     threads: int | None = None  # torch CPU threads, set once at build (None: lynx_edge.threads default)
     # greedy decode steps per call (vLLM's multi-step scheduling; core.EngineCore._burst): with the
     # whole model in one native CPU call, up to this many steps run with no Python between them,
-    # fewer when a step is slow (a burst stays within ~20 ms); 1: one step per call
-    num_scheduler_steps: int = 16
+    # fewer when a step is slow (a burst stays within ~20 ms: the time, not this count, bounds a
+    # chunk's delay); 1: one step per call. 64, not 16: the Python around each call (plan checks,
+    # bookkeeping) costs the demo's B=1 tokens 3-5% at 16 (results/scheduler_steps_s41.json)
+    num_scheduler_steps: int = 64
 
 
 @dataclass

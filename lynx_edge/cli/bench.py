@@ -11,7 +11,7 @@ import typer
 
 from . import ui
 from .common import CliError, engine_options, load_engine, need
-from .options import (BatchSizes, CtxSize, SchedulerSteps, Device, Dtype, Int4, Int4Act, Int4Attn, Int8Head, NoRepack, SwaFull, Model, Offload, Profile, Seed, TableJsonCsv,
+from .options import (SCHEDULER_STEPS, BatchSizes, CtxSize, SchedulerSteps, Device, Dtype, Int4, Int4Act, Int4Attn, Int8Head, NoRepack, SwaFull, Model, Offload, Profile, Seed, TableJsonCsv,
                       check_lynx, parse_sizes)
 
 _MODES = {"off": ["off"], "on": ["on"], "lynx": ["lynx"], "both": ["off", "on"]}
@@ -44,7 +44,7 @@ def bench(
     ctx_size: CtxSize = None,
     dtype: Dtype = None,
     device: Device = None,
-    num_scheduler_steps: SchedulerSteps = 16,
+    num_scheduler_steps: SchedulerSteps = SCHEDULER_STEPS,
 ) -> None:
     """Benchmark prefill and decode per batch size on synthetic prompts (mean ± std over -r runs)."""
     from .. import bench as lib

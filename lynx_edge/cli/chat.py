@@ -18,7 +18,7 @@ import typer
 from ..harmony import HarmonyParser, HarmonyTokens, is_answer
 from . import ui
 from .common import engine_options, load_engine
-from .options import (ChatTemplateKwargs, check_lynx, CtxSize, Device, Dtype, Int4, Int4Act, Int4Attn, Int8Head, NoRepack, SwaFull, Lynx, MaxTokens, Model, Offload, Profile,
+from .options import (SCHEDULER_STEPS, ChatTemplateKwargs, check_lynx, CtxSize, Device, Dtype, Int4, Int4Act, Int4Attn, Int8Head, NoRepack, SwaFull, Lynx, MaxTokens, Model, Offload, Profile,
                       RepeatPenalty, SchedulerSteps, Seed, Temp, TopK, TopP, VerbosePrompt, parse_json_object, sampling_kwargs)
 
 COMMANDS = {
@@ -276,7 +276,7 @@ def chat(
     ctx_size: CtxSize = None,
     dtype: Dtype = None,
     device: Device = None,
-    num_scheduler_steps: SchedulerSteps = 16,
+    num_scheduler_steps: SchedulerSteps = SCHEDULER_STEPS,
 ) -> None:
     """Chat in the terminal (streaming; the KV cache is reused across turns)."""
     template_kwargs = parse_json_object(chat_template_kwargs, "--chat-template-kwargs")

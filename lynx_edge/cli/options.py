@@ -47,6 +47,7 @@ Threads = Annotated[Optional[int], typer.Option(
 SchedulerSteps = Annotated[int, typer.Option(
     "--num-scheduler-steps", min=1, help="greedy decode steps per native call on a CPU (vLLM's multi-step "
     "scheduling; fewer when a step is slow, a burst stays within ~20 ms); 1 = one step per call")]
+SCHEDULER_STEPS = 64  # engine.EngineConfig.num_scheduler_steps' default (this module stays torch-free)
 CtxSize = Annotated[Optional[int], typer.Option("--ctx-size", "-c", help="context length in tokens")]
 
 # sampling (llama.cpp names); None = the model's generation_config.json, else CHAT_FALLBACK
