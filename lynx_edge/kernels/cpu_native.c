@@ -902,7 +902,11 @@ enum { FMT_INT4 = 0, FMT_F32 = 1, FMT_BF16 = 2, FMT_MXFP4 = 3, FMT_FP8 = 4, FMT_
  * Hence rows of <= 512 inputs only, and only rows that come from DRAM at each use (dense_block's
  * `stream`: experts that outgrow the last-level cache, native.streamed): rows that stay in cache run slower whole — the demo's fp32 head (4096 x 256,
  * 4 MB) read 42 GB/s interleaved against 18-26 whole on the Zen3 (one latency-bound accumulator per
- * row at a time). The AVX-512 path is unmeasured and keeps the interleaved loop. */
+ * row at a time). The AVX-512 path takes the same rule (DT_WHOLE_F32; session 41, AMD EPYC Zen4, one
+ * thread, benchmarks/expert_rows.py --dtypes float32 --tokens 1, results/expert_rows_f32_whole_s41.json):
+ * the zero-padded demo's 256-input gate/up rows 1.14x, Qwen3-Next's 512-input down rows 1.04x; whole
+ * rows of 2048 inputs measured 0.89x (Qwen3-30B-A3B's gate/up). bf16 rows stay interleaved there
+ * (whole: one token 1.07x, three 0.77-0.85x; streamed bf16 experts are packed rows anyway). */
 #ifndef ROW_WHOLE_F32_AVX2
 #define ROW_WHOLE_F32_AVX2 512
 #endif
@@ -975,7 +979,7 @@ void lynx_pack_copy(uint8_t *dst, const uint8_t *src, long R, long K, int es, in
 #define DT_VFMA _mm512_fmadd_ps
 #define DT_RUN ROW_RUN
 #define DT_UNROLL_RUN DT_PRAGMA(GCC unroll 4)
-#define DT_WHOLE_F32 0
+#define DT_WHOLE_F32 ROW_WHOLE_F32_AVX2 /* the AVX2 rule, measured on a Zen4 too (see there) */
 #define DT_WHOLE_BF16 0
 #define DT_WAT(r, jj) (FMT == FMT_F32 ? _mm512_loadu_ps((const float *)WP(r, jj)) \
                 : FMT == FMT_I8 ? _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)WP(r, jj)))) \
