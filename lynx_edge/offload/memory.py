@@ -264,10 +264,10 @@ def non_expert_bytes(cfg: ModelConfig, elem: int, int4_attn: bool = False, int8_
     group; biases stay); int8_head: the head as int8 rows with fp32 scales (an untied lm_head's 16-bit
     weight freed, a tied one kept: it is the embedding) — both as a CPU with the native kernels holds them."""
     from ..models.layers import int4_projections
-    from ..models.transformer import MoEForCausalLM
+    from ..models.transformer import meta_model
 
     dt = torch.bfloat16
-    model = MoEForCausalLM(cfg, dt, torch.device("meta"))
+    model = meta_model(cfg)
     total = sum(p.numel() * (elem if p.dtype is dt else p.element_size())
                 for n, p in model.named_parameters() if ".mlp.experts." not in n)
     for _, _, lin, g in int4_projections(model, group) if int4_attn else ():
