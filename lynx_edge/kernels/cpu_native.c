@@ -728,7 +728,8 @@ static inline __attribute__((always_inline)) void q16_tile(
 #if Q16_PAIRS
                 /* every row's codes widened, then tokens outer: each token's inputs loaded once for
                  * all R rows (one row of four tokens reloaded them for every row; from DRAM the
-                 * row pairs ran T=3 1.05-1.18x, T=16 1.04-1.29x, int4_pairs_s41.json) */
+                 * row pairs ran T=3 1.01-1.35x, T=4 1.02-1.33x, T=16 1.26-1.41x on a Zen4,
+                 * int4_pairs_s41.json; in cache about even: the multiply pipes bound it there) */
                 __m256i lo[4], hi[4];
                 for (r = 0; r < R; r++) {
                     const uint8_t *qr = q + r * rs;
@@ -807,7 +808,7 @@ static void q16_block(const uint8_t *q, long rs, const uint16_t *s, const uint8_
         if (G == 128) Q16_TILE_HB(4, RR, M, r0, t0); else if (G == 64) Q16_TILE_HB(2, RR, M, r0, t0); \
         else Q16_TILE_HB(1, RR, M, r0, t0); \
     } while (0)
-    if (n == 2) WALK_TILES(Q16_TILE, Q16_TOKENS, R, n, 0); /* two rows x two tokens: all four rows x two ran 0.7x */
+    if (n == 2) WALK_TILES(Q16_TILE, Q16_TOKENS, R, n, 0); /* two rows x two tokens: four x two ran 0.7x (K = 4096) */
     else WALK_TILES(Q16_TILE, Q16_TOKENS, R, n, Q16_PAIRS);
 #undef Q16_TILE
 #undef Q16_TILE_HB
