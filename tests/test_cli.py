@@ -143,6 +143,14 @@ def test_offload_and_int4_flags_reach_the_engine(tiny_models):
     assert plain.stdout.splitlines()[0] == off.stdout.splitlines()[0]  # offloading is exact
 
 
+def test_scheduler_steps_default_is_the_engines():
+    """The CLI's --num-scheduler-steps default (cli/options, kept torch-free) is EngineConfig's."""
+    from lynx_edge.cli.options import SCHEDULER_STEPS
+    from lynx_edge.engine import EngineConfig
+
+    assert SCHEDULER_STEPS == EngineConfig().num_scheduler_steps == 64
+
+
 def test_int4_bytes_note_counts_what_every_decode_token_reads():
     """--int4 alone on a CPU: the note counts the 16-bit weights each decode token reads (the
     demo's non-expert tensors, fp32 there, with the tied embedding as the head) and names the
