@@ -7,6 +7,7 @@ round in one process: what the Python between bursts costs where a step is short
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -39,7 +40,7 @@ def main() -> None:
                        for n in steps}
             prompts = synthetic_prompts(engines[steps[0]], B, 8)
             tok_s = engines_ab(engines, prompts, a.rounds, a.n)
-            row = {"dtype": dt, "batch": B, "tok_s": {n: round(sorted(v)[len(v) // 2], 1) for n, v in tok_s.items()}}
+            row = {"dtype": dt, "batch": B, "tok_s": {n: round(statistics.median(v), 1) for n, v in tok_s.items()}}
             for base in steps[:2]:  # paired ratios against one step per call and the next setting (16: the old default)
                 row[f"vs_{base}"] = {n: paired_ratio(tok_s[n], tok_s[base]) for n in steps}
             rows.append(row)

@@ -262,9 +262,9 @@ static inline __attribute__((always_inline)) void dot_tile(
     else dot_tile_h(q, rs, s, z, N, Kin, G / 2, R, xe, xo, xs, NT, acc, ald);
 }
 
-/* The tile walk of the row kernels (dot_block; q8_block and i8q8_block, whose sums are one
- * accumulator each, with `pairs` where 32 vector registers hold 8 of them) over R (1..4) rows and n
- * tokens: one token, all R rows at once; two, all R rows with `pairs` (else two rows at a time);
+/* The tile walk of the row kernels (dot_block; q8_block, q16_block and i8q8_block, whose sums are
+ * one accumulator each, wider where 32 vector registers hold 8 of them) over R (1..4) rows and n
+ * tokens: one token, all R rows at once; two, all R rows with `two` (else two rows at a time);
  * more, two (`pairs`) or one rows x four tokens. TOKENS(t0, m) points the token arrays at tokens
  * t0..t0+m, TILE(RR, M, r0, t0) runs one tile of that compile-time shape. */
 #define TILE_R(TILE, RR, M, r0, t0) /* RR rows, 1..4 at run time, as a compile-time shape */ \
@@ -277,9 +277,9 @@ static inline __attribute__((always_inline)) void dot_tile(
         if ((M) == 4) TILE(RR, 4, r0, t0); else if ((M) == 3) TILE(RR, 3, r0, t0); \
         else if ((M) == 2) TILE(RR, 2, r0, t0); else TILE(RR, 1, r0, t0); \
     } while (0)
-#define WALK_TILES(TILE, TOKENS, R, n, pairs) \
+#define WALK_TILES(TILE, TOKENS, R, n, two, pairs) \
     do { \
-        if ((n) == 1 || ((n) == 2 && (pairs))) { \
+        if ((n) == 1 || ((n) == 2 && (two))) { \
             TOKENS(0, n) \
             if ((n) == 1) TILE_R(TILE, R, 1, 0, 0); else TILE_R(TILE, R, 2, 0, 0); \
             break; \
@@ -314,7 +314,7 @@ static void dot_block(const uint8_t *q, long rs, const uint16_t *s, const uint8_
 #define DOT_TILE(RR, M, r0, t0) \
     dot_tile(q + (r0) * rs, rs, s + (r0), z ? z + (r0) : NULL, N, Kin, G, RR, xe, xo, xs, M, acc + (r0) * ROWS_LD + (t0), \
              ROWS_LD)
-    WALK_TILES(DOT_TILE, DOT_TOKENS, R, n, 0);
+    WALK_TILES(DOT_TILE, DOT_TOKENS, R, n, 0, 0);
 #undef DOT_TILE
 #undef DOT_TOKENS
 }
@@ -599,7 +599,7 @@ static void q8_block(const uint8_t *q, long rs, const uint16_t *s, const uint8_t
 #define Q8_TILE(RR, M, r0, t0) \
     q8_tile(q + (r0) * rs, rs, s + (r0), z ? z + (r0) : NULL, N, Kin, G, RR, xe, xo, d, zx, M, acc + (r0) * ROWS_LD + (t0), \
             ROWS_LD)
-    WALK_TILES(Q8_TILE, Q8_TOKENS, R, n, Q8_PAIRS);
+    WALK_TILES(Q8_TILE, Q8_TOKENS, R, n, Q8_PAIRS, Q8_PAIRS);
 #undef Q8_TILE
 #undef Q8_TOKENS
 }
@@ -808,8 +808,8 @@ static void q16_block(const uint8_t *q, long rs, const uint16_t *s, const uint8_
         if (G == 128) Q16_TILE_HB(4, RR, M, r0, t0); else if (G == 64) Q16_TILE_HB(2, RR, M, r0, t0); \
         else Q16_TILE_HB(1, RR, M, r0, t0); \
     } while (0)
-    if (n == 2) WALK_TILES(Q16_TILE, Q16_TOKENS, R, n, 0); /* two rows x two tokens: four x two ran 0.7x (K = 4096) */
-    else WALK_TILES(Q16_TILE, Q16_TOKENS, R, n, Q16_PAIRS);
+    /* two tokens two rows at a time: all four rows x two ran 0.7x (K = 4096) */
+    WALK_TILES(Q16_TILE, Q16_TOKENS, R, n, 0, Q16_PAIRS);
 #undef Q16_TILE
 #undef Q16_TILE_HB
 #undef Q16_TOKENS
@@ -2614,7 +2614,7 @@ static void i8q8_block(const int8_t *w, long rs, int Kin, int R, const int8_t *x
         xq[i] = xq0 + (long)((t0) + i) * Kin; dl[i] = dl0 + (long)((t0) + i) * nb; ct[i] = ct0 + (t0) + i; }
 #define I8_TILE(RR, M, r0, t0) \
     i8q8_tile(w + (r0) * rs, rs, Kin, RR, xq, dl, ct, M, acc + (r0) * ROWS_LD + (t0), ROWS_LD, whole)
-    WALK_TILES(I8_TILE, I8_TOKENS, R, n, I8_AVX512); /* AVX2: tiles of <= 4 sums (its 16 registers) */
+    WALK_TILES(I8_TILE, I8_TOKENS, R, n, I8_AVX512, I8_AVX512); /* AVX2: tiles of <= 4 sums (its 16 registers) */
 #undef I8_TILE
 #undef I8_TOKENS
 }
