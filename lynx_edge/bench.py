@@ -186,6 +186,7 @@ def _describe(engine, prompt_len: int, gen_len: int, reps: int, seed: int) -> di
             "offload": bool(getattr(conf, "offload", False)),
             "experts": getattr(placement, "experts", None), "isa": cpu_isa(),
             "int4_attn": bool(getattr(conf, "int4_attn", False)), "int4_act": getattr(placement, "int4_act", None),
+            "bf16_act": getattr(placement, "bf16_act", None),  # CPU bf16 weights' activations (--bf16-act)
             "int8_head": bool(getattr(placement, "int8_head", False)),
             "packed_linears": getattr(placement, "packed_linears", 0),  # attention read 4/8-bit on a CPU
             # whether the CPU decode ran lynx-edge's native kernels (kernels/cpu_native.c) or the

@@ -47,6 +47,7 @@ class LoadOptions:
     int4_group: int = 128
     int4_act: str | None = None  # CPU INT4 activations: "f32" (exact) | "q16" (int16, ~2^-16) | "q8" (int8, approximate); None: $LYNX_EDGE_INT4_ACT, else q16 where measured faster (native.default_int4_act), else f32
     int4_attn: bool = False  # CPU: a 16-bit checkpoint's attention / dense projections INT4 too (RTN at load)
+    bf16_act: str | None = None  # CPU bf16 weights' activations: "f32" (exact) | "bf16" (rounded, 2^-9); None: $LYNX_EDGE_BF16_ACT, else bf16 where measured faster (native.default_bf16_act), else f32
     int8_head: bool = False  # CPU: the output head int8 with row scales (quant/int8.py; approximate)
     huge_pages: bool = False  # CPU: weights on 2 MiB transparent huge pages (hugepages.py; slower load)
     repack: bool = True  # CPU: streamed bf16 experts of short rows in packed rows (native.pack_choice)
@@ -143,6 +144,7 @@ class Placement:
     dense_layers: tuple[int, ...] = ()  # mixed layers kept 16-bit (a 4-bit checkpoint with 16-bit experts)
     packed_linears: int = 0  # 4-bit / FP8 non-expert linears read packed (CPU: Int4Linear, Fp8Linear)
     int4_act: str | None = None  # CPU INT4 kernels' activations: f32 | q16 | q8 (None: not an INT4 CPU model)
+    bf16_act: str | None = None  # CPU bf16 weights' activations: f32 | bf16 (None: no bf16 weight on a CPU)
     int8_head: bool = False  # the output head read as int8 rows (quant/int8.py)
 
 
@@ -200,6 +202,8 @@ def load_model(model_dir: Path, cfg: ModelConfig, opts: LoadOptions, progress: P
     ckpt.close()
     if opts.int8_head:
         placement.int8_head = _int8_head(model, dev, act, opts.huge_pages)
+    if dev.type == "cpu" and dt == torch.bfloat16:
+        placement.bf16_act = _bf16_activations(model, bf16_act(opts.bf16_act))
     model.placement = placement
     if rt is not None:
         from .offload.runtime import _install_route
@@ -221,6 +225,38 @@ def int4_act(value: str | None, cpu: bool = True) -> str | None:
     act = value or native.default_int4_act()
     if act not in native.INT4_ACTS:
         raise ConfigError(f"int4 activations {act!r} not supported; use one of {', '.join(native.INT4_ACTS)}")
+    return act
+
+
+def bf16_act(value: str | None) -> str:
+    """The CPU bf16 weights' activations: value, else $LYNX_EDGE_BF16_ACT, else bf16 where the native
+    kernels measured it faster (AVX512-BF16 on an AMD CPU: native.default_bf16_act), else f32; checked."""
+    from .kernels import native
+
+    act = value or native.default_bf16_act()
+    if act not in native.BF16_ACTS:
+        raise ConfigError(f"bf16 activations {act!r} not supported; use one of {', '.join(native.BF16_ACTS)}")
+    return act
+
+
+def _bf16_activations(model, act: str) -> str:
+    """Every bf16 projection, expert stack and head of a CPU model told its activations act → what
+    runs: "bf16" only where the native kernels have bf16 rows on bf16 inputs (else "f32"). The
+    routers (and the shared expert's scalar gate) stay fp32: a top-k decision is the last place
+    for a rounding that can flip a choice."""
+    from .kernels import native
+    from .models.layers import Linear, MoEBlock
+
+    if act == "bf16" and not native.bf16_dp():
+        act = "f32"
+    mark = "bf16" if act == "bf16" else None
+    exact = {id(m) for blk in model.modules() if isinstance(blk, MoEBlock)
+             for m in (blk.gate, blk.shared_expert_gate) if m is not None}
+    for m in model.modules():
+        if isinstance(m, (Linear, StackedExperts)) and id(m) not in exact:
+            m.act = mark
+    if model.head_int8 is None:
+        model.head_act = mark
     return act
 
 

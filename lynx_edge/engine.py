@@ -52,6 +52,9 @@ class EngineConfig:
     int4_group: int = 128
     int4_act: str | None = None  # CPU INT4 kernels: "f32" (exact) | "q16" (int16 activations, ~2^-16) | "q8" (int8, approximate)
     int4_attn: bool = False  # CPU: attention / dense projections INT4 too, RTN at load (approximate)
+    # CPU bf16 weights (not the routers): "f32" (exact) | "bf16" (activations rounded to bf16, as
+    # llama.cpp's BF16 rows: approximate) (None: $LYNX_EDGE_BF16_ACT, else bf16 where measured faster)
+    bf16_act: str | None = None
     int8_head: bool = False  # CPU: the output head int8 with row scales, at load (approximate; quant/int8.py)
     # CPU: weights on 2 MiB transparent huge pages (hugepages.py): faster decode, slower load
     # (None: $LYNX_EDGE_THP == "1"; lynx-edge serve: on unless $LYNX_EDGE_THP says otherwise)
@@ -129,7 +132,7 @@ class Engine:
         huge_pages = hugepages.env_default() if config.huge_pages is None else config.huge_pages
         opts = LoadOptions(device=device, dtype=dtype, offload=config.offload, int4=config.int4,
                            int4_group=config.int4_group, int4_act=config.int4_act, int4_attn=config.int4_attn,
-                           int8_head=config.int8_head, huge_pages=huge_pages, repack=config.repack,
+                           bf16_act=config.bf16_act, int8_head=config.int8_head, huge_pages=huge_pages, repack=config.repack,
                            swa_full=config.swa_full,
                            allow_pickle=config.allow_pickle,
                            ctx=config.ctx_size or min(cfg.max_position_embeddings, 4096), batch=config.max_num_seqs,

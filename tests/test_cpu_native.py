@@ -164,8 +164,8 @@ def test_model_paths_use_the_kernels(monkeypatch):
     from lynx_edge.models import layers
 
     calls = []
-    monkeypatch.setattr(native, "moe_dense", lambda *a: calls.append("moe") or moe_ref_loop(*a[:5]))
-    monkeypatch.setattr(native, "linear", lambda x, w, b=None: calls.append("linear") or F.linear(x, w, b))
+    monkeypatch.setattr(native, "moe_dense", lambda *a, act=None: calls.append("moe") or moe_ref_loop(*a[:5]))
+    monkeypatch.setattr(native, "linear", lambda x, w, b=None, act=None: calls.append("linear") or F.linear(x, w, b))
     x, ids, w, gu, dn = _moe_problem(4, 2, 4, 64, 32, torch.bfloat16)
     layers.cpu_moe(x.bfloat16(), ids, w, gu, dn)
     layers.linear(x[:1].bfloat16(), gu[0])
@@ -1263,3 +1263,86 @@ def test_amx_tiles_match_reference_and_are_batch_invariant(amx_tiles, T, K, E, D
     assert _rel(native.moe_dense(x, ids, w, gu, bad), ref) > 100 * TOL_MOE
     # the three parts of an fp32 input all count: one part alone (x rounded to bf16) is ~2^-9 off
     assert _rel(native.moe_dense(x.bfloat16().float(), ids, w, gu, dn), ref) > 10 * TOL_MOE
+
+
+# --- bf16 rows on bf16 activations (act "bf16": vdpbf16ps where the build has AVX512-BF16) ----------
+
+dp_only = pytest.mark.skipif(not native.bf16_dp(), reason="this build has no bf16 rows on bf16 inputs (AVX512-BF16)")
+TOL_DP = 1e-6  # fp32 sums of exact bf16 x bf16 products, reassociated (seen ~2e-7 of the output scale)
+
+
+def _bf16_act_ref(x: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """act "bf16" emulated: x rounded to bf16 (nearest even), then fp64 products and sums."""
+    return F.linear(x.to(torch.bfloat16).double(), W.double(), None if b is None else b.double()).float()
+
+
+@dp_only
+@pytest.mark.parametrize("T,Kin,N,bias", [(1, 256, 37, False), (3, 100, 20, True), (4, 48, 33, False), (7, 512, 17, True),
+                                          (16, 1000, 24, False), (2, 31, 5, False)])
+def test_bf16_act_linear_matches_emulation(T, Kin, N, bias):
+    """Every tile shape (1-4 tokens x 1-4 rows, groups of four tokens after), inputs a multiple of 32
+    or with a masked tail (100, 48, 1000, 31), against the rounding emulated in fp64; and a token
+    alone equals itself in the batch, bit for bit."""
+    g = torch.Generator().manual_seed(T + Kin)
+    x = torch.randn(T, Kin, generator=g)
+    W = (torch.randn(N, Kin, generator=g) / Kin**0.5).bfloat16()
+    b = torch.randn(N, generator=g) if bias else None
+    ref = _bf16_act_ref(x, W, b)
+    y = native.linear(x, W, b, act="bf16")
+    assert _rel(y, ref) < TOL_DP, _rel(y, ref)
+    assert _rel(native.linear(x, W, b), ref) > 100 * TOL_DP  # the fp32 rows are not what ran
+    for t in range(T):
+        assert torch.equal(native.linear(x[t:t + 1], W, b, act="bf16"), y[t:t + 1]), t
+    W2 = W.clone()  # a weight past the last whole 32-input step
+    W2[N - 1, Kin - 1] += 1.0
+    assert _rel(native.linear(x, W2, b, act="bf16"), ref) > 100 * TOL_DP
+    lin = native.dense_lin(W, b)  # the Lin the layer calls run: fp32 unless asked
+    assert lin.act == 0 and native.dense_lin(W, b, "bf16").act == native.ACT_BF16
+    assert native.dense_lin(W.float(), b, "bf16").act == 0  # fp32 weights: no rounding
+
+
+@dp_only
+@pytest.mark.parametrize("stream", [True, False])
+def test_bf16_act_moe_matches_emulation(stream):
+    """The MoE call with act "bf16": x rounded once, h = silu(gate)·up in fp32 rounded once for the
+    down rows, against that emulated in fp64; tokens alone equal their batch (the demo's widths: gate/up
+    rows of 256 inputs, down rows of 100: a masked tail)."""
+    g = torch.Generator().manual_seed(9)
+    E, D, I, T, K = 5, 256, 100, 10, 2
+    gu = (torch.randn(E, 2 * I, D, generator=g) / D**0.5).bfloat16()
+    dn = (torch.randn(E, D, I, generator=g) / I**0.5).bfloat16()
+    x = torch.randn(T, D, generator=g)
+    ids = torch.tensor([[0, 1], [0, 1], [0, 1], [0, 1], [0, 2], [0, 2], [1, 2], [3, 2], [3, 4], [3, 4]])
+    w = torch.softmax(torch.randn(T, K, generator=g), -1)
+    ref = torch.zeros(T, D, dtype=torch.float64)
+    xb = x.bfloat16().double()
+    for t in range(T):
+        for k in range(K):
+            e = int(ids[t, k])
+            gate, up = gu[e, :I].double() @ xb[t], gu[e, I:].double() @ xb[t]
+            h = (F.silu(gate) * up).float().bfloat16().double()
+            ref[t] += w[t, k].double() * (dn[e].double() @ h)
+    full = native.moe_dense(x, ids, w, gu, dn, stream, act="bf16")
+    assert _rel(full, ref) < TOL_DP, _rel(full, ref)
+    assert _rel(native.moe_dense(x, ids, w, gu, dn, stream), ref) > 100 * TOL_DP
+    for t in range(T):
+        assert torch.equal(native.moe_dense(x[t:t + 1], ids[t:t + 1], w[t:t + 1], gu, dn, stream, act="bf16"),
+                           full[t:t + 1]), t
+    assert torch.equal(native.moe_dense(x, ids, w, gu.float(), dn.float(), stream, act="bf16"),
+                       native.moe_dense(x, ids, w, gu.float(), dn.float(), stream))  # fp32 experts: exact either way
+
+
+def test_bf16_act_default_follows_the_build(monkeypatch):
+    """No name, no environment: bf16 where the build has the rows and they measured faster (AMD
+    AVX512-BF16), else f32; the environment's value wins; a bad value is a one-line ConfigError."""
+    from lynx_edge.build import bf16_act
+    from lynx_edge.config import ConfigError
+
+    monkeypatch.setattr(native, "BF16_ACT", None)
+    pays = bool(native.lib().lynx_bf16_pays())
+    assert native.default_bf16_act() == ("bf16" if pays else "f32")
+    assert not pays or native.bf16_dp()
+    monkeypatch.setattr(native, "BF16_ACT", "f32")
+    assert bf16_act(None) == "f32" and bf16_act("bf16") == "bf16"
+    with pytest.raises(ConfigError, match="bf16 activations 'q8' not supported"):
+        bf16_act("q8")

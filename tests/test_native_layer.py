@@ -50,10 +50,19 @@ def q3(tmp_path_factory):
     return make_tiny(root / "q3", "qwen3_moe", hidden_size=128, moe_intermediate_size=128, head_dim=32)
 
 
+@pytest.mark.parametrize("act", ["f32", "bf16"])
 @pytest.mark.parametrize("B", [1, 3])
-def test_bf16_bit_equal_to_module_path(q3, B, monkeypatch):
-    got, ref, _ = _both(q3, B, monkeypatch, dtype="bfloat16")
+def test_bf16_bit_equal_to_module_path(q3, B, act, monkeypatch):
+    """bf16 on fp32 activations, and on bf16 ones (--bf16-act bf16: every projection, expert and the
+    head, not the router; fp32 rows where the build has no AVX512-BF16, so the same logits there)."""
+    got, ref, eng = _both(q3, B, monkeypatch, dtype="bfloat16", bf16_act=act)
     assert torch.equal(got, ref)
+    m, runs = eng.model, "bf16" if act == "bf16" and native.bf16_dp() else "f32"
+    assert m.placement.bf16_act == runs
+    mark = "bf16" if runs == "bf16" else None
+    assert m.head_act == mark and m.layers[0].mlp.experts.act == mark and m.layers[0].mlp.gate.act is None
+    nl, code = m.layers[0]._native, native.bf16_code(mark, torch.bfloat16)
+    assert (nl.attn_plan.qkv.act, nl.attn_plan.o.act, nl.moe_plan.act, nl.attn_plan.gate.act) == (code, code, code, 0)
 
 
 @pytest.mark.parametrize("kw", [dict(int4=True, int4_group=32), dict(int4=True, int4_group=32, int4_act="q8"),
@@ -89,11 +98,11 @@ def test_fp32_bit_equal(q3, B, monkeypatch):
     assert torch.equal(got, ref)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_decode_is_batch_invariant(q3, dtype):
+@pytest.mark.parametrize("dtype,act", [("float32", None), ("bfloat16", "f32"), ("bfloat16", "bf16")])
+def test_decode_is_batch_invariant(q3, dtype, act):
     """A row's decode logits alone equal its logits inside a batch: every kernel sums a row the
     same way whichever rows share the call (what `seed` per sequence promises for sampling)."""
-    eng = Engine.from_pretrained(q3, device="cpu", dtype=dtype, max_num_seqs=5)
+    eng = Engine.from_pretrained(q3, device="cpu", dtype=dtype, max_num_seqs=5, bf16_act=act)
     prompts = [[5, 6, 7], [9, 10, 11, 12, 13], [4], [8, 8, 3, 2], [30, 31]]
     kv = eng._cache(5)
     for b, p in enumerate(prompts):

@@ -11,7 +11,7 @@ import typer
 
 from . import ui
 from .common import CliError, engine_options, load_engine, need
-from .options import (SCHEDULER_STEPS, BatchSizes, CtxSize, SchedulerSteps, Device, Dtype, Int4, Int4Act, Int4Attn, Int8Head, NoRepack, SwaFull, Model, Offload, Profile, Seed, TableJsonCsv,
+from .options import (SCHEDULER_STEPS, BatchSizes, CtxSize, SchedulerSteps, Device, Dtype, Bf16Act, Int4, Int4Act, Int4Attn, Int8Head, NoRepack, SwaFull, Model, Offload, Profile, Seed, TableJsonCsv,
                       check_lynx, parse_sizes)
 
 _MODES = {"off": ["off"], "on": ["on"], "lynx": ["lynx"], "both": ["off", "on"]}
@@ -36,6 +36,7 @@ def bench(
     offload: Offload = False,
     int4: Int4 = False,
     int4_act: Int4Act = None,
+    bf16_act: Bf16Act = None,
     int4_attn: Int4Attn = False,
     int8_head: Int8Head = False,
     no_repack: NoRepack = False,
@@ -63,7 +64,7 @@ def bench(
             raise CliError("--simulate and --plot do not apply to --serve")
         need([("lynx_edge.server.load", "serve_load")], "--serve", "pip install fastapi uvicorn prometheus_client httpx")
         opts = engine_options("off", offload, int4, profile, ctx_size or max(2 * prompt_len + gen_len + 8, 256),
-                              int4_act=int4_act, int4_attn=int4_attn, int8_head=int8_head, no_repack=no_repack, swa_full=swa_full)
+                              int4_act=int4_act, int4_attn=int4_attn, int8_head=int8_head, no_repack=no_repack, swa_full=swa_full, bf16_act=bf16_act)
         engine = load_engine(model, dtype, device, max_num_seqs=max(sizes), **opts)  # the plan counts every row's KV
         result = _serve(engine, sizes, modes, prompt_len, gen_len, reps, slo_ms)
         _render_serve(result, output)
@@ -72,7 +73,7 @@ def bench(
             ui.note(f"results written to {save}")
         return
     opts = engine_options("off", offload, int4, profile, ctx_size or max(prompt_len + gen_len + 8, 256),  # ≥ 256: eval windows
-                          int4_act=int4_act, int4_attn=int4_attn, int8_head=int8_head, no_repack=no_repack, swa_full=swa_full)
+                          int4_act=int4_act, int4_attn=int4_attn, int8_head=int8_head, no_repack=no_repack, swa_full=swa_full, bf16_act=bf16_act)
     engine = load_engine(model, dtype, device, num_scheduler_steps=num_scheduler_steps, **opts)
     project = lib.projector(engine, simulate, shape) if simulate else None
     cpu = ""

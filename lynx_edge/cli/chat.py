@@ -18,7 +18,7 @@ import typer
 from ..harmony import HarmonyParser, HarmonyTokens, is_answer
 from . import ui
 from .common import engine_options, load_engine
-from .options import (SCHEDULER_STEPS, ChatTemplateKwargs, check_lynx, CtxSize, Device, Dtype, Int4, Int4Act, Int4Attn, Int8Head, NoRepack, SwaFull, Lynx, MaxTokens, Model, Offload, Profile,
+from .options import (SCHEDULER_STEPS, ChatTemplateKwargs, check_lynx, CtxSize, Device, Dtype, Bf16Act, Int4, Int4Act, Int4Attn, Int8Head, NoRepack, SwaFull, Lynx, MaxTokens, Model, Offload, Profile,
                       RepeatPenalty, SchedulerSteps, Seed, Temp, TopK, TopP, VerbosePrompt, parse_json_object, sampling_kwargs)
 
 COMMANDS = {
@@ -268,6 +268,7 @@ def chat(
     offload: Offload = False,
     int4: Int4 = False,
     int4_act: Int4Act = None,
+    bf16_act: Bf16Act = None,
     int4_attn: Int4Attn = False,
     int8_head: Int8Head = False,
     no_repack: NoRepack = False,
@@ -286,7 +287,7 @@ def chat(
         template_kwargs["reasoning_effort"] = reasoning_effort
     lynx = check_lynx(lynx)  # a bad value fails now, not after the load
     opts = engine_options(lynx, offload, int4, profile, ctx_size, int4_act=int4_act, int4_attn=int4_attn, int8_head=int8_head,
-                          no_repack=no_repack, swa_full=swa_full)
+                          no_repack=no_repack, swa_full=swa_full, bf16_act=bf16_act)
     engine = load_engine(model, dtype, device, num_scheduler_steps=num_scheduler_steps, **opts)
     gen = getattr(engine, "generation_config", None)
     sampling, from_model = sampling_kwargs(temp, top_p, top_k, seed, max_tokens, repeat_penalty,

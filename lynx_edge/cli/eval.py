@@ -9,7 +9,7 @@ import typer
 
 from . import ui
 from .common import CliError, engine_options, load_engine, need
-from .options import BatchSizes, CtxSize, Device, Dtype, Lynx, Model, TableJson, parse_sizes
+from .options import BatchSizes, Bf16Act, CtxSize, Device, Dtype, Lynx, Model, TableJson, parse_sizes
 
 
 def evaluate(
@@ -24,6 +24,7 @@ def evaluate(
     ctx_size: CtxSize = None,
     dtype: Dtype = None,
     device: Device = None,
+    bf16_act: Bf16Act = None,
 ) -> None:
     """Measure LYNX's effect on quality and expert use against exact routing."""
     from ..bench import call_supported, eval_rows
@@ -33,7 +34,7 @@ def evaluate(
     if file is not None and not file.is_file():
         raise CliError(f"{file}: no such file", "--file takes a UTF-8 text file")
     text = file.read_text(encoding="utf-8") if file is not None else None
-    engine = load_engine(model, dtype, device, **engine_options("off", ctx_size=ctx_size))
+    engine = load_engine(model, dtype, device, **engine_options("off", ctx_size=ctx_size, bf16_act=bf16_act))
     result = call_supported(run, engine, text=text, batch_sizes=sizes, lynx=lynx, num_seqs=seqs, seq_len=seq_len,
                             prefill_len=prefill_len)
     rows = eval_rows(result)

@@ -39,6 +39,15 @@ Int4Act = Annotated[Optional[Int4ActChoice], typer.Option(
     "--int4-act", help="CPU INT4 and MXFP4 kernels' activations: f32 (exact) | q16 (int16 per weight group, within 2^-16 "
     "of the group's largest input: integer dot products, 128x finer than bf16's rounding) | q8 (int8 like llama.cpp's "
     "Q4_0: fastest, approximate) [default: $LYNX_EDGE_INT4_ACT, else q16 on AVX2 without AVX-512 and on AMD AVX-512, else f32]")]
+class Bf16ActChoice(str, Enum):
+    f32 = "f32"
+    bf16 = "bf16"
+
+
+Bf16Act = Annotated[Optional[Bf16ActChoice], typer.Option(
+    "--bf16-act", help="CPU bf16 weights' activations (the routers stay fp32): f32 (exact) | bf16 (rounded to bf16 as "
+    "llama.cpp's BF16 rows do: 32 multiply-adds an AVX512-BF16 instruction, approximate) [default: $LYNX_EDGE_BF16_ACT, "
+    "else bf16 on AMD AVX512-BF16, else f32]")]
 Profile = Annotated[Optional[str], typer.Option("--profile", help="hardware profile (TOML) for placement")]
 Dtype = Annotated[Optional[str], typer.Option("--dtype", help="float32 | bfloat16 | float16 (default: bf16 on CUDA; on a CPU a bf16 or big fp16 checkpoint runs bf16 where the native kernels build or the CPU has native bf16, else fp32 up to 2 GiB; $LYNX_EDGE_CPU_DTYPE)")]
 Device = Annotated[Optional[str], typer.Option("--device", help="cuda | cpu (default: cuda when present)")]

@@ -9,7 +9,7 @@ import typer
 from .. import hugepages
 from . import ui
 from .common import CliError, engine_options, load_engine
-from .options import (ChatTemplateKwargs, CtxSize, Device, Dtype, Int4, Int4Act, Int4Attn, Int8Head, NoRepack, SwaFull, Lynx, Model, Offload, Profile,
+from .options import (ChatTemplateKwargs, CtxSize, Device, Dtype, Bf16Act, Int4, Int4Act, Int4Attn, Int8Head, NoRepack, SwaFull, Lynx, Model, Offload, Profile,
                       parse_json_object)
 
 _DEFAULT = "[default: the model's generation_config.json, else OpenAI's]"
@@ -42,6 +42,7 @@ def serve(
     offload: Offload = False,
     int4: Int4 = False,
     int4_act: Int4Act = None,
+    bf16_act: Bf16Act = None,
     int4_attn: Int4Attn = False,
     int8_head: Int8Head = False,
     no_repack: NoRepack = False,
@@ -62,7 +63,7 @@ def serve(
     if temp is not None:
         defaults["do_sample"] = temp > 0  # --temp 0: greedy
     opts = engine_options(lynx=lynx, offload=offload, int4=int4, profile=profile, ctx_size=ctx_size, int4_act=int4_act,
-                          int4_attn=int4_attn, int8_head=int8_head, no_repack=no_repack, swa_full=swa_full)
+                          int4_attn=int4_attn, int8_head=int8_head, no_repack=no_repack, swa_full=swa_full, bf16_act=bf16_act)
     # the memory plan (and --offload's expert slots) count the KV cache of max_num_seqs rows
     # a server decodes for hours: its CPU weights go on huge pages, slower to load, faster to stream
     # (hugepages.py; $LYNX_EDGE_THP=0 turns them off)

@@ -255,6 +255,7 @@ def bench_table(result: dict) -> None:
     extra = "".join(f" · {k}" for k in ("int4", "offload") if cfg.get(k))
     extra += "".join(f" · {name}" for k, name in (("int4_attn", "int4 attn"), ("int8_head", "int8 head")) if cfg.get(k))
     extra += f" · {cfg['int4_act']} activations" if cfg.get("int4_act") in ("q8", "q16") else ""
+    extra += " · bf16 activations" if cfg.get("bf16_act") == "bf16" else ""
     threads = f" · {cfg['threads']} thread{'s' if cfg['threads'] > 1 else ''}" if cfg.get("threads") else ""
     t = Table(title=f"{cfg['model']} · {cfg['device']} {cfg['dtype']}{extra}{threads} · prompt {cfg['prompt_len']} · "
                     f"gen {cfg['gen_len']} · {cfg['reps']} reps", title_justify="left", box=box.SIMPLE_HEAD)

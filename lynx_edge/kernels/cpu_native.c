@@ -815,9 +815,10 @@ static void q16_block(const uint8_t *q, long rs, const uint16_t *s, const uint8_
 #undef Q16_TOKENS
 }
 
-/* The integer-activation modes of the INT4 rows (the kernels' `act` argument): 0 fp32 (dot_block),
- * 1 int8 (q8_block), 2 int16 (q16_block) */
-enum { ACT_F32 = 0, ACT_Q8 = 1, ACT_Q16 = 2 };
+/* The activation modes (the kernels' `act` argument): for INT4 rows 0 fp32 (dot_block), 1 int8
+ * (q8_block), 2 int16 (q16_block); for bf16 rows 0 fp32 (dense_block), 3 bf16 (dp_block, where the
+ * build has AVX512-BF16: lynx_bf16_dp) */
+enum { ACT_F32 = 0, ACT_Q8 = 1, ACT_Q16 = 2, ACT_BF16 = 3 };
 #define ACT_DS(q16, K, G) ((q16) ? Q16_DS(K, G) : Q8_DS(K)) /* block scales per row */
 
 /* the mode rows of Kin inputs in groups of G run: act, or ACT_F32 where its kernel does not take the shape */
@@ -1230,6 +1231,104 @@ static void dense_block(const uint8_t *w, long rs, int fmt, int Kin, int R, cons
     else if (fmt == FMT_I8) dense_i8(w, rs, Kin, R, x0, ld, n, acc);
     else if (stream) dense_bf16_stream(w, rs, Kin, R, x0, ld, n, acc);
     else dense_bf16(w, rs, Kin, R, x0, ld, n, acc);
+}
+
+/* --- bf16 rows x bf16 activations (vdpbf16ps) ----------------------------------------------------
+ *
+ * On a CPU with AVX512-BF16 a bf16 weight row can meet the activations rounded to bf16 in
+ * vdpbf16ps: 32 multiply-adds an instruction (pairs of inputs into each of 16 fp32 lanes), no
+ * widening, where the fp32 rows widen each weight vector and multiply 16 at a time. The activations'
+ * rounding (2^-9 relative, as llama.cpp's BF16 rows and torch's bf16 matmuls round them) is the
+ * approximation, chosen per engine (bf16_act, native.default_bf16_act): the callers pass act
+ * ACT_BF16, and the inputs are rounded once per call (to_bf16_rows), not per tile. Each row x
+ * token: one accumulator over the inputs' 32-wide steps in order (the last masked), then
+ * sum_lanes's tree — the same in any tile, so a token's result does not depend on its batch. */
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#define BF16_DP 1
+#else
+#define BF16_DP 0
+#endif
+/* 1 when this build runs bf16 rows on bf16 activations (ACT_BF16), else 0 (they stay fp32) */
+int lynx_bf16_dp(void) { return BF16_DP; }
+/* 1 where ACT_BF16 measured faster than the fp32 rows: AVX512-BF16 on an AMD CPU (a Zen4 EPYC, one
+ * thread: in L1 22.5 multiply-adds a cycle against 11.4 for the widened fp32 rows; the demo's
+ * decode 1.13-1.32x, benchmarks/results/bf16_act_s42.json). Intel's AVX512-BF16 is unmeasured. */
+int lynx_bf16_pays(void) {
+#if BF16_DP
+    unsigned a, b, c, d;
+    return __get_cpuid(0, &a, &b, &c, &d) && b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u; /* "AuthenticAMD" */
+#else
+    return 0;
+#endif
+}
+/* dst [n, Kin] bf16 <- x [n, Kin] fp32 (row stride ld), round to nearest even */
+static void to_bf16_rows(const float *x, long ld, long n, int Kin, uint16_t *dst) {
+    for (long t = 0; t < n; t++) {
+        const float *xt = x + t * ld;
+        uint16_t *d = dst + t * Kin;
+        int j = 0;
+#if BF16_DP
+        for (; j + 16 <= Kin; j += 16) _mm256_storeu_si256((__m256i *)(d + j), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(xt + j)));
+#endif
+        for (; j < Kin; j++) { /* round to nearest even (NaN stays NaN) */
+            uint32_t u;
+            memcpy(&u, xt + j, 4);
+            d[j] = (u & 0x7fffffff) > 0x7f800000 ? (uint16_t)((u >> 16) | 0x40) : (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
+        }
+    }
+}
+#if BF16_DP
+static inline __attribute__((always_inline)) void dp_tile(const uint8_t *w, const long rs, const int Kin, const int R,
+                                                          const uint16_t *const *x, const int NT, float *acc) {
+    __m512 a[16];
+    for (int i = 0; i < 16; i++) a[i] = _mm512_setzero_ps();
+    const long pf = tile_ahead(R * rs, TILE_PREFETCH);
+    int j = 0;
+    for (; j + 32 <= Kin; j += 32) {
+        __m512bh xv[4];
+        for (int t = 0; t < NT; t++) xv[t] = (__m512bh)_mm512_loadu_si512(x[t] + j);
+        for (int r = 0; r < R; r++) {
+            _mm_prefetch((const char *)(w + r * rs) + (long)j * 2 + pf, PF_HINT);
+            const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + r * rs + (long)j * 2);
+            for (int t = 0; t < NT; t++) a[r * NT + t] = _mm512_dpbf16_ps(a[r * NT + t], wv, xv[t]);
+        }
+    }
+    if (j < Kin) { /* the last inputs, masked: zero pairs add nothing */
+        const __mmask32 mk = (__mmask32)((1ull << (Kin - j)) - 1);
+        __m512bh xv[4];
+        for (int t = 0; t < NT; t++) xv[t] = (__m512bh)_mm512_maskz_loadu_epi16(mk, x[t] + j);
+        for (int r = 0; r < R; r++) {
+            const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mk, w + r * rs + (long)j * 2);
+            for (int t = 0; t < NT; t++) a[r * NT + t] = _mm512_dpbf16_ps(a[r * NT + t], wv, xv[t]);
+        }
+    }
+    float out[16];
+    sum_lanes(a, out);
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < NT; t++) acc[r * ROWS_LD + t] = out[r * NT + t];
+}
+#endif
+/* acc[r * ROWS_LD + t] for R (1..ROW_BLOCK) adjacent bf16 rows (stride rs bytes) and n tokens whose
+ * bf16 inputs are rows xb0 + t * ld: tokens in groups of four, rows in tiles of four (16 sums) */
+static __attribute__((noinline)) void dp_block(const uint8_t *w, long rs, int Kin, int R, const uint16_t *xb0, long ld,
+                                               int n, float *acc) {
+#if BF16_DP
+    const uint16_t *x[4];
+#define DP_TILE(RR, M, r0_, t0_) dp_tile(w + (long)(r0_) * rs, rs, Kin, RR, x, M, acc + (r0_) * ROWS_LD + (t0_))
+#define DP_TILE_RM(RR, M, r0_, t0_) TILE_M(DP_TILE, RR, M, r0_, t0_)
+    for (int t0 = 0; t0 < n; t0 += 4) {
+        const int m = n - t0 < 4 ? n - t0 : 4;
+        for (int i = 0; i < m; i++) x[i] = xb0 + (long)(t0 + i) * ld;
+        for (int r0 = 0; r0 < R; r0 += 4) {
+            const int rr = R - r0 < 4 ? R - r0 : 4;
+            TILE_R(DP_TILE_RM, rr, m, r0, t0);
+        }
+    }
+#undef DP_TILE_RM
+#undef DP_TILE
+#else
+    (void)w; (void)rs; (void)Kin; (void)R; (void)xb0; (void)ld; (void)n; (void)acc;
+#endif
 }
 
 /* --- AMX bf16 tiles (bf16 experts on a CPU with AMX-BF16) --------------------------------------
@@ -1874,6 +1973,7 @@ typedef struct {
      * (xv + r0 * D * AMX_PARTS, hv + r0 * I * AMX_PARTS), with xparts / hparts parts; NULL: the row kernels */
     const uint16_t *xv, *hv;
     int xparts, hparts;
+    const uint16_t *xb, *hb; /* bf16 experts with bf16 activations (dp_block): xe / he rounded; else NULL */
 } layer_t;
 
 /* e^x in fp32, Cephes' expf: x = n ln2 + r (|r| <= ln2/2), a degree-6 polynomial in r, times 2^n
@@ -2096,7 +2196,11 @@ static void gate_up_item(const void *arg, long item) {
                     amx_rows(gu + (long)(I + i) * D * es, (long)D * es, D, xv, L->xparts, (int)n, (int)c, m, up4, mode);
                 } else
 #endif
-                {
+                if (L->xb) {
+                    const uint16_t *xb = L->xb + (r0 + c) * D;
+                    dp_block(gu + (long)i * D * 2, (long)D * 2, D, R, xb, D, m, gate4);
+                    dp_block(gu + (long)(I + i) * D * 2, (long)D * 2, D, R, xb, D, m, up4);
+                } else {
                     dense_block(gu + (long)i * D * es, (long)D * es, L->fmt, D, R, x, D, m, gate4, mode);
                     dense_block(gu + (long)(I + i) * D * es, (long)D * es, L->fmt, D, R, x, D, m, up4, mode);
                 }
@@ -2178,6 +2282,8 @@ static void down_item(const void *arg, long item) {
                 amx_rows(L->dn + (e * (long)D * I + (long)d * I) * es, (long)I * es, I, L->hv + r0 * (long)I * AMX_PARTS,
                          L->hparts, (int)n, (int)c, m, acc, L->stream & 1);
 #endif
+            else if (L->hb)
+                dp_block(L->dn + (e * (long)D * I + (long)d * I) * 2, (long)I * 2, I, R, L->hb + (r0 + c) * I, I, m, acc);
             else if (L->fmt == FMT_F32 || L->fmt == FMT_BF16)
                 dense_block(L->dn + (e * (long)D * I + (long)d * I) * es, (long)I * es, L->fmt, I, R,
                             L->he + (r0 + c) * I, I, m, acc, L->stream & MOE_DN_PACKED ? ROWS_PACKED : L->stream & 1);
@@ -2337,7 +2443,8 @@ static uint8_t *scratch(const size_t *sz, int n, void **out) {
  * [E, D/bn, I/bk] (bn | I and D, bk | D and I, bk % 32 == 0: the caller checks).
  * gub [E, 2I] / dnb [E, D] fp32 biases or NULL; act_kind 1: gpt-oss's clamped SwiGLU.
  * amode: the INT4 rows' activations, ACT_F32 / ACT_Q8 / ACT_Q16 (each side falls back to fp32 where
- * its mode does not take the shape: act_for); MXFP4 rows take either integer mode (mxq_rows, mx8_rows).
+ * its mode does not take the shape: act_for); MXFP4 rows take either integer mode (mxq_rows, mx8_rows);
+ * bf16 rows in row-major layout ACT_BF16 (x and h rounded to bf16 once each: dp_block).
  * stream: bit 0, the 16/32-bit experts come from DRAM at each use (they outgrow the last-level cache;
  * the caller decides, native.streamed): their short rows are read whole (dense_block); MOE_GU_PACKED /
  * MOE_DN_PACKED: gate_up / down hold packed rows (ROWS_PACKED: its rows whole groups of PK_ROWS, its
@@ -2363,6 +2470,7 @@ int lynx_moe(int fmt, const float *x, const int64_t *ids, const float *w, const 
     /* bf16 experts in row-major rows on AMX: the tiles take whole blocks of 16 rows of 32-input steps */
     const int amx = AMX_PATH && g_amx && fmt == FMT_BF16 && !(stream & (MOE_GU_PACKED | MOE_DN_PACKED)) && D % 32 == 0
                     && I % 32 == 0;
+    const int dp = BF16_DP && !amx && fmt == FMT_BF16 && amode == ACT_BF16 && !(stream & (MOE_GU_PACKED | MOE_DN_PACKED));
     const size_t f4 = sizeof(float), i8 = sizeof(int64_t);
     const size_t sz[] = {(E + 1) * i8, E * i8, S * i8, S * i8, E * i8,          /* cnt fill order pos act */
                          S * D * f4, S * I * f4, S * D * f4, defer ? S * I * f4 : 0, /* xe he y ue */
@@ -2370,9 +2478,10 @@ int lynx_moe(int fmt, const float *x, const int64_t *ids, const float *w, const 
                          act_bytes(ax, S, D), act_bytes(ah, S, I),                      /* xq hq */
                          act_floats(ax, S, D, G) * f4, act_floats(ah, S, I, G) * f4,    /* xd hd */
                          mx && ax == ACT_Q16 ? S * (D / 8) * f4 : 0, mx && ah == ACT_Q16 ? S * (I / 8) * f4 : 0, /* mx_lanes */
-                         amx ? S * D * AMX_PARTS * 2 : 0, amx ? S * I * AMX_PARTS * 2 : 0}; /* xv hv */
-    void *b[19];
-    uint8_t *mem = scratch(sz, 19, b);
+                         amx ? S * D * AMX_PARTS * 2 : 0, amx ? S * I * AMX_PARTS * 2 : 0, /* xv hv */
+                         dp ? S * D * 2 : 0, dp ? S * I * 2 : 0}; /* xb hb */
+    void *b[21];
+    uint8_t *mem = scratch(sz, 21, b);
     if (!mem) return -1;
     int64_t *cnt = b[0], *fill = b[1], *order = b[2], *pos = b[3], *act = b[4];
     float *xe = b[5], *he = b[6], *y = b[7], *ue = b[8], *xsum = b[9], *hsum = b[10];
@@ -2417,8 +2526,16 @@ int lynx_moe(int fmt, const float *x, const int64_t *ids, const float *w, const 
         L.xparts = amx_layer_pairs(xe, D, cnt, act, A, b[17]);
     }
 #endif
+    if (dp) {
+        to_bf16_rows(xe, D, S, D, b[19]);
+        L.xb = b[19];
+    }
     parallel(gate_up_item, &L, A * ((I + ROW_BLOCK - 1) / ROW_BLOCK), nthreads);
     if (ue) lynx_silu_mul(he, ue, S * (long)I);
+    if (dp) {
+        to_bf16_rows(he, I, S, I, b[20]);
+        L.hb = b[20];
+    }
 #if AMX_PATH
     if (amx) { /* h in pairs, as x above */
         L.hv = b[18];
@@ -2630,6 +2747,7 @@ typedef struct {
     const int8_t *xq; /* FMT_I8 with int8 activations (i8q8_block): xq [T, Kin], dl [T, Kin/QH], ct [T]; else NULL */
     const float *dl, *ct;
     int whole; /* i8q8_block: one-token rows read whole (a matrix that streams from DRAM; see lynx_linear_int8) */
+    const uint16_t *xb; /* FMT_BF16 with bf16 activations (dp_block): x rounded [T, Kin]; else NULL */
 } linear_t;
 
 static void linear_item(const void *arg, long item) {
@@ -2646,6 +2764,9 @@ static void linear_item(const void *arg, long item) {
                            P->dl + (long)c * ((P->Kin + QH - 1) / QH), P->ct + c, m, acc, P->whole);
             else
 #endif
+            if (P->xb)
+                dp_block(P->w + (long)n * P->Kin * 2, (long)P->Kin * 2, P->Kin, R, P->xb + (long)c * P->Kin, P->Kin, m, acc);
+            else
                 dense_block(P->w + (long)n * P->Kin * P->es, (long)P->Kin * P->es, P->fmt, P->Kin, R,
                             P->x + (long)c * P->Kin, P->Kin, m, acc, 0);
             /* token by token: a token's R outputs are adjacent, while its neighbours' are N apart (a
@@ -2660,11 +2781,22 @@ static void linear_item(const void *arg, long item) {
     }
 }
 
-/* out [T, N] = x [T, Kin] fp32 @ w [N, Kin]^T (+ bias [N] fp32 or NULL); fmt FMT_F32 / FMT_BF16. */
+/* out [T, N] = x [T, Kin] fp32 @ w [N, Kin]^T (+ bias [N] fp32 or NULL); fmt FMT_F32 / FMT_BF16. act
+ * ACT_BF16: bf16 rows meet x rounded to bf16 (dp_block) where this build has it, else fp32 x. */
 void lynx_linear(int fmt, const float *x, const uint8_t *w, const float *bias, int T, int Kin, int N, float *out,
-                 int nthreads) {
-    linear_t P = {fmt, T, Kin, N, x, bias, w, fmt == FMT_F32 ? 4 : 2, out, NULL, NULL, NULL, NULL, 0};
+                 int nthreads, int act) {
+    linear_t P = {fmt, T, Kin, N, x, bias, w, fmt == FMT_F32 ? 4 : 2, out, NULL, NULL, NULL, NULL, 0, NULL};
+    uint8_t *mem = NULL;
+    if (fmt == FMT_BF16 && act == ACT_BF16 && BF16_DP) { /* out of memory: the fp32 rows (exact) */
+        const size_t sz[1] = {(size_t)T * Kin * 2};
+        void *b[1];
+        if ((mem = scratch(sz, 1, b))) {
+            to_bf16_rows(x, Kin, T, Kin, b[0]);
+            P.xb = b[0];
+        }
+    }
     parallel(linear_item, &P, (N + ROW_BLOCK - 1) / ROW_BLOCK, nthreads);
+    scratch_free(mem);
 }
 
 /* out [T, N] = (x [T, Kin] fp32 @ q [N, Kin]^T) * scale [N] (+ bias [N] fp32 or NULL) for int8 rows
@@ -3518,7 +3650,7 @@ static int lin_run(const lin_t *l, const float *x, int T, float *out, int nthrea
     if (l->kind == FMT_I8)
         return lynx_linear_int8(x, (const int8_t *)l->w, (const float *)l->s, l->bias, T, l->K, l->N, out, nthreads,
                                 l->act);
-    lynx_linear(l->kind, x, l->w, l->bias, T, l->K, l->N, out, nthreads);
+    lynx_linear(l->kind, x, l->w, l->bias, T, l->K, l->N, out, nthreads, l->act);
     return 0;
 }
 

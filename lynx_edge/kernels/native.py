@@ -138,7 +138,7 @@ def lib() -> ctypes.CDLL | None:
     if hasattr(so, "lynx_pack_copy"):  # an older build (benchmarks' A/B bases) has none
         so.lynx_pack_copy.argtypes = [p, p, L, L, i, i]
         so.lynx_pack_copy.restype = None
-    so.lynx_linear.argtypes = [i, p, p, p, i, i, i, p, i]
+    so.lynx_linear.argtypes = [i, p, p, p, i, i, i, p, i, i]
     so.lynx_linear.restype = None
     so.lynx_linear_int8.argtypes = [p, p, p, p, i, i, i, p, i, i]
     so.lynx_linear_int8.restype = i
@@ -191,6 +191,10 @@ def lib() -> ctypes.CDLL | None:
         so.lynx_amx_enable.argtypes = [i]
         so.lynx_amx_enable.restype = i
         so.lynx_amx_enable(int(os.environ.get("LYNX_EDGE_AMX", "0") == "1"))  # opt-in: see results/amx_experts_s39.json
+    for name in ("lynx_bf16_dp", "lynx_bf16_pays"):
+        if hasattr(so, name):  # an older build (benchmarks' A/B bases) has none
+            getattr(so, name).argtypes = []
+            getattr(so, name).restype = i
     return so
 
 
@@ -225,6 +229,40 @@ def _q16_pays() -> bool:
 def act_code(act: str | None) -> int:
     """The native INT4 kernels' activation mode for act (None: default_int4_act())."""
     return _ACT_CODE[act or default_int4_act()]
+
+
+# bf16 weights against "f32" activations (exact: each weight widens to fp32) or "bf16" (the
+# activations rounded to bf16, 2^-9 relative, as llama.cpp's BF16 rows and torch's bf16 matmuls
+# round them; the products and sums stay fp32): vdpbf16ps multiplies 32 pairs an instruction where
+# the fp32 rows widen and multiply 16 (dp_block in the C file). Engine option bf16_act, resolved at
+# build (build.bf16_act); LYNX_EDGE_BF16_ACT (BF16_ACT) sets the default, else default_bf16_act():
+# bf16 where the build has AVX512-BF16 on an AMD CPU (measured: a Zen4, the demo's decode 1.13-1.32x
+# at a perplexity change of +0.005%, benchmarks/results/bf16_act_s42.json), f32 elsewhere (Intel's
+# AVX512-BF16 unmeasured; without it the build has no bf16 rows on bf16 inputs). The kernel calls
+# below take act explicitly (None: f32): routers and references stay exact unless a caller asks.
+BF16_ACTS = ("f32", "bf16")
+BF16_ACT = os.environ.get("LYNX_EDGE_BF16_ACT") or None
+ACT_BF16 = 3  # the C file's ACT_BF16
+
+
+def bf16_dp() -> bool:
+    """Whether this build multiplies bf16 rows by bf16 activations (AVX512-BF16), so "bf16" changes anything."""
+    so = lib()
+    return so is not None and bool(getattr(so, "lynx_bf16_dp", lambda: 0)())
+
+
+def default_bf16_act() -> str:
+    """The bf16 rows' activations when none is named: BF16_ACT, else bf16 where it measured faster
+    (AVX512-BF16 on an AMD CPU: lynx_bf16_pays), else f32."""
+    if BF16_ACT:
+        return BF16_ACT
+    so = lib()
+    return "bf16" if so is not None and getattr(so, "lynx_bf16_pays", lambda: 0)() else "f32"
+
+
+def bf16_code(act: str | None, weight_dtype: torch.dtype) -> int:
+    """The kernels' act argument for a weight of weight_dtype under bf16 activations act (None: f32)."""
+    return ACT_BF16 if act == "bf16" and weight_dtype == torch.bfloat16 else 0
 # token-expert slots per MoE call: bounds the kernel's fp32 scratch, S·(2D + I) floats (~60 MiB at
 # D=2048, I=768) however long the prompt being prefilled
 MAX_SLOTS = 4096
@@ -377,15 +415,17 @@ def moe_int4(x, ids, weights, data: torch.Tensor, offs, sym: bool, G: int, D: in
 
 
 def moe_dense(x, ids, weights, gate_up: torch.Tensor, down: torch.Tensor, stream: bool = True,
-              packed: tuple[bool, bool] = (False, False)) -> torch.Tensor:
+              packed: tuple[bool, bool] = (False, False), act: str | None = None) -> torch.Tensor:
     """moe_ref's result over stacked fp32/bf16 experts gate_up [E, 2I, D], down [E, D, I], read in
     place → [T, D] in x's dtype; products and sums in fp32 (h = silu(gate)·up stays fp32).
     stream: the experts come from DRAM at each use (see streamed): the same sums, read in the order
-    that streams fastest. packed: gate_up's / down's rows are in pack_rows's layout (the same sums)."""
+    that streams fastest. packed: gate_up's / down's rows are in pack_rows's layout (the same sums).
+    act "bf16": bf16 experts in row-major rows multiply x and h rounded to bf16 (see BF16_ACTS)."""
     E, two_i, D = gate_up.shape
     mode = int(stream) | (MOE_GU_PACKED if packed[0] else 0) | (MOE_DN_PACKED if packed[1] else 0)
     out = _call_moe(_FMT[gate_up.dtype], x, ids, weights, None, None, E, gate_up.element_size(), None,
-                    gate_up.data_ptr(), down.data_ptr(), 0, 0, D, two_i // 2, stream=mode)
+                    gate_up.data_ptr(), down.data_ptr(), 0, 0, D, two_i // 2, act=bf16_code(act, gate_up.dtype),
+                    stream=mode)
     return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
@@ -441,15 +481,17 @@ def short_conv(bcx: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return out
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear for a CPU fp32/bf16 weight [N, Kin] with fp32 accumulation → [..., N] in x's dtype."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, act: str | None = None
+           ) -> torch.Tensor:
+    """F.linear for a CPU fp32/bf16 weight [N, Kin] with fp32 accumulation → [..., N] in x's dtype;
+    act "bf16": a bf16 weight meets x rounded to bf16 (see BF16_ACTS)."""
     N, Kin = weight.shape
     x2 = _as(x.reshape(-1, Kin), torch.float32)
     b = None if bias is None else _as(bias, torch.float32)
     out = torch.empty(x2.shape[0], N, dtype=torch.float32)
     if x2.shape[0]:
         lib().lynx_linear(_FMT[weight.dtype], x2.data_ptr(), weight.data_ptr(), None if b is None else b.data_ptr(),
-                          x2.shape[0], Kin, N, out.data_ptr(), torch.get_num_threads())
+                          x2.shape[0], Kin, N, out.data_ptr(), torch.get_num_threads(), bf16_code(act, weight.dtype))
     out = out.view(*x.shape[:-1], N)
     return out if x.dtype == torch.float32 else out.to(x.dtype)
 
@@ -672,11 +714,12 @@ def shared_expert(plan: SharedExpert, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def dense_lin(weight: torch.Tensor, bias32: torch.Tensor | None) -> Lin:
-    """A Lin over a contiguous CPU fp32/bf16 weight [N, K] (bias fp32 or None; the caller keeps them alive)."""
+def dense_lin(weight: torch.Tensor, bias32: torch.Tensor | None, act: str | None = None) -> Lin:
+    """A Lin over a contiguous CPU fp32/bf16 weight [N, K] (bias fp32 or None; the caller keeps them
+    alive); act as linear's."""
     N, K = weight.shape
     return Lin(_FMT[weight.dtype], weight.data_ptr(), None, None, None, None if bias32 is None else bias32.data_ptr(),
-               N, K, 0, 0)
+               N, K, 0, bf16_code(act, weight.dtype))
 
 
 def int8_lin(q: torch.Tensor, scale: torch.Tensor, bias32: torch.Tensor | None, act: str | None = None) -> Lin:

@@ -49,15 +49,17 @@ NATIVE_ROWS = {torch.bfloat16: (1, 128), torch.float32: (1, 32)}
 WIDEN_BYTES = 8 << 20
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, act: str | None = None
+           ) -> torch.Tensor:
     """F.linear, or on a CPU the path that measured faster for this weight dtype and row count
-    (same result dtype; fp32 products and sums either way)."""
+    (same result dtype; fp32 products and sums either way). act "bf16": in the native kernel a bf16
+    weight meets x rounded to bf16 (kernels/native.BF16_ACTS)."""
     if x.device.type != "cpu" or weight.dtype not in NATIVE_ROWS or x.dtype not in NATIVE_ROWS:
         return F.linear(x, weight, bias)
     lo, hi = NATIVE_ROWS[weight.dtype]
     rows = x.numel() // x.shape[-1]
     if lo <= rows <= hi and native.dense_ok(weight):
-        return native.linear(x, weight, bias)
+        return native.linear(x, weight, bias, act)
     if weight.dtype == torch.bfloat16 and rows > hi and not (x.dtype == torch.bfloat16 and cpu_bf16()):
         xf = x.float()
         step = max(1, WIDEN_BYTES // (4 * weight.shape[1]))  # rows a chunk
@@ -69,18 +71,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 class Linear(nn.Module):
+    act: str | None = None  # the native kernel's activations for a bf16 weight: "bf16" or None (fp32); set at build
+
     def __init__(self, out_f: int, in_f: int, bias: bool, dtype, device):
         super().__init__()
         self.weight = _param(out_f, in_f, dtype=dtype, device=device)
         self.bias = _param(out_f, dtype=dtype, device=device) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.act)
 
     def native(self, x: torch.Tensor) -> torch.Tensor | None:
         """The native kernel's result at any row count (a decode step's fused q/k/v), or None
         when it does not take this weight."""
-        return native.linear(x, self.weight, self.bias) if native.dense_ok(self.weight) else None
+        return native.linear(x, self.weight, self.bias, self.act) if native.dense_ok(self.weight) else None
 
     def storage(self) -> int:
         return self.weight.data_ptr()
@@ -91,17 +95,18 @@ class Linear(nn.Module):
         if not native.dense_ok(self.weight) or self.weight.dtype not in NATIVE_ROWS:
             return None
         b32 = None if self.bias is None else self.bias.detach().float().contiguous()
-        return native.dense_lin(self.weight, b32), [b32], NATIVE_ROWS[self.weight.dtype][1]
+        return native.dense_lin(self.weight, b32, self.act), [b32], NATIVE_ROWS[self.weight.dtype][1]
 
     @staticmethod
     def fuse(lins: list["Linear"]) -> "Linear | None":
         """One Linear over the rows of all of lins (one GEMM instead of several), with their weights
         and biases turned into views of it (no extra memory); None when dtypes or bias presence
         differ."""
-        if len({(m.weight.dtype, m.weight.device) for m in lins}) != 1 or len({m.bias is None for m in lins}) != 1:
+        if len({(m.weight.dtype, m.weight.device, m.act) for m in lins}) != 1 or len({m.bias is None for m in lins}) != 1:
             return None
         out = Linear.__new__(Linear)
         nn.Module.__init__(out)
+        out.act = lins[0].act
         out.weight = nn.Parameter(torch.cat([m.weight.data for m in lins]), requires_grad=False)
         has_b = lins[0].bias is not None
         out.bias = nn.Parameter(torch.cat([m.bias.data for m in lins]), requires_grad=False) if has_b else None
@@ -529,20 +534,22 @@ class DenseMLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-def cpu_moe(x, ids, weights, gate_up, down, stream: bool = True, packed: tuple[bool, bool] = (False, False)):
+def cpu_moe(x, ids, weights, gate_up, down, stream: bool = True, packed: tuple[bool, bool] = (False, False),
+            act: str | None = None):
     """Resident experts on a CPU: the native kernel (one call, each active expert's rows read once,
     fp32 sums) at decode-sized batches, and for bf16 experts at any batch where the CPU has no
     native bf16 math or the experts are small; past NATIVE_SLOTS slots moe_ref's grouped GEMM (fp32,
     or bf16 on a CPU with native bf16 for experts of GROUPED_BF16_MIN weights per projection and
     more: it rounds gate, up and h to bf16 as transformers' bf16 experts do). stream: the experts
     come from DRAM at each use (native.streamed). packed: gate_up / down in native.pack_rows's layout,
-    which only the native kernel reads (at every batch)."""
+    which only the native kernel reads (at every batch). act: the native kernel's activations for bf16
+    experts ("bf16" or None: fp32; kernels/native.BF16_ACTS)."""
     if packed[0] or packed[1]:
-        return native.moe_dense(x, ids, weights, gate_up, down, stream, packed)
+        return native.moe_dense(x, ids, weights, gate_up, down, stream, packed, act)
     big = ids.numel() > NATIVE_SLOTS and (gate_up.dtype != torch.bfloat16 or (
         x.dtype == torch.bfloat16 and down[0].numel() >= GROUPED_BF16_MIN and cpu_bf16()))
     if not big and native.dense_ok(gate_up, down):
-        return native.moe_dense(x, ids, weights, gate_up, down, stream)
+        return native.moe_dense(x, ids, weights, gate_up, down, stream, act=act)
     return moe_ref(x, ids, weights, gate_up, down)
 
 
@@ -568,6 +575,8 @@ class StackedExperts(nn.Module):
     rows are kept in packed rows (native.pack_choice), which only the native kernel reads — `weights()`
     gives them row-major. Setting `streamed` (or `relayout`) re-lays them out in place.
     """
+
+    act: str | None = None  # the native kernel's activations for bf16 experts: "bf16" or None (fp32); set at build
 
     def __init__(self, E: int, D: int, inter: int, dtype, device, streamed: bool = True, pack: bool = False):
         super().__init__()
@@ -632,7 +641,7 @@ class StackedExperts(nn.Module):
 
     def forward(self, x, ids, weights):
         if self._fn is cpu_moe:
-            return cpu_moe(x, ids, weights, self.gate_up, self.down, self._streamed, self.packed_rows)
+            return cpu_moe(x, ids, weights, self.gate_up, self.down, self._streamed, self.packed_rows, self.act)
         return self._fn(x, ids, weights, self.gate_up, self.down)
 
 

@@ -229,12 +229,12 @@ def head_plan(model, x: torch.Tensor) -> tuple | None:
     Decided once per norm, head weight and dtype (kept on the model): a replaced weight decides again."""
     norm, q8 = model.norm, model.head_int8
     W = q8[0] if q8 is not None else model.head_weight()
-    key = (norm, W.data_ptr(), norm.weight.data_ptr(), norm.eps, x.dtype)
+    key = (norm, W.data_ptr(), norm.weight.data_ptr(), norm.eps, x.dtype, model.head_act)
     got = model.__dict__.get("_native_head")
     if got is None or got[0] != key:  # first use, or a weight replaced
         ok = (type(norm) is RMSNorm and norm.weight.dtype is x.dtype and native.dense_ok(norm.weight)
               and (q8 is not None or (W.dtype in NATIVE_ROWS and native.dense_ok(W))))
-        lin = native.int8_lin(*q8, None, model.head_act) if q8 is not None else native.dense_lin(W, None)
+        lin = native.int8_lin(*q8, None, model.head_act) if q8 is not None else native.dense_lin(W, None, model.head_act)
         got = model.__dict__["_native_head"] = (key, (norm.weight, norm.eps, lin) if ok else None)
     if got[1] is None:
         return None
@@ -368,7 +368,8 @@ def _moe_plan(experts, keep: list, dt) -> tuple[native.MoeLayer | None, int]:
     if type(experts) is StackedExperts and native.dense_ok(experts.gate_up, experts.down):
         E, two_i, D = experts.gate_up.shape
         plan = native.MoeLayer(native._FMT[experts.gate_up.dtype], None, E, experts.gate_up.element_size(), None, None,
-                               experts.gate_up.data_ptr(), experts.down.data_ptr(), 0, 0, D, two_i // 2, 0,
+                               experts.gate_up.data_ptr(), experts.down.data_ptr(), 0, 0, D, two_i // 2,
+                               native.bf16_code(experts.act, experts.gate_up.dtype),
                                stream=int(experts.streamed) | (native.MOE_GU_PACKED if experts.packed_rows[0] else 0)
                                | (native.MOE_DN_PACKED if experts.packed_rows[1] else 0))
         return plan, (NATIVE_SLOTS if experts.gate_up.dtype == torch.float32 else 1 << 30)

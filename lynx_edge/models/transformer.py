@@ -94,7 +94,8 @@ class MoEForCausalLM(nn.Module):
         self.rope = Rope(cfg, device)
         # int8_head (quant/int8.py): (q int8 [V, D], s fp32 [V]) read instead of the 16-bit head
         self.head_int8: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.head_act: str | None = None  # "q8": the int8 head's activations int8 too (--int4-act q8)
+        # the head's activations: "q8" for the int8 head (--int4-act q8), "bf16" for a bf16 head (bf16_act)
+        self.head_act: str | None = None
 
     def head_weight(self) -> torch.Tensor:
         assert self.head_int8 is None, "the head is int8 (head_int8)"
@@ -113,7 +114,7 @@ class MoEForCausalLM(nn.Module):
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., D] (after the final norm) → logits [..., V] fp32."""
         if self.head_int8 is None:
-            return linear(x, self.head_weight()).float()
+            return linear(x, self.head_weight(), act=self.head_act).float()
         q, s = self.head_int8
         if native.lib() is not None and x.device.type == "cpu":
             y = native.linear_int8(x, q, s, act=self.head_act)
