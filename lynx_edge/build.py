@@ -243,21 +243,37 @@ def _bf16_activations(model, act: str) -> str:
     """Every bf16 projection, expert stack and head of a CPU model told its activations act → what
     runs: "bf16" only where the native kernels have bf16 rows on bf16 inputs (else "f32"). The
     routers (and the shared expert's scalar gate) stay fp32: a top-k decision is the last place
-    for a rounding that can flip a choice."""
+    for a rounding that can flip a choice. The projections and head are "bf16-stream" where the
+    model's weights outgrow the last-level cache (each step reads them from DRAM: the kernel then
+    prefetches further ahead; experts carry their own `streamed`)."""
     from .kernels import native
     from .models.layers import Linear, MoEBlock
 
     if act == "bf16" and not native.bf16_dp():
         act = "f32"
-    mark = "bf16" if act == "bf16" else None
+    on = act == "bf16"
     exact = {id(m) for blk in model.modules() if isinstance(blk, MoEBlock)
              for m in (blk.gate, blk.shared_expert_gate) if m is not None}
+    lin = ("bf16-stream" if native.streamed(_decode_bytes(model)) else "bf16") if on else None
     for m in model.modules():
-        if isinstance(m, (Linear, StackedExperts)) and id(m) not in exact:
-            m.act = mark
+        if isinstance(m, StackedExperts):
+            m.act = "bf16" if on else None
+        elif isinstance(m, Linear) and id(m) not in exact:
+            m.act = lin
     if model.head_int8 is None:
-        model.head_act = mark
+        model.head_act = lin
     return act
+
+
+def _decode_bytes(model) -> int:
+    """The bytes of weights a model's decode steps read: its parameters and packed experts, less an
+    untied embedding table (a row a token)."""
+    n = sum(t.numel() * t.element_size() for t in model.parameters())
+    n += sum(m.packed.data.numel() * m.packed.data.element_size() for m in model.modules()
+             if isinstance(getattr(getattr(m, "packed", None), "data", None), torch.Tensor))
+    if model.lm_head is not None:
+        n -= model.embed_tokens.numel() * model.embed_tokens.element_size()
+    return n
 
 
 def _fp8_native(dev) -> bool:

@@ -197,6 +197,21 @@ def test_bench_json_numbers_agree(tiny_models):
     assert rows[1]["unique_experts_per_layer"] == 2.0  # one token, exact routing: exactly top-k
 
 
+def test_bench_bf16_act_is_recorded_and_checked(tiny_models):
+    """--bf16-act reaches the engine and the saved config (bf16 where the build has the rows, else
+    what ran: f32); a bad value fails before any load, naming the valid ones."""
+    from lynx_edge.kernels import native
+
+    for act in ("f32", "bf16"):
+        r = invoke("bench", tiny_models["qwen3_moe"], "--dtype", "bfloat16", "--bf16-act", act, "-p", "4", "-n", "2",
+                   "-r", "1", "-b", "1", "-o", "json")
+        assert r.exit_code == 0, r.output
+        ran = act if act == "f32" or (native.lib() is not None and native.bf16_dp()) else "f32"
+        assert json.loads(r.stdout.strip().splitlines()[-1])["config"]["bf16_act"] == ran
+    r = invoke("bench", tiny_models["qwen3_moe"], "--bf16-act", "q8")
+    assert r.exit_code != 0 and "f32" in r.output and "bf16" in r.output
+
+
 def test_bench_library_identity_per_run(tiny_models):
     from lynx_edge import Engine
     from lynx_edge.bench import measure, metrics, synthetic_prompts

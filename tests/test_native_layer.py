@@ -12,6 +12,7 @@ import torch
 from conftest import make_tiny
 
 from lynx_edge import Engine
+from lynx_edge.build import _decode_bytes
 from lynx_edge.kernels import native
 from lynx_edge.models import native_layer
 from lynx_edge.models.native_layer import NativeLayer
@@ -59,10 +60,12 @@ def test_bf16_bit_equal_to_module_path(q3, B, act, monkeypatch):
     assert torch.equal(got, ref)
     m, runs = eng.model, "bf16" if act == "bf16" and native.bf16_dp() else "f32"
     assert m.placement.bf16_act == runs
-    mark = "bf16" if runs == "bf16" else None
-    assert m.head_act == mark and m.layers[0].mlp.experts.act == mark and m.layers[0].mlp.gate.act is None
-    nl, code = m.layers[0]._native, native.bf16_code(mark, torch.bfloat16)
-    assert (nl.attn_plan.qkv.act, nl.attn_plan.o.act, nl.moe_plan.act, nl.attn_plan.gate.act) == (code, code, code, 0)
+    on = runs == "bf16"
+    lin = ("bf16-stream" if native.streamed(_decode_bytes(m)) else "bf16") if on else None  # a tiny model: bf16
+    assert m.head_act == lin and m.layers[0].mlp.experts.act == ("bf16" if on else None) and m.layers[0].mlp.gate.act is None
+    nl = m.layers[0]._native
+    code, moe = native.bf16_code(lin, torch.bfloat16), native.bf16_code("bf16" if on else None, torch.bfloat16)
+    assert (nl.attn_plan.qkv.act, nl.attn_plan.o.act, nl.moe_plan.act, nl.attn_plan.gate.act) == (code, code, moe, 0)
 
 
 @pytest.mark.parametrize("kw", [dict(int4=True, int4_group=32), dict(int4=True, int4_group=32, int4_act="q8"),

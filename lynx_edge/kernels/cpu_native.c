@@ -817,8 +817,8 @@ static void q16_block(const uint8_t *q, long rs, const uint16_t *s, const uint8_
 
 /* The activation modes (the kernels' `act` argument): for INT4 rows 0 fp32 (dot_block), 1 int8
  * (q8_block), 2 int16 (q16_block); for bf16 rows 0 fp32 (dense_block), 3 bf16 (dp_block, where the
- * build has AVX512-BF16: lynx_bf16_dp) */
-enum { ACT_F32 = 0, ACT_Q8 = 1, ACT_Q16 = 2, ACT_BF16 = 3 };
+ * build has AVX512-BF16: lynx_bf16_dp), 4 the same for a projection whose rows stream from DRAM */
+enum { ACT_F32 = 0, ACT_Q8 = 1, ACT_Q16 = 2, ACT_BF16 = 3, ACT_BF16S = 4 };
 #define ACT_DS(q16, K, G) ((q16) ? Q16_DS(K, G) : Q8_DS(K)) /* block scales per row */
 
 /* the mode rows of Kin inputs in groups of G run: act, or ACT_F32 where its kernel does not take the shape */
@@ -1279,7 +1279,8 @@ static void to_bf16_rows(const float *x, long ld, long n, int Kin, uint16_t *dst
 }
 #if BF16_DP
 static inline __attribute__((always_inline)) void dp_tile(const uint8_t *w, const long rs, const int Kin, const int R,
-                                                          const uint16_t *const *x, const int NT, float *acc) {
+                                                          const uint16_t *const *x, const int NT, float *acc,
+                                                          const int STREAM) {
     __m512 a[16];
     for (int i = 0; i < 16; i++) a[i] = _mm512_setzero_ps();
     const long pf = tile_ahead(R * rs, TILE_PREFETCH);
@@ -1289,6 +1290,7 @@ static inline __attribute__((always_inline)) void dp_tile(const uint8_t *w, cons
         for (int t = 0; t < NT; t++) xv[t] = (__m512bh)_mm512_loadu_si512(x[t] + j);
         for (int r = 0; r < R; r++) {
             _mm_prefetch((const char *)(w + r * rs) + (long)j * 2 + pf, PF_HINT);
+            if (STREAM) _mm_prefetch((const char *)(w + r * rs) + (long)j * 2 + pf + 64, PF_HINT); /* see dp_block */
             const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + r * rs + (long)j * 2);
             for (int t = 0; t < NT; t++) a[r * NT + t] = _mm512_dpbf16_ps(a[r * NT + t], wv, xv[t]);
         }
@@ -1309,12 +1311,24 @@ static inline __attribute__((always_inline)) void dp_tile(const uint8_t *w, cons
 }
 #endif
 /* acc[r * ROWS_LD + t] for R (1..ROW_BLOCK) adjacent bf16 rows (stride rs bytes) and n tokens whose
- * bf16 inputs are rows xb0 + t * ld: tokens in groups of four, rows in tiles of four (16 sums) */
-static __attribute__((noinline)) void dp_block(const uint8_t *w, long rs, int Kin, int R, const uint16_t *xb0, long ld,
-                                               int n, float *acc) {
+ * bf16 inputs are rows xb0 + t * ld: tokens in groups of four, rows in tiles of four (16 sums).
+ * stream: the rows come from DRAM at each use (the projections of a model whose weights outgrow the
+ * last-level cache: build._bf16_activations): each step prefetches a second line, one further on.
+ * Measured on a Zen4, one thread, one token, GB/s of bf16 rows, the fp32 rows -> these: from DRAM
+ * without it 1024 inputs 22.5 -> 20.1 (768: 20.6 -> 19.2), with it 22.1 -> 22.2, 768 20.3 -> 20.5,
+ * 4096 20.0 -> 21.5, four tokens 17.5 -> 19.3; from cache it costs (the demo's 4096 x 256 head
+ * 57 -> 51 GB/s), so rows that stay in cache go without it (57 against the fp32 rows' 41; 36
+ * against 20 at four tokens). Streamed experts stay on the fp32 rows: in lynx_moe's 16-row items
+ * these tiles read them slower still (the random 1.28 GB qwen3_moe's decode 0.79-0.91x at B = 1,
+ * 0.96-1.04x at B = 16, with or without the second prefetch; its projections alone on these tiles
+ * 0.99x and 1.10x). Runs of a row before the next (the fp32 rows' ROW_RUN), a longer distance and
+ * T0 did not help either. */
+static inline __attribute__((always_inline)) void dp_tiles(const uint8_t *w, long rs, int Kin, int R,
+                                                           const uint16_t *xb0, long ld, int n, float *acc,
+                                                           const int STREAM) {
 #if BF16_DP
     const uint16_t *x[4];
-#define DP_TILE(RR, M, r0_, t0_) dp_tile(w + (long)(r0_) * rs, rs, Kin, RR, x, M, acc + (r0_) * ROWS_LD + (t0_))
+#define DP_TILE(RR, M, r0_, t0_) dp_tile(w + (long)(r0_) * rs, rs, Kin, RR, x, M, acc + (r0_) * ROWS_LD + (t0_), STREAM)
 #define DP_TILE_RM(RR, M, r0_, t0_) TILE_M(DP_TILE, RR, M, r0_, t0_)
     for (int t0 = 0; t0 < n; t0 += 4) {
         const int m = n - t0 < 4 ? n - t0 : 4;
@@ -1327,8 +1341,21 @@ static __attribute__((noinline)) void dp_block(const uint8_t *w, long rs, int Ki
 #undef DP_TILE_RM
 #undef DP_TILE
 #else
-    (void)w; (void)rs; (void)Kin; (void)R; (void)xb0; (void)ld; (void)n; (void)acc;
+    (void)w; (void)rs; (void)Kin; (void)R; (void)xb0; (void)ld; (void)n; (void)acc; (void)STREAM;
 #endif
+}
+static __attribute__((noinline)) void dp_cached(const uint8_t *w, long rs, int Kin, int R, const uint16_t *xb0, long ld,
+                                                int n, float *acc) {
+    dp_tiles(w, rs, Kin, R, xb0, ld, n, acc, 0);
+}
+static __attribute__((noinline)) void dp_stream(const uint8_t *w, long rs, int Kin, int R, const uint16_t *xb0, long ld,
+                                                int n, float *acc) {
+    dp_tiles(w, rs, Kin, R, xb0, ld, n, acc, 1);
+}
+static void dp_block(const uint8_t *w, long rs, int Kin, int R, const uint16_t *xb0, long ld, int n, float *acc,
+                     int stream) {
+    if (stream) dp_stream(w, rs, Kin, R, xb0, ld, n, acc);
+    else dp_cached(w, rs, Kin, R, xb0, ld, n, acc);
 }
 
 /* --- AMX bf16 tiles (bf16 experts on a CPU with AMX-BF16) --------------------------------------
@@ -2198,8 +2225,8 @@ static void gate_up_item(const void *arg, long item) {
 #endif
                 if (L->xb) {
                     const uint16_t *xb = L->xb + (r0 + c) * D;
-                    dp_block(gu + (long)i * D * 2, (long)D * 2, D, R, xb, D, m, gate4);
-                    dp_block(gu + (long)(I + i) * D * 2, (long)D * 2, D, R, xb, D, m, up4);
+                    dp_block(gu + (long)i * D * 2, (long)D * 2, D, R, xb, D, m, gate4, L->stream & 1);
+                    dp_block(gu + (long)(I + i) * D * 2, (long)D * 2, D, R, xb, D, m, up4, L->stream & 1);
                 } else {
                     dense_block(gu + (long)i * D * es, (long)D * es, L->fmt, D, R, x, D, m, gate4, mode);
                     dense_block(gu + (long)(I + i) * D * es, (long)D * es, L->fmt, D, R, x, D, m, up4, mode);
@@ -2283,7 +2310,8 @@ static void down_item(const void *arg, long item) {
                          L->hparts, (int)n, (int)c, m, acc, L->stream & 1);
 #endif
             else if (L->hb)
-                dp_block(L->dn + (e * (long)D * I + (long)d * I) * 2, (long)I * 2, I, R, L->hb + (r0 + c) * I, I, m, acc);
+                dp_block(L->dn + (e * (long)D * I + (long)d * I) * 2, (long)I * 2, I, R, L->hb + (r0 + c) * I, I, m, acc,
+                         L->stream & 1);
             else if (L->fmt == FMT_F32 || L->fmt == FMT_BF16)
                 dense_block(L->dn + (e * (long)D * I + (long)d * I) * es, (long)I * es, L->fmt, I, R,
                             L->he + (r0 + c) * I, I, m, acc, L->stream & MOE_DN_PACKED ? ROWS_PACKED : L->stream & 1);
@@ -2444,7 +2472,8 @@ static uint8_t *scratch(const size_t *sz, int n, void **out) {
  * gub [E, 2I] / dnb [E, D] fp32 biases or NULL; act_kind 1: gpt-oss's clamped SwiGLU.
  * amode: the INT4 rows' activations, ACT_F32 / ACT_Q8 / ACT_Q16 (each side falls back to fp32 where
  * its mode does not take the shape: act_for); MXFP4 rows take either integer mode (mxq_rows, mx8_rows);
- * bf16 rows in row-major layout ACT_BF16 (x and h rounded to bf16 once each: dp_block).
+ * bf16 experts read from cache (stream 0) ACT_BF16 (x and h rounded to bf16 once each: dp_block);
+ * streamed ones keep the fp32 rows (see dp_block).
  * stream: bit 0, the 16/32-bit experts come from DRAM at each use (they outgrow the last-level cache;
  * the caller decides, native.streamed): their short rows are read whole (dense_block); MOE_GU_PACKED /
  * MOE_DN_PACKED: gate_up / down hold packed rows (ROWS_PACKED: its rows whole groups of PK_ROWS, its
@@ -2470,7 +2499,7 @@ int lynx_moe(int fmt, const float *x, const int64_t *ids, const float *w, const 
     /* bf16 experts in row-major rows on AMX: the tiles take whole blocks of 16 rows of 32-input steps */
     const int amx = AMX_PATH && g_amx && fmt == FMT_BF16 && !(stream & (MOE_GU_PACKED | MOE_DN_PACKED)) && D % 32 == 0
                     && I % 32 == 0;
-    const int dp = BF16_DP && !amx && fmt == FMT_BF16 && amode == ACT_BF16 && !(stream & (MOE_GU_PACKED | MOE_DN_PACKED));
+    const int dp = BF16_DP && !amx && fmt == FMT_BF16 && amode == ACT_BF16 && !stream; /* cached experts (see dp_block) */
     const size_t f4 = sizeof(float), i8 = sizeof(int64_t);
     const size_t sz[] = {(E + 1) * i8, E * i8, S * i8, S * i8, E * i8,          /* cnt fill order pos act */
                          S * D * f4, S * I * f4, S * D * f4, defer ? S * I * f4 : 0, /* xe he y ue */
@@ -2746,7 +2775,7 @@ typedef struct {
     const float *scale; /* FMT_I8: fp32 [N], one per row; else NULL */
     const int8_t *xq; /* FMT_I8 with int8 activations (i8q8_block): xq [T, Kin], dl [T, Kin/QH], ct [T]; else NULL */
     const float *dl, *ct;
-    int whole; /* i8q8_block: one-token rows read whole (a matrix that streams from DRAM; see lynx_linear_int8) */
+    int whole; /* i8q8_block: one-token rows read whole; dp_block: stream (a matrix that streams from DRAM) */
     const uint16_t *xb; /* FMT_BF16 with bf16 activations (dp_block): x rounded [T, Kin]; else NULL */
 } linear_t;
 
@@ -2765,7 +2794,8 @@ static void linear_item(const void *arg, long item) {
             else
 #endif
             if (P->xb)
-                dp_block(P->w + (long)n * P->Kin * 2, (long)P->Kin * 2, P->Kin, R, P->xb + (long)c * P->Kin, P->Kin, m, acc);
+                dp_block(P->w + (long)n * P->Kin * 2, (long)P->Kin * 2, P->Kin, R, P->xb + (long)c * P->Kin, P->Kin, m, acc,
+                         P->whole);
             else
                 dense_block(P->w + (long)n * P->Kin * P->es, (long)P->Kin * P->es, P->fmt, P->Kin, R,
                             P->x + (long)c * P->Kin, P->Kin, m, acc, 0);
@@ -2782,17 +2812,19 @@ static void linear_item(const void *arg, long item) {
 }
 
 /* out [T, N] = x [T, Kin] fp32 @ w [N, Kin]^T (+ bias [N] fp32 or NULL); fmt FMT_F32 / FMT_BF16. act
- * ACT_BF16: bf16 rows meet x rounded to bf16 (dp_block) where this build has it, else fp32 x. */
+ * ACT_BF16 / ACT_BF16S (rows from DRAM): bf16 rows meet x rounded to bf16 (dp_block) where this build
+ * has it, else fp32 x. */
 void lynx_linear(int fmt, const float *x, const uint8_t *w, const float *bias, int T, int Kin, int N, float *out,
                  int nthreads, int act) {
     linear_t P = {fmt, T, Kin, N, x, bias, w, fmt == FMT_F32 ? 4 : 2, out, NULL, NULL, NULL, NULL, 0, NULL};
     uint8_t *mem = NULL;
-    if (fmt == FMT_BF16 && act == ACT_BF16 && BF16_DP) { /* out of memory: the fp32 rows (exact) */
+    if (fmt == FMT_BF16 && (act == ACT_BF16 || act == ACT_BF16S) && BF16_DP) { /* out of memory: the fp32 rows (exact) */
         const size_t sz[1] = {(size_t)T * Kin * 2};
         void *b[1];
         if ((mem = scratch(sz, 1, b))) {
             to_bf16_rows(x, Kin, T, Kin, b[0]);
             P.xb = b[0];
+            P.whole = act == ACT_BF16S; /* dp_block's stream */
         }
     }
     parallel(linear_item, &P, (N + ROW_BLOCK - 1) / ROW_BLOCK, nthreads);

@@ -235,14 +235,17 @@ def act_code(act: str | None) -> int:
 # activations rounded to bf16, 2^-9 relative, as llama.cpp's BF16 rows and torch's bf16 matmuls
 # round them; the products and sums stay fp32): vdpbf16ps multiplies 32 pairs an instruction where
 # the fp32 rows widen and multiply 16 (dp_block in the C file). Engine option bf16_act, resolved at
-# build (build.bf16_act); LYNX_EDGE_BF16_ACT (BF16_ACT) sets the default, else default_bf16_act():
-# bf16 where the build has AVX512-BF16 on an AMD CPU (measured: a Zen4, the demo's decode 1.13-1.32x
-# at a perplexity change of +0.005%, benchmarks/results/bf16_act_s42.json), f32 elsewhere (Intel's
+# build (build.bf16_act; the routers stay fp32, experts streamed from DRAM keep the fp32 rows: see
+# dp_block); LYNX_EDGE_BF16_ACT (BF16_ACT) sets the default, else default_bf16_act(): bf16 where the
+# build has AVX512-BF16 on an AMD CPU (measured on a Zen4: the demo's decode 1.12-1.23x, its logits
+# KL 1.6e-4 from fp32 activations, benchmarks/results/bf16_act_s42.md), f32 elsewhere (Intel's
 # AVX512-BF16 unmeasured; without it the build has no bf16 rows on bf16 inputs). The kernel calls
 # below take act explicitly (None: f32): routers and references stay exact unless a caller asks.
 BF16_ACTS = ("f32", "bf16")
 BF16_ACT = os.environ.get("LYNX_EDGE_BF16_ACT") or None
-ACT_BF16 = 3  # the C file's ACT_BF16
+# the C file's ACT_BF16, and ACT_BF16S for a projection whose rows stream from DRAM (a second
+# prefetch a line on: dp_block), which the modules name "bf16-stream"
+ACT_BF16, ACT_BF16S = 3, 4
 
 
 def bf16_dp() -> bool:
@@ -261,8 +264,11 @@ def default_bf16_act() -> str:
 
 
 def bf16_code(act: str | None, weight_dtype: torch.dtype) -> int:
-    """The kernels' act argument for a weight of weight_dtype under bf16 activations act (None: f32)."""
-    return ACT_BF16 if act == "bf16" and weight_dtype == torch.bfloat16 else 0
+    """The kernels' act argument for a weight of weight_dtype under bf16 activations act ("bf16",
+    "bf16-stream": its rows come from DRAM; None: f32)."""
+    if weight_dtype != torch.bfloat16 or act not in ("bf16", "bf16-stream"):
+        return 0
+    return ACT_BF16S if act == "bf16-stream" else ACT_BF16
 # token-expert slots per MoE call: bounds the kernel's fp32 scratch, S·(2D + I) floats (~60 MiB at
 # D=2048, I=768) however long the prompt being prefilled
 MAX_SLOTS = 4096
