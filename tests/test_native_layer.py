@@ -352,9 +352,10 @@ def test_expert_read_order_follows_the_cache_rule(q3, llc, monkeypatch):
     """The builder marks 16-bit experts streamed when all layers' experts outgrow the last-level
     cache (native.streamed), and keeps streamed bf16 experts of short rows in packed rows
     (native.pack_choice); the flag and the layout reach the layer's native plan and the module path,
-    and the logits are the same bits either way (the read order changes, not the sums)."""
+    and the logits are the same bits either way (the read order changes, not the sums; on fp32
+    activations: bf16 ones are read by other kernels streamed or not, test_bf16_act_streamed_or_not)."""
     monkeypatch.setattr(native, "llc_bytes", lambda: llc)
-    eng = Engine.from_pretrained(q3, device="cpu", dtype="bfloat16", max_num_seqs=3)
+    eng = Engine.from_pretrained(q3, device="cpu", dtype="bfloat16", max_num_seqs=3, bf16_act="f32")
     moe = [layer.mlp.experts for layer in eng.model.layers]
     streamed = llc == 1 << 10
     rows = [ex.weights() for ex in moe]
@@ -575,3 +576,21 @@ def test_lfm2_layer_call_follows_a_rewritten_conv(lfm2):
         layer.self_attn.conv.weight.mul_(0.5)
     after = _decode(eng, 1)
     assert not torch.equal(before, after) and layer._native is not plan  # the key saw the in-place write
+
+
+def test_bf16_act_streamed_or_not(q3, monkeypatch):
+    """--bf16-act bf16 rounds every expert's inputs whether its experts are streamed (the fp32 rows on
+    the rounded inputs) or read from cache (vdpbf16ps tiles): logits within a bf16 rounding of each
+    other, and both away from the fp32-activation logits by more than that."""
+    if not native.bf16_dp():
+        pytest.skip("this build has no bf16 rows on bf16 inputs (AVX512-BF16)")
+    got = {}
+    for llc, act in ((1 << 40, "bf16"), (1 << 10, "bf16"), (1 << 40, "f32")):
+        monkeypatch.setattr(native, "llc_bytes", lambda llc=llc: llc)
+        eng = Engine.from_pretrained(q3, device="cpu", dtype="bfloat16", max_num_seqs=3, bf16_act=act)
+        assert eng.model.layers[0].mlp.experts.streamed is (llc == 1 << 10)
+        got[llc, act] = _decode(eng, 3).float()
+    cached, streamed, exact = got[1 << 40, "bf16"], got[1 << 10, "bf16"], got[1 << 40, "f32"]
+    scale = cached.abs().max().item()
+    assert (cached - streamed).abs().max().item() <= 2**-8 * scale  # seen: equal
+    assert (cached - exact).abs().max().item() > (cached - streamed).abs().max().item()

@@ -1277,6 +1277,22 @@ static void to_bf16_rows(const float *x, long ld, long n, int Kin, uint16_t *dst
         }
     }
 }
+/* x [n] <- x rounded to bf16 (nearest even), kept fp32: the same inputs dp_block's rows see, for the
+ * fp32 rows (streamed experts under ACT_BF16) */
+static void round_to_bf16(float *x, long n) {
+    long j = 0;
+#if BF16_DP
+    for (; j + 16 <= n; j += 16)
+        _mm512_storeu_ps(x + j, _mm512_castsi512_ps(_mm512_slli_epi32(
+                                    _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + j))), 16)));
+#endif
+    for (; j < n; j++) {
+        uint16_t b;
+        to_bf16_rows(x + j, 1, 1, 1, &b);
+        const uint32_t u = (uint32_t)b << 16;
+        memcpy(x + j, &u, 4);
+    }
+}
 #if BF16_DP
 static inline __attribute__((always_inline)) void dp_tile(const uint8_t *w, const long rs, const int Kin, const int R,
                                                           const uint16_t *const *x, const int NT, float *acc,
@@ -1318,8 +1334,8 @@ static inline __attribute__((always_inline)) void dp_tile(const uint8_t *w, cons
  * without it 1024 inputs 22.5 -> 20.1 (768: 20.6 -> 19.2), with it 22.1 -> 22.2, 768 20.3 -> 20.5,
  * 4096 20.0 -> 21.5, four tokens 17.5 -> 19.3; from cache it costs (the demo's 4096 x 256 head
  * 57 -> 51 GB/s), so rows that stay in cache go without it (57 against the fp32 rows' 41; 36
- * against 20 at four tokens). Streamed experts stay on the fp32 rows: in lynx_moe's 16-row items
- * these tiles read them slower still (the random 1.28 GB qwen3_moe's decode 0.79-0.91x at B = 1,
+ * against 20 at four tokens). Streamed experts run the fp32 rows on the rounded inputs: in
+ * lynx_moe's 16-row items these tiles read them slower still (the random 1.28 GB qwen3_moe's decode 0.79-0.91x at B = 1,
  * 0.96-1.04x at B = 16, with or without the second prefetch; its projections alone on these tiles
  * 0.99x and 1.10x). Runs of a row before the next (the fp32 rows' ROW_RUN), a longer distance and
  * T0 did not help either. */
@@ -2472,8 +2488,9 @@ static uint8_t *scratch(const size_t *sz, int n, void **out) {
  * gub [E, 2I] / dnb [E, D] fp32 biases or NULL; act_kind 1: gpt-oss's clamped SwiGLU.
  * amode: the INT4 rows' activations, ACT_F32 / ACT_Q8 / ACT_Q16 (each side falls back to fp32 where
  * its mode does not take the shape: act_for); MXFP4 rows take either integer mode (mxq_rows, mx8_rows);
- * bf16 experts read from cache (stream 0) ACT_BF16 (x and h rounded to bf16 once each: dp_block);
- * streamed ones keep the fp32 rows (see dp_block).
+ * bf16 experts ACT_BF16: x and h rounded to bf16 once each, then dp_block (experts read from cache)
+ * or the fp32 rows (streamed ones, packed rows; see dp_block): the same inputs, sums within fp32
+ * rounding of each other.
  * stream: bit 0, the 16/32-bit experts come from DRAM at each use (they outgrow the last-level cache;
  * the caller decides, native.streamed): their short rows are read whole (dense_block); MOE_GU_PACKED /
  * MOE_DN_PACKED: gate_up / down hold packed rows (ROWS_PACKED: its rows whole groups of PK_ROWS, its
@@ -2499,7 +2516,10 @@ int lynx_moe(int fmt, const float *x, const int64_t *ids, const float *w, const 
     /* bf16 experts in row-major rows on AMX: the tiles take whole blocks of 16 rows of 32-input steps */
     const int amx = AMX_PATH && g_amx && fmt == FMT_BF16 && !(stream & (MOE_GU_PACKED | MOE_DN_PACKED)) && D % 32 == 0
                     && I % 32 == 0;
-    const int dp = BF16_DP && !amx && fmt == FMT_BF16 && amode == ACT_BF16 && !stream; /* cached experts (see dp_block) */
+    /* bf16 activations: dp_block for experts read from cache; streamed ones (and packed rows) run the
+     * fp32 rows on the same rounded inputs (dp_block reads them slower from DRAM) */
+    const int b16 = BF16_DP && !amx && fmt == FMT_BF16 && amode == ACT_BF16;
+    const int dp = b16 && !stream;
     const size_t f4 = sizeof(float), i8 = sizeof(int64_t);
     const size_t sz[] = {(E + 1) * i8, E * i8, S * i8, S * i8, E * i8,          /* cnt fill order pos act */
                          S * D * f4, S * I * f4, S * D * f4, defer ? S * I * f4 : 0, /* xe he y ue */
@@ -2558,13 +2578,15 @@ int lynx_moe(int fmt, const float *x, const int64_t *ids, const float *w, const 
     if (dp) {
         to_bf16_rows(xe, D, S, D, b[19]);
         L.xb = b[19];
-    }
+    } else if (b16)
+        round_to_bf16(xe, S * (long)D);
     parallel(gate_up_item, &L, A * ((I + ROW_BLOCK - 1) / ROW_BLOCK), nthreads);
     if (ue) lynx_silu_mul(he, ue, S * (long)I);
     if (dp) {
         to_bf16_rows(he, I, S, I, b[20]);
         L.hb = b[20];
-    }
+    } else if (b16)
+        round_to_bf16(he, S * (long)I);
 #if AMX_PATH
     if (amx) { /* h in pairs, as x above */
         L.hv = b[18];
