@@ -9,8 +9,9 @@ Quality: teacher-forced over windows of --window tokens from the last three quar
 divergence and top-1 agreement of each bf16 variant's next-token distribution against the fp32
 checkpoint (--dtype float32, exact) and against the bf16 model on fp32 activations.
 Speed: decode ms per step for B = 1, 4, 16 with LYNX off and B = 4, 16 with LYNX on, the two
-activation modes alternating within each round (one engine each, same threads); the ratio column
-is the median of the per-round ratios f32 / bf16, with their min–max.
+activation modes alternating within each round on one engine (its modules switched between runs:
+two engines' weights would evict each other from the cache), same threads; the ratio column is
+the median of the per-round ratios f32 / bf16, with their min–max.
 
     python benchmarks/bf16_act.py [--model demo] [--threads 1] [-r 7] [--out benchmarks/results/bf16_act]
 """
@@ -40,12 +41,14 @@ def main() -> None:
     ap.add_argument("-r", "--reps", type=int, default=7)
     ap.add_argument("-n", type=int, default=32, help="decode steps per timed run")
     ap.add_argument("--batch", default="1,4,16")
+    ap.add_argument("--speed-only", action="store_true", help="no quality pass (a model without heldout.txt)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/bf16_act"))
     args = ap.parse_args()
     from int4_act import logits_of, quality
 
     from lynx_edge import Engine
     from lynx_edge.bench import cpu_isa, measure, synthetic_prompts
+    from lynx_edge.build import _bf16_activations
     from lynx_edge.kernels import native
     from lynx_edge.threads import set_threads
 
@@ -54,17 +57,18 @@ def main() -> None:
     set_threads(args.threads, explicit=True)
     sizes = [int(b) for b in args.batch.split(",")]
     mk = lambda **kw: Engine.from_pretrained(args.model, device="cpu", max_num_seqs=max(sizes), **kw)  # noqa: E731
-    ref32 = mk(dtype="float32")
     exact = {"f32": mk(dtype="bfloat16", bf16_act="f32"), "bf16": mk(dtype="bfloat16", bf16_act="bf16")}
-    text = (ref32.model_dir / "heldout.txt").read_text(encoding="utf-8")
-    ids = ref32.tokenizer.encode(text[len(text) // 4 :], add_special_tokens=False)
-    W = args.window
-    windows = [ids[i : i + W] for i in range(0, len(ids) - W + 1, W)][: args.max_windows]
-    lg32 = logits_of(ref32, windows)
-    lg = {k: logits_of(e, windows) for k, e in exact.items()}
-    del ref32
-    qual = [{"variant": "fp32 checkpoint (reference)", **quality(lg32, windows, None)}]
-    for k in exact:
+    W, windows, qual = args.window, [], []
+    if not args.speed_only:
+        ref32 = mk(dtype="float32")
+        text = (ref32.model_dir / "heldout.txt").read_text(encoding="utf-8")
+        ids = ref32.tokenizer.encode(text[len(text) // 4 :], add_special_tokens=False)
+        windows = [ids[i : i + W] for i in range(0, len(ids) - W + 1, W)][: args.max_windows]
+        lg32 = logits_of(ref32, windows)
+        lg = {k: logits_of(e, windows) for k, e in exact.items()}
+        del ref32
+        qual = [{"variant": "fp32 checkpoint (reference)", **quality(lg32, windows, None)}]
+    for k in exact if qual else ():
         q = quality(lg[k], windows, lg32)
         qual.append({"variant": f"bf16, --bf16-act {k}", "ppl": q["ppl"], "kl_vs_fp32": q["kl_vs_f32"],
                      "top1_vs_fp32": q["top1_agree_vs_f32"]})
@@ -74,19 +78,24 @@ def main() -> None:
     for r in qual:
         print(json.dumps(r), flush=True)
 
-    on = {k: mk(dtype="bfloat16", bf16_act=k, lynx="on") for k in exact}
+    # speed: one engine per LYNX mode whose activations switch between runs (the plans follow:
+    # native_layer._key), so both modes read the same weights from the same caches
+    del exact
     rows = []
-    for lynx, engines in (("off", exact), ("on", on)):
+    for lynx in ("off", "on"):
+        eng = mk(dtype="bfloat16", bf16_act="f32", lynx=lynx)
         for B in sizes:
             if lynx == "on" and B == 1:
                 continue  # nothing to pool
-            prompts = synthetic_prompts(engines["f32"], B, 16)
-            for e in engines.values():
-                measure(e, prompts, 8)  # warm-up: plans built
-            ms = {k: [] for k in engines}
+            prompts = synthetic_prompts(eng, B, 16)
+            for k in ("f32", "bf16"):
+                _bf16_activations(eng.model, k)
+                measure(eng, prompts, 8)  # warm-up: plans built
+            ms = {"f32": [], "bf16": []}
             for _ in range(args.reps):
-                for k, e in engines.items():
-                    ms[k].append(measure(e, prompts, args.n + 1)["tpot_ms"])
+                for k in ms:
+                    _bf16_activations(eng.model, k)
+                    ms[k].append(measure(eng, prompts, args.n + 1)["tpot_ms"])
             ratios = [a / b for a, b in zip(ms["f32"], ms["bf16"])]
             row = {"lynx": lynx, "batch": B, "ms_f32": statistics.median(ms["f32"]),
                    "ms_bf16": statistics.median(ms["bf16"]), "speedup": statistics.median(ratios),

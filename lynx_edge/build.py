@@ -260,6 +260,9 @@ def _bf16_activations(model, act: str) -> str:
             m.act = "bf16" if on else None
         elif isinstance(m, Linear) and id(m) not in exact:
             m.act = lin
+        fused = getattr(m, "_qkv", None)  # an attention's fused q/k/v (built at its first forward, not a submodule)
+        if fused and isinstance(fused[0], Linear):
+            fused[0].act = lin
     if model.head_int8 is None:
         model.head_act = lin
     return act

@@ -594,3 +594,22 @@ def test_bf16_act_streamed_or_not(q3, monkeypatch):
     scale = cached.abs().max().item()
     assert (cached - streamed).abs().max().item() <= 2**-8 * scale  # seen: equal
     assert (cached - exact).abs().max().item() > (cached - streamed).abs().max().item()
+
+
+def test_bf16_act_switched_after_build_rebuilds_the_plans(q3):
+    """The activations are part of a plan's key: switching them on a built engine (as benchmarks/bf16_act.py
+    does) reaches the fused q/k/v, o_proj, the experts and the head, and switching back gives the first
+    logits again, bit for bit."""
+    from lynx_edge.build import _bf16_activations
+
+    if not native.bf16_dp():
+        pytest.skip("this build has no bf16 rows on bf16 inputs (AVX512-BF16)")
+    eng = Engine.from_pretrained(q3, device="cpu", dtype="bfloat16", max_num_seqs=2, bf16_act="f32")
+    first = _decode(eng, 2)
+    for act, code in (("bf16", native.ACT_BF16), ("f32", 0)):
+        _bf16_activations(eng.model, act)
+        got = _decode(eng, 2)
+        nl = eng.model.layers[0]._native
+        assert (nl.attn_plan.qkv.act, nl.attn_plan.o.act, nl.moe_plan.act) == (code, code, code)
+        assert eng.model.__dict__["_native_head"][1][2].act == code
+        assert torch.equal(got, first) is (act == "f32")

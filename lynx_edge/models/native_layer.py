@@ -391,8 +391,9 @@ def _moe_plan(experts, keep: list, dt) -> tuple[native.MoeLayer | None, int]:
 
 
 def _key(layer) -> tuple:
-    """The modules and storages the plan points into: a module or weight replaced (not written in
-    place) rebuilds the plan. Plain attribute reads: this runs every layer of every decode step."""
+    """The modules and storages the plan points into, and the activations they run: a module or
+    weight replaced (not written in place), or its activations changed, rebuilds the plan. Plain
+    attribute reads: this runs every layer of every decode step."""
     m = layer._modules
     attn, mlp = m["self_attn"], m["mlp"]
     am, mm = attn._modules, mlp._modules
@@ -434,7 +435,8 @@ def _key(layer) -> tuple:
             m["post_attention_layernorm"]._parameters["weight"].data_ptr(), ex,
             None if exp is None else exp.data_ptr(), None if dn is None else dn.data_ptr(),
             None if qn is None else _written(qn._parameters["weight"]),
-            None if kn is None else _written(kn._parameters["weight"]), sh, bs)
+            None if kn is None else _written(kn._parameters["weight"]), sh, bs,
+            getattr(qp, "act", None), getattr(op, "act", None), getattr(ex, "act", None))  # activations (bf16: build._bf16_activations)
 
 
 def _written(w: torch.Tensor | None) -> tuple | None:
