@@ -47,7 +47,7 @@ class LoadOptions:
     int4_group: int = 128
     int4_act: str | None = None  # CPU INT4 activations: "f32" (exact) | "q16" (int16, ~2^-16) | "q8" (int8, approximate); None: $LYNX_EDGE_INT4_ACT, else q16 where measured faster (native.default_int4_act), else f32
     int4_attn: bool = False  # CPU: a 16-bit checkpoint's attention / dense projections INT4 too (RTN at load)
-    bf16_act: str | None = None  # CPU bf16 weights' activations: "f32" (exact) | "bf16" (rounded, 2^-9); None: $LYNX_EDGE_BF16_ACT, else bf16 where measured faster (native.default_bf16_act), else f32
+    bf16_act: str | None = None  # CPU bf16 weights' activations: "f32" (exact) | "bf16" (rounded, 2^-9); None: $LYNX_EDGE_BF16_ACT, else bf16 where measured faster (native.default_bf16_act: AMD AVX512-BF16, a model that fits the LLC), else f32
     int8_head: bool = False  # CPU: the output head int8 with row scales (quant/int8.py; approximate)
     huge_pages: bool = False  # CPU: weights on 2 MiB transparent huge pages (hugepages.py; slower load)
     repack: bool = True  # CPU: streamed bf16 experts of short rows in packed rows (native.pack_choice)
@@ -203,7 +203,7 @@ def load_model(model_dir: Path, cfg: ModelConfig, opts: LoadOptions, progress: P
     if opts.int8_head:
         placement.int8_head = _int8_head(model, dev, act, opts.huge_pages)
     if dev.type == "cpu" and dt == torch.bfloat16:
-        placement.bf16_act = _bf16_activations(model, bf16_act(opts.bf16_act))
+        placement.bf16_act = _bf16_activations(model, bf16_act(opts.bf16_act, _decode_bytes(model)))
     model.placement = placement
     if rt is not None:
         from .offload.runtime import _install_route
@@ -228,12 +228,13 @@ def int4_act(value: str | None, cpu: bool = True) -> str | None:
     return act
 
 
-def bf16_act(value: str | None) -> str:
+def bf16_act(value: str | None, model_bytes: int | None = None) -> str:
     """The CPU bf16 weights' activations: value, else $LYNX_EDGE_BF16_ACT, else bf16 where the native
-    kernels measured it faster (AVX512-BF16 on an AMD CPU: native.default_bf16_act), else f32; checked."""
+    kernels measured it faster (AVX512-BF16 on an AMD CPU, a model of model_bytes that stays in the
+    last-level cache: native.default_bf16_act), else f32; checked."""
     from .kernels import native
 
-    act = value or native.default_bf16_act()
+    act = value or native.default_bf16_act(model_bytes)
     if act not in native.BF16_ACTS:
         raise ConfigError(f"bf16 activations {act!r} not supported; use one of {', '.join(native.BF16_ACTS)}")
     return act

@@ -53,7 +53,8 @@ class EngineConfig:
     int4_act: str | None = None  # CPU INT4 kernels: "f32" (exact) | "q16" (int16 activations, ~2^-16) | "q8" (int8, approximate)
     int4_attn: bool = False  # CPU: attention / dense projections INT4 too, RTN at load (approximate)
     # CPU bf16 weights (not the routers): "f32" (exact) | "bf16" (activations rounded to bf16, as
-    # llama.cpp's BF16 rows: approximate) (None: $LYNX_EDGE_BF16_ACT, else bf16 where measured faster)
+    # llama.cpp's BF16 rows: approximate) (None: $LYNX_EDGE_BF16_ACT, else bf16 where measured faster:
+    # AMD AVX512-BF16, a model that fits the last-level cache)
     bf16_act: str | None = None
     int8_head: bool = False  # CPU: the output head int8 with row scales, at load (approximate; quant/int8.py)
     # CPU: weights on 2 MiB transparent huge pages (hugepages.py): faster decode, slower load

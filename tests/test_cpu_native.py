@@ -1337,13 +1337,17 @@ def test_bf16_act_moe_matches_emulation(stream):
 
 def test_bf16_act_default_follows_the_build(monkeypatch):
     """No name, no environment: bf16 where the build has the rows and they measured faster (AMD
-    AVX512-BF16), else f32; the environment's value wins; a bad value is a one-line ConfigError."""
+    AVX512-BF16, a model that stays in the last-level cache), else f32; the environment's value
+    wins; a bad value is a one-line ConfigError."""
     from lynx_edge.build import bf16_act
     from lynx_edge.config import ConfigError
 
     monkeypatch.setattr(native, "BF16_ACT", None)
     pays = bool(native.lib().lynx_bf16_pays())
     assert native.default_bf16_act() == ("bf16" if pays else "f32")
+    monkeypatch.setattr(native, "llc_bytes", lambda: 32 << 20)
+    assert native.default_bf16_act(30 << 20) == ("bf16" if pays else "f32")  # stays in the cache
+    assert native.default_bf16_act(40 << 20) == "f32"  # streams from DRAM: measured no faster there
     assert not pays or native.bf16_dp()
     monkeypatch.setattr(native, "BF16_ACT", "f32")
     assert bf16_act(None) == "f32" and bf16_act("bf16") == "bf16"

@@ -47,7 +47,7 @@ class Bf16ActChoice(str, Enum):
 Bf16Act = Annotated[Optional[Bf16ActChoice], typer.Option(
     "--bf16-act", help="CPU bf16 weights' activations (the routers stay fp32): f32 (exact) | bf16 (rounded to bf16 as "
     "llama.cpp's BF16 rows do: 32 multiply-adds an AVX512-BF16 instruction, approximate) [default: $LYNX_EDGE_BF16_ACT, "
-    "else bf16 on AMD AVX512-BF16, else f32]")]
+    "else bf16 on AMD AVX512-BF16 for a model that fits the last-level cache, else f32]")]
 Profile = Annotated[Optional[str], typer.Option("--profile", help="hardware profile (TOML) for placement")]
 Dtype = Annotated[Optional[str], typer.Option("--dtype", help="float32 | bfloat16 | float16 (default: bf16 on CUDA; on a CPU a bf16 or big fp16 checkpoint runs bf16 where the native kernels build or the CPU has native bf16, else fp32 up to 2 GiB; $LYNX_EDGE_CPU_DTYPE)")]
 Device = Annotated[Optional[str], typer.Option("--device", help="cuda | cpu (default: cuda when present)")]

@@ -1252,7 +1252,8 @@ static void dense_block(const uint8_t *w, long rs, int fmt, int Kin, int R, cons
 int lynx_bf16_dp(void) { return BF16_DP; }
 /* 1 where ACT_BF16 measured faster than the fp32 rows: AVX512-BF16 on an AMD CPU (a Zen4 EPYC, one
  * thread: in L1 22.5 multiply-adds a cycle against 11.4 for the widened fp32 rows; the demo's
- * decode 1.13-1.32x, benchmarks/results/bf16_act_s42.json). Intel's AVX512-BF16 is unmeasured. */
+ * decode 1.10-1.38x, benchmarks/results/bf16_act_s42.md) — for a model whose weights stay in the
+ * last-level cache (native.default_bf16_act). Intel's AVX512-BF16 is unmeasured. */
 int lynx_bf16_pays(void) {
 #if BF16_DP
     unsigned a, b, c, d;

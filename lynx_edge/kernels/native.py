@@ -237,10 +237,13 @@ def act_code(act: str | None) -> int:
 # the fp32 rows widen and multiply 16 (dp_block in the C file). Engine option bf16_act, resolved at
 # build (build.bf16_act; the routers stay fp32, experts streamed from DRAM keep the fp32 rows: see
 # dp_block); LYNX_EDGE_BF16_ACT (BF16_ACT) sets the default, else default_bf16_act(): bf16 where the
-# build has AVX512-BF16 on an AMD CPU (measured on a Zen4: the demo's decode 1.12-1.23x, its logits
-# KL 1.6e-4 from fp32 activations, benchmarks/results/bf16_act_s42.md), f32 elsewhere (Intel's
-# AVX512-BF16 unmeasured; without it the build has no bf16 rows on bf16 inputs). The kernel calls
-# below take act explicitly (None: f32): routers and references stay exact unless a caller asks.
+# build has AVX512-BF16 on an AMD CPU and the model's weights stay in the last-level cache, so its
+# steps are bound by multiply-adds (measured on a Zen4: the demo's decode 1.10-1.38x, its logits KL
+# 1.6e-4 from fp32 activations, benchmarks/results/bf16_act_s42.md); f32 for a model that streams
+# from DRAM (the random 1.28 GB qwen3_moe 0.94x at B = 1, 1.06x at B = 16: bf16_act_random_s42.md),
+# and elsewhere (Intel's AVX512-BF16 unmeasured; without it the build has no bf16 rows on bf16
+# inputs). The kernel calls below take act explicitly (None: f32): routers and references stay
+# exact unless a caller asks.
 BF16_ACTS = ("f32", "bf16")
 BF16_ACT = os.environ.get("LYNX_EDGE_BF16_ACT") or None
 # the C file's ACT_BF16, and ACT_BF16S for a projection whose rows stream from DRAM (a second
@@ -254,13 +257,15 @@ def bf16_dp() -> bool:
     return so is not None and bool(getattr(so, "lynx_bf16_dp", lambda: 0)())
 
 
-def default_bf16_act() -> str:
+def default_bf16_act(model_bytes: int | None = None) -> str:
     """The bf16 rows' activations when none is named: BF16_ACT, else bf16 where it measured faster
-    (AVX512-BF16 on an AMD CPU: lynx_bf16_pays), else f32."""
+    (AVX512-BF16 on an AMD CPU: lynx_bf16_pays, for a model of model_bytes that does not stream from
+    DRAM: streamed), else f32."""
     if BF16_ACT:
         return BF16_ACT
     so = lib()
-    return "bf16" if so is not None and getattr(so, "lynx_bf16_pays", lambda: 0)() else "f32"
+    pays = so is not None and getattr(so, "lynx_bf16_pays", lambda: 0)()
+    return "bf16" if pays and (model_bytes is None or not streamed(model_bytes)) else "f32"
 
 
 def bf16_code(act: str | None, weight_dtype: torch.dtype) -> int:
