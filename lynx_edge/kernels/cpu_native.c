@@ -1243,7 +1243,7 @@ static void dense_block(const uint8_t *w, long rs, int fmt, int Kin, int R, cons
  * ACT_BF16, and the inputs are rounded once per call (to_bf16_rows), not per tile. Each row x
  * token: one accumulator over the inputs' 32-wide steps in order (the last masked), then
  * sum_lanes's tree — the same in any tile, so a token's result does not depend on its batch. */
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) /* BW: the masked 16-bit loads */
 #define BF16_DP 1
 #else
 #define BF16_DP 0

@@ -235,8 +235,8 @@ def act_code(act: str | None) -> int:
 # activations rounded to bf16, 2^-9 relative, as llama.cpp's BF16 rows and torch's bf16 matmuls
 # round them; the products and sums stay fp32): vdpbf16ps multiplies 32 pairs an instruction where
 # the fp32 rows widen and multiply 16 (dp_block in the C file). Engine option bf16_act, resolved at
-# build (build.bf16_act; the routers stay fp32, experts streamed from DRAM keep the fp32 rows: see
-# dp_block); LYNX_EDGE_BF16_ACT (BF16_ACT) sets the default, else default_bf16_act(): bf16 where the
+# build (build.bf16_act; the routers stay fp32, experts streamed from DRAM run the fp32 rows on the
+# rounded inputs: see dp_block); LYNX_EDGE_BF16_ACT (BF16_ACT) sets the default, else default_bf16_act(): bf16 where the
 # build has AVX512-BF16 on an AMD CPU and the model's weights stay in the last-level cache, so its
 # steps are bound by multiply-adds (measured on a Zen4: the demo's decode 1.10-1.38x, its logits KL
 # 1.6e-4 from fp32 activations, benchmarks/results/bf16_act_s42.md); f32 for a model that streams

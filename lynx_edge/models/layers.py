@@ -71,7 +71,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 class Linear(nn.Module):
-    act: str | None = None  # the native kernel's activations for a bf16 weight: "bf16" or None (fp32); set at build
+    # the native kernel's activations for a bf16 weight: "bf16", "bf16-stream" (rows from DRAM) or None (fp32);
+    # set at build (build._bf16_activations)
+    act: str | None = None
 
     def __init__(self, out_f: int, in_f: int, bias: bool, dtype, device):
         super().__init__()
