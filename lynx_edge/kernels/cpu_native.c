@@ -1339,7 +1339,9 @@ static inline __attribute__((always_inline)) void dp_tile(const uint8_t *w, cons
  * lynx_moe's 16-row items these tiles read them slower still (the random 1.28 GB qwen3_moe's decode 0.79-0.91x at B = 1,
  * 0.96-1.04x at B = 16, with or without the second prefetch; its projections alone on these tiles
  * 0.99x and 1.10x). Runs of a row before the next (the fp32 rows' ROW_RUN), a longer distance and
- * T0 did not help either. */
+ * T0 did not help either. Shape-dependent, not taken: the zero-padded demo's streamed experts (256-
+ * and 8192-input rows) on these tiles ran 1.15x at 16 tokens (1.2x with LYNX's ~3 tokens an expert),
+ * 0.99-1.02x at 1-4 — where the random model's 1024- and 768-input rows lose at one token. */
 static inline __attribute__((always_inline)) void dp_tiles(const uint8_t *w, long rs, int Kin, int R,
                                                            const uint16_t *xb0, long ld, int n, float *acc,
                                                            const int STREAM) {
