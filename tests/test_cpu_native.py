@@ -1036,8 +1036,8 @@ def test_dense_moe_tokens_alone_equal_their_batch(dtype, stream):
     """The dense experts' rows: a token alone (one slot per expert: the one-token tiles) equals
     itself inside a batch where its experts are shared with 1-5 other tokens (interleaved multi-token
     tiles: 5 slots are AVX2's 2 x 5 tile, 6 a group of 4 and one of 2), bit for bit; and experts read
-    as streamed from DRAM (fp32 rows of <= 512 inputs whole at one token, AVX2 and AVX-512; on AVX2
-    bf16 ones too at 1-3 tokens) give the same bits as read from cache. Gate/up rows of 256 inputs, down rows of 100 (a
+    as streamed from DRAM (fp32 rows of <= 512 inputs whole at one token, AVX2 and AVX-512; bf16 ones
+    too, on AVX2 at 1-3 tokens, on AVX-512 at one token) give the same bits as read from cache. Gate/up rows of 256 inputs, down rows of 100 (a
     scalar tail after 96)."""
     g = torch.Generator().manual_seed(6)
     E, D, I, T, K = 5, 256, 100, 10, 2

@@ -924,6 +924,17 @@ enum { FMT_INT4 = 0, FMT_F32 = 1, FMT_BF16 = 2, FMT_MXFP4 = 3, FMT_FP8 = 4, FMT_
 #ifndef ROW_WHOLE_BF16_AVX2
 #define ROW_WHOLE_BF16_AVX2 512
 #endif
+/* AVX-512: one-token bf16 expert rows of <= ROW_WHOLE_BF16_ONE inputs that come from DRAM are read
+ * whole too (session 42, AMD EPYC Zen4, one thread, benchmarks/expert_rows.py --base <before>
+ * --dtypes bfloat16 --tokens 1,2, results/expert_rows_bf16_whole_s42.json, GB/s interleaved ->
+ * whole): the zero-padded demo's 256-input gate/up 21.4 -> 23.3 (1.11x; 1.12x in a first run),
+ * Qwen3-30B-A3B 1.08x (1.05x), Qwen3-Next 1.02x (1.05x), OLMoE 1.03x (0.99x) — their 2048-input
+ * gate/up, 512-1024-input down; two tokens keep the interleaved tile (0.99-1.03x, unchanged); the
+ * random 1.28 GB qwen3_moe's decode at B = 1 1.04x, B = 16 1.00x (decode_ab_s42.json). Bit-equal:
+ * the same accumulator per row over the same steps. */
+#ifndef ROW_WHOLE_BF16_ONE
+#define ROW_WHOLE_BF16_ONE 2048
+#endif
 /* Packed rows (ROWS_PACKED, the `stream` mode of 16/32-bit experts that come from DRAM): a matrix's
  * rows in groups of PK_ROWS (4), each group's inputs interleaved 8 at a time — row 0's inputs 0..7,
  * row 1's 0..7, .., row 3's, then row 0's 8..15 — so a tile of four rows (or two, then the other
@@ -983,6 +994,7 @@ void lynx_pack_copy(uint8_t *dst, const uint8_t *src, long R, long K, int es, in
 #define DT_UNROLL_RUN DT_PRAGMA(GCC unroll 4)
 #define DT_WHOLE_F32 ROW_WHOLE_F32_AVX2 /* the AVX2 rule, measured on a Zen4 too (see there) */
 #define DT_WHOLE_BF16 0
+#define DT_WHOLE_BF16_ONE ROW_WHOLE_BF16_ONE
 #define DT_WAT(r, jj) (FMT == FMT_F32 ? _mm512_loadu_ps((const float *)WP(r, jj)) \
                 : FMT == FMT_I8 ? _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)WP(r, jj)))) \
                 : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)WP(r, jj))), 16)))
@@ -1000,6 +1012,7 @@ void lynx_pack_copy(uint8_t *dst, const uint8_t *src, long R, long K, int es, in
 #define DT_UNROLL_RUN DT_PRAGMA(GCC unroll 8)
 #define DT_WHOLE_F32 ROW_WHOLE_F32_AVX2
 #define DT_WHOLE_BF16 ROW_WHOLE_BF16_AVX2
+#define DT_WHOLE_BF16_ONE 0 /* its rule above covers one token */
 #define DT_WAT(r, jj) (FMT == FMT_F32 ? _mm256_loadu_ps((const float *)WP(r, jj)) \
                 : FMT == FMT_I8 ? _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)WP(r, jj)))) \
                 : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)WP(r, jj))), 16)))
@@ -1029,7 +1042,8 @@ static inline __attribute__((always_inline)) void dense_tile(const uint8_t *w, c
     for (t = 0; t < DT_A; t++) a[t] = DT_VZERO();
     /* each row prefetches its place in a later tile; packed rows are one stream, read in address order */
     const long pf = PK ? PK_PREFETCH : tile_ahead(R * rs, TILE_PREFETCH);
-    if (STREAM == 1 && ((NT == 1 && FMT == FMT_F32 && Kin <= DT_WHOLE_F32) || (FMT == FMT_BF16 && NT <= 3 && Kin <= DT_WHOLE_BF16))) {
+    if (STREAM == 1 && ((NT == 1 && FMT == FMT_F32 && Kin <= DT_WHOLE_F32) || (FMT == FMT_BF16 && NT <= 3 && Kin <= DT_WHOLE_BF16)
+                        || (FMT == FMT_BF16 && NT == 1 && Kin <= DT_WHOLE_BF16_ONE))) {
         /* short streamed rows: each row whole, for all NT tokens */
 #pragma GCC unroll 16
         for (r = 0; r < R; r++) /* unrolled: a[r] a register; j ends where the interleaved loop would */
