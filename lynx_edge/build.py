@@ -203,7 +203,8 @@ def load_model(model_dir: Path, cfg: ModelConfig, opts: LoadOptions, progress: P
     if opts.int8_head:
         placement.int8_head = _int8_head(model, dev, act, opts.huge_pages)
     if dev.type == "cpu" and dt == torch.bfloat16:
-        placement.bf16_act = _bf16_activations(model, bf16_act(opts.bf16_act, _decode_bytes(model)))
+        nbytes = _decode_bytes(model)
+        placement.bf16_act = _bf16_activations(model, bf16_act(opts.bf16_act, nbytes), nbytes)
     model.placement = placement
     if rt is not None:
         from .offload.runtime import _install_route
@@ -240,13 +241,13 @@ def bf16_act(value: str | None, model_bytes: int | None = None) -> str:
     return act
 
 
-def _bf16_activations(model, act: str) -> str:
+def _bf16_activations(model, act: str, nbytes: int | None = None) -> str:
     """Every bf16 projection, expert stack and head of a CPU model told its activations act → what
     runs: "bf16" only where the native kernels have bf16 rows on bf16 inputs (else "f32"). The
     routers (and the shared expert's scalar gate) stay fp32: a top-k decision is the last place
     for a rounding that can flip a choice. The projections and head are "bf16-stream" where the
     model's weights outgrow the last-level cache (each step reads them from DRAM: the kernel then
-    prefetches further ahead; experts carry their own `streamed`)."""
+    prefetches further ahead; experts carry their own `streamed`). nbytes: _decode_bytes(model), if known."""
     from .kernels import native
     from .models.layers import Linear, MoEBlock
 
@@ -255,7 +256,9 @@ def _bf16_activations(model, act: str) -> str:
     on = act == "bf16"
     exact = {id(m) for blk in model.modules() if isinstance(blk, MoEBlock)
              for m in (blk.gate, blk.shared_expert_gate) if m is not None}
-    lin = ("bf16-stream" if native.streamed(_decode_bytes(model)) else "bf16") if on else None
+    if on and nbytes is None:
+        nbytes = _decode_bytes(model)
+    lin = ("bf16-stream" if native.streamed(nbytes) else "bf16") if on else None
     for m in model.modules():
         if isinstance(m, StackedExperts):
             m.act = "bf16" if on else None
@@ -270,14 +273,15 @@ def _bf16_activations(model, act: str) -> str:
 
 
 def _decode_bytes(model) -> int:
-    """The bytes of weights a model's decode steps read: its parameters and packed experts, less an
-    untied embedding table (a row a token)."""
-    n = sum(t.numel() * t.element_size() for t in model.parameters())
-    n += sum(m.packed.data.numel() * m.packed.data.element_size() for m in model.modules()
-             if isinstance(getattr(getattr(m, "packed", None), "data", None), torch.Tensor))
-    if model.lm_head is not None:
-        n -= model.embed_tokens.numel() * model.embed_tokens.element_size()
-    return n
+    """The bytes of weights a model's decode steps may read: modelinfo.dense_decode_bytes (attention,
+    norms, routers, head) plus every resident expert (16-bit parameters, or packed blocks, which live
+    outside the module tree)."""
+    from .modelinfo import dense_decode_bytes
+
+    experts = sum(p.nbytes for name, p in model.named_parameters() if ".mlp.experts." in name)
+    packed = sum(m.packed.data.nbytes for m in model.modules()
+                 if isinstance(getattr(getattr(m, "packed", None), "data", None), torch.Tensor))
+    return dense_decode_bytes(model) + experts + packed
 
 
 def _fp8_native(dev) -> bool:

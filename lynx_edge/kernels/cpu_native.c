@@ -907,8 +907,8 @@ enum { FMT_INT4 = 0, FMT_F32 = 1, FMT_BF16 = 2, FMT_MXFP4 = 3, FMT_FP8 = 4, FMT_
  * row at a time). The AVX-512 path takes the same rule (DT_WHOLE_F32; session 41, AMD EPYC Zen4, one
  * thread, benchmarks/expert_rows.py --dtypes float32 --tokens 1, results/expert_rows_f32_whole_s41.json):
  * the zero-padded demo's 256-input gate/up rows 1.14x, Qwen3-Next's 512-input down rows 1.04x; whole
- * rows of 2048 inputs measured 0.89x (Qwen3-30B-A3B's gate/up). bf16 rows stay interleaved there
- * (whole: one token 1.07x, three 0.77-0.85x; streamed bf16 experts are packed rows anyway). */
+ * rows of 2048 inputs measured 0.89x (Qwen3-30B-A3B's gate/up). bf16 rows there are read whole at
+ * one token only (three tokens measured 0.77-0.85x; ROW_WHOLE_BF16_AVX512 below). */
 #ifndef ROW_WHOLE_F32_AVX2
 #define ROW_WHOLE_F32_AVX2 512
 #endif
@@ -924,7 +924,7 @@ enum { FMT_INT4 = 0, FMT_F32 = 1, FMT_BF16 = 2, FMT_MXFP4 = 3, FMT_FP8 = 4, FMT_
 #ifndef ROW_WHOLE_BF16_AVX2
 #define ROW_WHOLE_BF16_AVX2 512
 #endif
-/* AVX-512: one-token bf16 expert rows of <= ROW_WHOLE_BF16_ONE inputs that come from DRAM are read
+/* AVX-512: one-token bf16 expert rows of <= ROW_WHOLE_BF16_AVX512 inputs that come from DRAM are read
  * whole too (session 42, AMD EPYC Zen4, one thread, benchmarks/expert_rows.py --base <before>
  * --dtypes bfloat16 --tokens 1,2, results/expert_rows_bf16_whole_s42.json, GB/s interleaved ->
  * whole): the zero-padded demo's 256-input gate/up 21.4 -> 23.3 (1.11x; 1.12x in a first run),
@@ -932,8 +932,8 @@ enum { FMT_INT4 = 0, FMT_F32 = 1, FMT_BF16 = 2, FMT_MXFP4 = 3, FMT_FP8 = 4, FMT_
  * gate/up, 512-1024-input down; two tokens keep the interleaved tile (0.99-1.03x, unchanged); the
  * random 1.28 GB qwen3_moe's decode at B = 1 1.04x, B = 16 1.00x (decode_ab_s42.json). Bit-equal:
  * the same accumulator per row over the same steps. */
-#ifndef ROW_WHOLE_BF16_ONE
-#define ROW_WHOLE_BF16_ONE 2048
+#ifndef ROW_WHOLE_BF16_AVX512
+#define ROW_WHOLE_BF16_AVX512 2048
 #endif
 /* Packed rows (ROWS_PACKED, the `stream` mode of 16/32-bit experts that come from DRAM): a matrix's
  * rows in groups of PK_ROWS (4), each group's inputs interleaved 8 at a time — row 0's inputs 0..7,
@@ -993,8 +993,8 @@ void lynx_pack_copy(uint8_t *dst, const uint8_t *src, long R, long K, int es, in
 #define DT_RUN ROW_RUN
 #define DT_UNROLL_RUN DT_PRAGMA(GCC unroll 4)
 #define DT_WHOLE_F32 ROW_WHOLE_F32_AVX2 /* the AVX2 rule, measured on a Zen4 too (see there) */
-#define DT_WHOLE_BF16 0
-#define DT_WHOLE_BF16_ONE ROW_WHOLE_BF16_ONE
+#define DT_WHOLE_BF16 ROW_WHOLE_BF16_AVX512
+#define DT_WHOLE_BF16_NT 1 /* tokens up to which streamed bf16 rows are read whole (see there) */
 #define DT_WAT(r, jj) (FMT == FMT_F32 ? _mm512_loadu_ps((const float *)WP(r, jj)) \
                 : FMT == FMT_I8 ? _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)WP(r, jj)))) \
                 : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)WP(r, jj))), 16)))
@@ -1012,7 +1012,7 @@ void lynx_pack_copy(uint8_t *dst, const uint8_t *src, long R, long K, int es, in
 #define DT_UNROLL_RUN DT_PRAGMA(GCC unroll 8)
 #define DT_WHOLE_F32 ROW_WHOLE_F32_AVX2
 #define DT_WHOLE_BF16 ROW_WHOLE_BF16_AVX2
-#define DT_WHOLE_BF16_ONE 0 /* its rule above covers one token */
+#define DT_WHOLE_BF16_NT 3
 #define DT_WAT(r, jj) (FMT == FMT_F32 ? _mm256_loadu_ps((const float *)WP(r, jj)) \
                 : FMT == FMT_I8 ? _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)WP(r, jj)))) \
                 : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)WP(r, jj))), 16)))
@@ -1042,8 +1042,8 @@ static inline __attribute__((always_inline)) void dense_tile(const uint8_t *w, c
     for (t = 0; t < DT_A; t++) a[t] = DT_VZERO();
     /* each row prefetches its place in a later tile; packed rows are one stream, read in address order */
     const long pf = PK ? PK_PREFETCH : tile_ahead(R * rs, TILE_PREFETCH);
-    if (STREAM == 1 && ((NT == 1 && FMT == FMT_F32 && Kin <= DT_WHOLE_F32) || (FMT == FMT_BF16 && NT <= 3 && Kin <= DT_WHOLE_BF16)
-                        || (FMT == FMT_BF16 && NT == 1 && Kin <= DT_WHOLE_BF16_ONE))) {
+    if (STREAM == 1 && ((NT == 1 && FMT == FMT_F32 && Kin <= DT_WHOLE_F32)
+                        || (FMT == FMT_BF16 && NT <= DT_WHOLE_BF16_NT && Kin <= DT_WHOLE_BF16))) {
         /* short streamed rows: each row whole, for all NT tokens */
 #pragma GCC unroll 16
         for (r = 0; r < R; r++) /* unrolled: a[r] a register; j ends where the interleaved loop would */
@@ -2857,10 +2857,11 @@ void lynx_linear(int fmt, const float *x, const uint8_t *w, const float *bias, i
                  int nthreads, int act) {
     linear_t P = {fmt, T, Kin, N, x, bias, w, fmt == FMT_F32 ? 4 : 2, out, NULL, NULL, NULL, NULL, 0, NULL};
     uint8_t *mem = NULL;
+    uint16_t small[4096]; /* a decode step's inputs (up to 8 KB) without a malloc per call */
     if (fmt == FMT_BF16 && (act == ACT_BF16 || act == ACT_BF16S) && BF16_DP) { /* out of memory: the fp32 rows (exact) */
         const size_t sz[1] = {(size_t)T * Kin * 2};
-        void *b[1];
-        if ((mem = scratch(sz, 1, b))) {
+        void *b[1] = {small};
+        if (sz[0] <= sizeof small || (mem = scratch(sz, 1, b))) {
             to_bf16_rows(x, Kin, T, Kin, b[0]);
             P.xb = b[0];
             P.whole = act == ACT_BF16S; /* dp_block's stream */
