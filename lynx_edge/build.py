@@ -162,6 +162,8 @@ def load_model(model_dir: Path, cfg: ModelConfig, opts: LoadOptions, progress: P
         raise ConfigError(str(exc)) from None
     dt = resolve_dtype(opts.dtype, dev, cfg, ckpt.total_bytes)
     act = int4_act(opts.int4_act, cpu=dev.type == "cpu")
+    if dev.type == "cpu" and dt == torch.bfloat16:
+        bf16_act(opts.bf16_act)  # a bad value fails here, before the weights load
     D, I = cfg.hidden_size, cfg.moe_intermediate_size
     storage = expert_storage(ckpt, family)
     fp8 = qc is not None and qc.method == "fp8"  # 8-bit: kept 8-bit or dequantised, never INT4 unless asked
